@@ -1,0 +1,115 @@
+"""Estimated vs measured training memory of zoo-model segments.
+
+Each row trains one segment (with its local-loss head, or the task loss for the last segment)
+for three steps in a fresh process and measures the real peak (VmHWM reset via
+/proc/self/clear_refs, MALLOC_MMAP_THRESHOLD_=65536, minus the resident size before the segment
+was built). Targets: |error| <= 15% on every row and no underestimate worse than -10%.
+
+    python benchmarks/memory.py [--quick] [--out docs/benchmarks-memory.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+from edgesplit.runtime import RUNTIME_ENV, configure_process
+
+configure_process()
+
+import torch  # noqa: E402
+
+from split_models import (  # noqa: E402
+    build_model,
+    estimate_segment_memory,
+    format_bytes,
+    profile_model,
+)
+
+# model, input shape, segments (the cuts of a three-part split)
+CASES = [
+    ("mlp", (1, 28, 28), [(0, 1), (1, 2), (2, 4)]),
+    ("cnn", (1, 28, 28), [(0, 2), (2, 4), (4, 6)]),
+    ("cnn", (1, 8, 8), [(0, 2), (2, 6)]),
+    ("resnet8", (3, 32, 32), [(0, 2), (2, 4), (4, 5)]),
+    ("resnet20", (3, 32, 32), [(0, 4), (4, 8), (8, 11)]),
+]
+BATCHES = (16, 64, 256)
+OPTIMIZER = "sgd-momentum"
+
+
+def measure(
+    model: str, shape: tuple[int, ...], start: int, end: int, batch: int, optimizer: str
+) -> dict[str, object]:
+    env = {**os.environ, **RUNTIME_ENV, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    command = [
+        sys.executable,
+        "-m",
+        "split_models.measure",
+        "--model",
+        model,
+        "--input-shape",
+        ",".join(map(str, shape)),
+        "--start",
+        str(start),
+        "--end",
+        str(end),
+        "--batch-size",
+        str(batch),
+        "--optimizer",
+        optimizer,
+    ]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout)  # type: ignore[no-any-return]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="one segment per model, batch 64")
+    parser.add_argument("--optimizer", default=OPTIMIZER)
+    parser.add_argument("--out", type=Path, help="append the table to this markdown file")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    header = (
+        "| model | input | blocks | batch | estimate | measured | error | runtime |\n"
+        "|---|---|---|---|---|---|---|---|"
+    )
+    rows, worst, worst_under = [], 0.0, 0.0
+    print(header)
+    for name, shape, segments in CASES:
+        for batch in (64,) if args.quick else BATCHES:
+            model = build_model(name, shape, 10)
+            profile = profile_model(model, local_losses=("linear",), batch_size=batch)
+            for start, end in segments[:1] if args.quick else segments:
+                estimate = estimate_segment_memory(profile, start, end, batch, args.optimizer)
+                measured = measure(name, shape, start, end, batch, args.optimizer)
+                peak = int(measured["peak_bytes"])  # type: ignore[call-overload]
+                error = (estimate.total - peak) / peak
+                worst, worst_under = max(worst, abs(error)), min(worst_under, error)
+                row = (
+                    f"| {name} | {'x'.join(map(str, shape))} | [{start}, {end}) | {batch} "
+                    f"| {format_bytes(estimate.total)} | {format_bytes(peak)} "
+                    f"| {error:+.1%} | {format_bytes(measured['runtime_bytes'])} |"
+                )  # type: ignore[arg-type]
+                rows.append(row)
+                print(row, flush=True)
+    verdict = "PASS" if worst <= 0.15 and worst_under >= -0.10 else "FAIL"
+    summary = (
+        f"\nworst |error| {worst:.1%}, worst underestimate {worst_under:+.1%} "
+        f"(targets 15% / -10%): {verdict}; optimizer {args.optimizer}; "
+        f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
+    )
+    print(summary)
+    if args.out:
+        with args.out.open("a") as handle:
+            handle.write("\n".join([header, *rows]) + "\n" + summary + "\n")
+    return 0 if verdict == "PASS" else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,3 @@
+from edgesplit.cli import main
+
+raise SystemExit(main())

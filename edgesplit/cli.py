@@ -1,0 +1,96 @@
+"""The ``edgesplit`` command: one entry point, one subcommand per task.
+
+The environment is read here, once; each subcommand's implementation lives in its role's
+package and receives plain values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from edgesplit import __version__
+from edgesplit.runtime import configure_process
+
+__all__ = ["main"]
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+
+
+def _plan_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    plan = commands.add_parser(
+        "plan",
+        help="split a model across declared devices and print the plan",
+        description="Profile a model, size a segment to each device's memory and print the "
+        "plan that minimises the estimated step time.",
+    )
+    plan.add_argument(
+        "--model",
+        required=True,
+        help="zoo model (mlp, cnn, resnet8, resnet20...) or package.module:function",
+    )
+    plan.add_argument("--devices", required=True, help="devices YAML file")
+    plan.add_argument(
+        "--input-shape",
+        default="1,28,28",
+        help="input shape without the batch, e.g. 1,28,28 (default: %(default)s)",
+    )
+    plan.add_argument("--num-classes", type=int, default=10, help="default: %(default)s")
+    plan.add_argument("--batch-size", type=int, default=64, help="default: %(default)s")
+    plan.add_argument(
+        "--optimizer",
+        default="sgd-momentum",
+        choices=["sgd", "sgd-momentum", "adam"],
+        help="default: %(default)s",
+    )
+    plan.add_argument(
+        "--local-loss",
+        default="linear",
+        choices=["linear", "mlp", "supcon"],
+        help="default: %(default)s",
+    )
+    plan.add_argument(
+        "--compression",
+        default="fp32",
+        choices=["fp32", "fp16", "bf16", "int8"],
+        help="precision of the streamed activations (default: %(default)s)",
+    )
+    plan.add_argument(
+        "--min-edge-blocks",
+        type=int,
+        default=1,
+        help="blocks every edge keeps, so raw data never leaves it (default: 1)",
+    )
+    plan.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="edgesplit",
+        description="Train neural networks across heterogeneous edge devices and GPU servers.",
+    )
+    parser.add_argument("--version", action="version", version=f"edgesplit {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _plan_parser(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_process()
+    from split_models.errors import SplitError
+
+    try:
+        if args.command == "plan":
+            from coordinator.commands import plan_command
+
+            return plan_command(args)
+    except SplitError as error:
+        print(f"edgesplit {args.command}: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    raise AssertionError(f"unhandled command {args.command!r}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

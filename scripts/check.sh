@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The one check entry point, for developers and CI alike: set up, lint, type-check, test.
+# Extra arguments go to pytest, e.g. `bash scripts/check.sh -m unit`.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+bash scripts/setup.sh
+export MALLOC_MMAP_THRESHOLD_=65536  # memory measurements in tests track tensor lifetimes
+
+echo "== ruff" >&2
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+echo "== mypy" >&2
+.venv/bin/mypy
+echo "== pytest" >&2
+.venv/bin/python -m pytest "$@"

@@ -1,0 +1,140 @@
+"""Measured peak memory of this process, for checking estimates and reporting real usage.
+
+Linux only: the high-water mark ``VmHWM`` of ``/proc/self/status`` is reset to the current
+resident size by writing ``5`` to ``/proc/self/clear_refs``. Run with
+``MALLOC_MMAP_THRESHOLD_=65536`` so freed tensors go back to the kernel and the mark follows
+tensor lifetimes (``tracemalloc`` sees nothing of torch's allocations).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import ctypes.util
+import gc
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["PeakMeter", "peak_supported", "release_freed_memory", "resident_bytes"]
+
+_STATUS = Path("/proc/self/status")
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
+_M_MMAP_THRESHOLD = -3
+
+
+def release_freed_memory(threshold: int = 65536) -> bool:
+    """Make glibc serve allocations above ``threshold`` bytes with mmap, as
+    ``MALLOC_MMAP_THRESHOLD_`` does, so freed tensors leave the resident set at once."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, threshold))
+    except (OSError, AttributeError):
+        return False
+
+
+def _status_bytes(field: str) -> int:
+    for line in _STATUS.read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise OSError(f"{field} not found in {_STATUS}")
+
+
+def resident_bytes() -> int:
+    """Current resident set size of this process in bytes."""
+    return _status_bytes("VmRSS")
+
+
+def peak_supported() -> bool:
+    """Whether the high-water mark of this process can be reset (Linux with clear_refs)."""
+    try:
+        with _CLEAR_REFS.open("w") as handle:
+            handle.write("5")
+        return True
+    except OSError:
+        return False
+
+
+@dataclass
+class PeakMeter:
+    """Measures the peak resident bytes above the level at ``start()``."""
+
+    baseline: int = 0
+
+    def start(self) -> PeakMeter:
+        with _CLEAR_REFS.open("w") as handle:
+            handle.write("5")
+        self.baseline = resident_bytes()
+        return self
+
+    def peak(self) -> int:
+        """Peak resident bytes since ``start()``, minus the baseline at ``start()``."""
+        return max(0, _status_bytes("VmHWM") - self.baseline)
+
+
+def _measure(args: argparse.Namespace) -> dict[str, object]:
+    import torch
+
+    torch.set_num_threads(1)
+    from split_models.segment import OptimizerConfig, Segment
+    from split_models.zoo import build_model
+
+    shape = tuple(int(d) for d in args.input_shape.split(","))
+    # Warm the runtime up on a throw-away model so lazily loaded kernels are not counted.
+    warm = build_model(args.model, shape, args.num_classes, seed=1)
+    warm_segment = Segment.from_model(warm, 0, warm.num_blocks, args.local_loss)
+    for _ in range(3):  # the second optimizer step initialises more of the runtime lazily
+        warm_segment.train_step(torch.randn(2, *shape), torch.zeros(2, dtype=torch.long))
+    del warm, warm_segment
+    runtime = resident_bytes()
+
+    model = build_model(args.model, shape, args.num_classes, seed=0)
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.randn(args.batch_size, *shape, generator=generator)
+    if args.start > 0:
+        with torch.no_grad():
+            inputs = model.segment(0, args.start)(inputs)
+    labels = torch.randint(0, args.num_classes, (args.batch_size,), generator=generator)
+    segment = Segment.from_model(
+        model, args.start, args.end, args.local_loss, OptimizerConfig(args.optimizer)
+    )
+    del model
+    gc.collect()
+    # The segment's weights and its input batch exist before the meter starts; count them as
+    # part of the peak, as the estimate does, by lowering the baseline by their size.
+    resident = sum(t.numel() * t.element_size() for t in segment.state_tensors())
+    resident += inputs.numel() * inputs.element_size() + labels.numel() * labels.element_size()
+    meter = PeakMeter().start()
+    meter.baseline -= resident
+    peaks = []
+    for _ in range(args.steps):
+        segment.train_step(inputs, labels)
+        peaks.append(meter.peak())
+    return {"runtime_bytes": runtime, "peak_bytes": max(peaks), "step_peaks": peaks}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Train one segment for a few steps in this process and print its peak as JSON."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--input-shape", default="1,28,28")
+    parser.add_argument("--num-classes", type=int, default=10)
+    parser.add_argument("--start", type=int, default=0)
+    parser.add_argument("--end", type=int, required=True)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--optimizer", default="sgd-momentum")
+    parser.add_argument("--local-loss", default="linear")
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args(argv)
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:
+        print("warning: MALLOC_MMAP_THRESHOLD_ is not set; peaks will be noisy", file=sys.stderr)
+    print(json.dumps(_measure(args)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,299 @@
+"""Per-block profile of a model: parameters, activation sizes, bytes saved for backward, FLOPs.
+
+Saved-for-backward bytes are measured, not guessed: the block runs forward on two probe batches
+under ``torch.autograd.graph.saved_tensors_hooks`` and every saved tensor is counted once per
+underlying storage (a ReLU output reused by the next layer counts once, MaxPool's int64 indices
+count at their real size, parameters are excluded because they are counted as weights). Two
+batch sizes separate the per-sample part from the part that does not grow with the batch.
+
+The working set of backward (gradient buffers, kernel workspaces) depends on the kernels, so it
+is measured too: on Linux the block runs forward and backward alone at two batch sizes while the
+process's resident high-water mark is tracked, and the per-sample slope is kept. Where that is
+not possible, three times the largest activation stands in for it.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from split_models.heads import LOCAL_LOSSES, make_head
+from split_models.measure import PeakMeter, peak_supported, release_freed_memory
+from split_models.zoo import SplittableModel
+
+__all__ = ["BlockProfile", "ModelProfile", "profile_model", "profile_module"]
+
+_PROBE_BATCHES = (2, 4)
+_WORKING_SET_BATCH = 8
+_WARM_UP_BATCH = 3
+_MAX_PROBE_BATCH = 256
+_MIN_PROBE_TENSOR = 256 * 1024
+_FALLBACK_WORKING_SET = 3  # largest activations, when the working set cannot be measured
+
+
+@dataclass(frozen=True)
+class BlockProfile:
+    """What one block costs. Byte figures marked per-sample scale with the batch size."""
+
+    param_bytes: int
+    buffer_bytes: int
+    largest_param_bytes: int
+    input_shape: tuple[int, ...]
+    output_shape: tuple[int, ...]
+    input_bytes: int  # per sample
+    output_bytes: int  # per sample
+    saved_bytes: int  # per sample, without the block's input and without parameters
+    saved_fixed_bytes: int  # saved bytes that do not grow with the batch
+    saves_input: bool
+    saves_output: bool
+    largest_activation_bytes: int  # per sample: biggest tensor any leaf layer produces
+    flops: int  # forward FLOPs per sample
+    backward_bytes: int = 0  # per sample: measured peak of forward+backward beyond saved bytes
+    backward_fixed_bytes: int = 0  # the part of that peak that does not grow with the batch
+    first_backward_bytes: int = 0  # the same two when the input needs no gradient (segment start)
+    first_backward_fixed_bytes: int = 0
+    summary: str = ""
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> BlockProfile:
+        data = dict(data)
+        data["input_shape"] = tuple(data["input_shape"])
+        data["output_shape"] = tuple(data["output_shape"])
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """Profiles of all blocks of a model and of the local-loss heads at every cut.
+
+    ``heads[kind][s]`` profiles the ``kind`` head that sits on the output of block ``s - 1``;
+    index 0 is unused and equals index 1 so the tuple can be indexed by the cut directly.
+    """
+
+    model: str
+    input_shape: tuple[int, ...]
+    num_classes: int
+    blocks: tuple[BlockProfile, ...]
+    heads: dict[str, tuple[BlockProfile, ...]] = field(default_factory=dict)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelProfile:
+        return cls(
+            model=data["model"],
+            input_shape=tuple(data["input_shape"]),
+            num_classes=int(data["num_classes"]),
+            blocks=tuple(BlockProfile.from_dict(b) for b in data["blocks"]),
+            heads={
+                kind: tuple(BlockProfile.from_dict(b) for b in profiles)
+                for kind, profiles in data.get("heads", {}).items()
+            },
+        )
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple[int, int]:
+    storage = tensor.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
+
+
+@dataclass
+class _Probe:
+    saved: dict[int, int]  # storage pointer -> bytes, without parameters
+    input_key: int
+    output_key: int
+    largest_activation: int
+
+
+def _run_probe(module: nn.Module, input_shape: tuple[int, ...], batch: int) -> _Probe:
+    owned = {_storage_key(t)[0] for t in [*module.parameters(), *module.buffers()]}
+    saved: dict[int, int] = {}
+    largest = [0]
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        pointer, nbytes = _storage_key(tensor)
+        if pointer not in owned:
+            saved[pointer] = nbytes
+        return tensor
+
+    def record(_module: nn.Module, _inputs: object, output: object) -> None:
+        if isinstance(output, torch.Tensor):
+            largest[0] = max(largest[0], output.numel() * output.element_size())
+
+    hooks = [m.register_forward_hook(record) for m in module.modules() if not list(m.children())]
+    x = torch.randn(batch, *input_shape, requires_grad=True)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = module(x)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return _Probe(saved, _storage_key(x)[0], _storage_key(y)[0], largest[0])
+
+
+def _saved_split(small: _Probe, large: _Probe) -> tuple[int, int]:
+    """Per-sample and fixed saved bytes (block input excluded) from two probe batches."""
+
+    def without_input(probe: _Probe) -> int:
+        return sum(n for key, n in probe.saved.items() if key != probe.input_key)
+
+    delta = _PROBE_BATCHES[1] - _PROBE_BATCHES[0]
+    per_sample = max(0, (without_input(large) - without_input(small)) // delta)
+    return per_sample, max(0, without_input(small) - per_sample * _PROBE_BATCHES[0])
+
+
+def _count_flops(module: nn.Module, input_shape: tuple[int, ...], batch: int) -> int:
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        module(torch.randn(batch, *input_shape))
+    return int(counter.get_total_flops()) // batch
+
+
+def _working_set(
+    module: nn.Module,
+    shape: tuple[int, ...],
+    out_shape: tuple[int, ...],
+    batch: int,
+    input_grad: bool,
+) -> int:
+    """Peak resident bytes of forward + backward of a fresh copy of ``module``, gradients
+    excluded. The copy has new weight storage, so caches made per weight tensor on the first
+    forward (packed weights) are counted as a device would see them."""
+    module = copy.deepcopy(module)
+    inputs = torch.randn(batch, *shape, requires_grad=input_grad)
+    grad = torch.randn(batch, *out_shape)
+    meter = PeakMeter().start()
+    module(inputs).backward(grad)
+    peak = meter.peak()
+    return peak - sum(
+        p.grad.numel() * p.grad.element_size() for p in module.parameters() if p.grad is not None
+    )
+
+
+def _probe_batches(
+    shape: tuple[int, ...], out_shape: tuple[int, ...], batch: int | None
+) -> tuple[int, int]:
+    """Two batches for the working-set slope: the planned batch (when known) and a quarter of
+    it, and large enough that the block's tensors clear the mmap threshold."""
+    widest = 4 * max(1, math.prod(shape), math.prod(out_shape))
+    smallest = min(_MAX_PROBE_BATCH, max(_WORKING_SET_BATCH, -(-_MIN_PROBE_TENSOR // widest)))
+    large = max(batch or 0, 4 * smallest)
+    return large // 4, large
+
+
+def _backward_bytes(
+    module: nn.Module,
+    shape: tuple[int, ...],
+    out_shape: tuple[int, ...],
+    saved_bytes: int,
+    largest: int,
+    input_grad: bool,
+    batch: int | None,
+) -> tuple[int, int]:
+    """Per-sample and fixed bytes that forward + backward hold beyond the saved activations."""
+    if not any(p.requires_grad for p in module.parameters()) and not input_grad:
+        return 0, 0
+    if not (peak_supported() and release_freed_memory()):
+        return _FALLBACK_WORKING_SET * largest, 0
+    small, large = _probe_batches(shape, out_shape, batch)
+    # Warm up at another batch size: lazily loaded code is runtime, not training memory, but
+    # kernel caches made per input shape (oneDNN primitives, scratchpads) stay resident on a
+    # device, so each probe size is measured on its first run.
+    _working_set(module, shape, out_shape, _WARM_UP_BATCH, input_grad)
+    at_small = _working_set(module, shape, out_shape, small, input_grad)
+    at_large = _working_set(module, shape, out_shape, large, input_grad)
+    slope = (at_large - at_small) // (large - small)
+    return max(0, slope - saved_bytes), max(0, at_small - slope * small)
+
+
+def _summary(module: nn.Module) -> str:
+    leaves = [type(m).__name__ for m in module.modules() if not list(m.children())]
+    return "+".join(leaves) if len(leaves) <= 4 else f"{type(module).__name__}({len(leaves)})"
+
+
+def profile_module(
+    module: nn.Module, input_shape: Sequence[int], batch_size: int | None = None
+) -> BlockProfile:
+    """Profile one module for inputs of ``input_shape`` (without the batch dimension).
+
+    ``batch_size`` is the batch the profile is for: the backward working set is measured at it,
+    since kernel buffers do not grow linearly with the batch.
+    """
+    shape = tuple(int(d) for d in input_shape)
+    was_training = module.training
+    module.train()
+    try:
+        small, large = (_run_probe(module, shape, b) for b in _PROBE_BATCHES)
+        with torch.no_grad():
+            out_shape = tuple(module(torch.zeros(_PROBE_BATCHES[0], *shape)).shape[1:])
+        flops = _count_flops(module, shape, _PROBE_BATCHES[0])
+        per_sample, fixed = _saved_split(small, large)
+        largest_activation = large.largest_activation // _PROBE_BATCHES[1]
+        backward, first = (
+            _backward_bytes(
+                module, shape, out_shape, per_sample, largest_activation, grad, batch_size
+            )
+            for grad in (True, False)
+        )
+    finally:
+        module.train(was_training)
+
+    params = list(module.parameters())
+    return BlockProfile(
+        param_bytes=sum(p.numel() * p.element_size() for p in params),
+        buffer_bytes=sum(b.numel() * b.element_size() for b in module.buffers()),
+        largest_param_bytes=max((p.numel() * p.element_size() for p in params), default=0),
+        input_shape=shape,
+        output_shape=out_shape,
+        input_bytes=4 * math.prod(shape),
+        output_bytes=4 * math.prod(out_shape),
+        saved_bytes=per_sample,
+        saved_fixed_bytes=fixed,
+        saves_input=large.input_key in large.saved,
+        saves_output=large.output_key in large.saved,
+        largest_activation_bytes=largest_activation,
+        flops=flops,
+        backward_bytes=backward[0],
+        backward_fixed_bytes=backward[1],
+        first_backward_bytes=first[0],
+        first_backward_fixed_bytes=first[1],
+        summary=_summary(module),
+    )
+
+
+def profile_model(
+    model: SplittableModel,
+    local_losses: Iterable[str] = LOCAL_LOSSES,
+    batch_size: int | None = None,
+) -> ModelProfile:
+    """Profile every block of ``model`` and every local-loss head at every cut, for training
+    at ``batch_size`` (any batch when ``None``, less precisely)."""
+    blocks: list[BlockProfile] = []
+    shape = model.input_shape
+    for block in model.blocks:
+        blocks.append(profile_module(block, shape, batch_size))
+        shape = blocks[-1].output_shape
+    heads: dict[str, tuple[BlockProfile, ...]] = {}
+    for kind in local_losses:
+        at_cut = [
+            profile_module(
+                make_head(kind, blocks[cut - 1].output_shape, model.num_classes),
+                blocks[cut - 1].output_shape,
+                batch_size,
+            )
+            for cut in range(1, model.num_blocks + 1)
+        ]
+        heads[kind] = (at_cut[0], *at_cut)
+    return ModelProfile(model.name, model.input_shape, model.num_classes, tuple(blocks), heads)

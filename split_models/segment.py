@@ -1,0 +1,131 @@
+"""A trainable segment: blocks ``[start, end)`` of a model, a loss head and an optimizer.
+
+``train_step`` trains the segment on one batch with its own loss and returns the detached output
+activations, so the next segment can train on them without any gradient crossing back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from split_models.errors import ConfigError
+from split_models.heads import LocalHead, TaskLoss, make_head
+from split_models.zoo import SplittableModel
+
+__all__ = ["OPTIMIZERS", "OptimizerConfig", "Segment", "StepResult"]
+
+OPTIMIZERS = ("sgd", "sgd-momentum", "adam")
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """Which optimizer trains a segment; ``build`` creates it for the given parameters."""
+
+    name: str = "sgd-momentum"
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.name not in OPTIMIZERS:
+            raise ConfigError(f"optimizer.name: unknown {self.name!r}; use one of {OPTIMIZERS}")
+        if not self.lr > 0:
+            raise ConfigError(f"optimizer.lr: must be positive, got {self.lr}")
+        if not 0 <= self.momentum < 1:
+            raise ConfigError(f"optimizer.momentum: must be in [0, 1), got {self.momentum}")
+        if self.weight_decay < 0:
+            raise ConfigError(f"optimizer.weight_decay: must be >= 0, got {self.weight_decay}")
+
+    def build(self, parameters: list[nn.Parameter]) -> torch.optim.Optimizer:
+        if self.name == "adam":
+            return torch.optim.Adam(parameters, lr=self.lr, weight_decay=self.weight_decay)
+        momentum = self.momentum if self.name == "sgd-momentum" else 0.0
+        return torch.optim.SGD(
+            parameters, lr=self.lr, momentum=momentum, weight_decay=self.weight_decay
+        )
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """The detached output of a training step and the loss it was trained on."""
+
+    output: torch.Tensor
+    loss: float
+
+
+class Segment:
+    """Blocks ``[start, end)`` with their loss head (local, or the task loss for the last)."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        head: LocalHead | TaskLoss,
+        optimizer: OptimizerConfig,
+        start: int,
+        end: int,
+    ) -> None:
+        self.module = module
+        self.head = head
+        self.start, self.end = start, end
+        self.optimizer_config = optimizer
+        self.optimizer = optimizer.build(self.trainable_parameters())
+
+    @classmethod
+    def from_model(
+        cls,
+        model: SplittableModel,
+        start: int,
+        end: int,
+        local_loss: str = "linear",
+        optimizer: OptimizerConfig | None = None,
+    ) -> Segment:
+        """Segment of ``model`` sharing its parameters; the last segment gets the task loss."""
+        module = model.segment(start, end)
+        head: LocalHead | TaskLoss = TaskLoss()
+        if end < model.num_blocks:
+            with torch.no_grad():
+                feature_shape = _output_shape(model, end)
+            head = make_head(local_loss, feature_shape, model.num_classes)
+        return cls(module, head, optimizer or OptimizerConfig(), start, end)
+
+    @property
+    def is_last(self) -> bool:
+        return isinstance(self.head, TaskLoss)
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [*self.module.parameters(), *self.head.parameters()]
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Parameters and buffers of the blocks and the head."""
+        modules = (self.module, self.head)
+        return [t for m in modules for t in (*m.parameters(), *m.buffers())]
+
+    def train_step(self, inputs: torch.Tensor, labels: torch.Tensor) -> StepResult:
+        """One optimizer step on the segment's own loss; no gradient leaves the segment."""
+        self.module.train()
+        self.head.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        output = self.module(inputs.detach())  # the segment's input never receives a gradient
+        loss = self.head.loss(output, labels)
+        loss.backward()  # type: ignore[no-untyped-call]
+        self.optimizer.step()
+        return StepResult(output.detach(), float(loss.detach()))
+
+    @torch.no_grad()
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Inference through the segment's blocks only (the head is not applied)."""
+        self.module.eval()
+        return self.module(inputs)  # type: ignore[no-any-return]
+
+
+def _output_shape(model: SplittableModel, end: int) -> tuple[int, ...]:
+    probe = model.segment(0, end)
+    was_training = probe.training
+    probe.eval()
+    try:
+        return tuple(probe(torch.zeros(1, *model.input_shape)).shape[1:])
+    finally:
+        probe.train(was_training)

@@ -1,0 +1,198 @@
+"""Splittable models: an ordered list of blocks, where a split point is a block index.
+
+The zoo has ``mlp``, ``cnn`` (any small grayscale or colour image, e.g. 28x28 or 8x8) and the
+CIFAR-style ``resnetN`` family (N = 6n+2: resnet8, resnet20, resnet32...). A user model is given as
+``package.module:function``; the function returns an ``nn.Sequential`` or a list of modules and may
+accept ``input_shape`` and ``num_classes`` keyword arguments.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from split_models.errors import ConfigError, ModelError
+
+__all__ = ["ZOO_NAMES", "SplittableModel", "build_model"]
+
+ZOO_NAMES = ("mlp", "cnn", "resnet8", "resnet20", "resnet32")
+_RESNET = re.compile(r"^resnet(\d+)$")
+
+
+@dataclass
+class SplittableModel:
+    """A model as an ordered list of blocks; ``segment(i, j)`` runs blocks ``[i, j)``."""
+
+    name: str
+    blocks: nn.ModuleList
+    input_shape: tuple[int, ...]
+    num_classes: int
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    def segment(self, start: int, end: int) -> nn.Sequential:
+        """The blocks ``[start, end)`` as one module sharing parameters with this model."""
+        if not 0 <= start < end <= self.num_blocks:
+            raise ModelError(
+                f"segment [{start}, {end}) is outside the model's {self.num_blocks} blocks; "
+                f"use 0 <= start < end <= {self.num_blocks}"
+            )
+        return nn.Sequential(*self.blocks[start:end])
+
+    def full(self) -> nn.Sequential:
+        return self.segment(0, self.num_blocks)
+
+
+def _mlp(input_shape: tuple[int, ...], num_classes: int) -> list[nn.Module]:
+    features = math.prod(input_shape)
+    return [
+        nn.Sequential(nn.Flatten(), nn.Linear(features, 1024), nn.ReLU()),
+        nn.Sequential(nn.Linear(1024, 512), nn.ReLU()),
+        nn.Sequential(nn.Linear(512, 256), nn.ReLU()),
+        nn.Sequential(nn.Linear(256, num_classes)),
+    ]
+
+
+def _image_shape(name: str, input_shape: tuple[int, ...], min_side: int) -> tuple[int, int, int]:
+    if len(input_shape) != 3 or min(input_shape[1:]) < min_side:
+        raise ConfigError(
+            f"input_shape: model {name!r} needs an image shape [channels, height, width] with "
+            f"height and width >= {min_side}, got {list(input_shape)}"
+        )
+    channels, height, width = input_shape
+    return channels, height, width
+
+
+def _cnn(input_shape: tuple[int, ...], num_classes: int) -> list[nn.Module]:
+    channels, height, width = _image_shape("cnn", input_shape, 4)
+    flat = 64 * (height // 4) * (width // 4)
+    return [
+        nn.Sequential(nn.Conv2d(channels, 32, 3, padding=1), nn.ReLU()),
+        nn.Sequential(nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)),
+        nn.Sequential(nn.Conv2d(32, 64, 3, padding=1), nn.ReLU()),
+        nn.Sequential(nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)),
+        nn.Sequential(nn.Flatten(), nn.Linear(flat, 128), nn.ReLU()),
+        nn.Sequential(nn.Linear(128, num_classes)),
+    ]
+
+
+class _BasicBlock(nn.Module):
+    """The two-convolution residual block of He et al. (2016), CIFAR variant."""
+
+    def __init__(self, in_channels: int, out_channels: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_channels, out_channels, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(out_channels)
+        self.relu1 = nn.ReLU()
+        self.conv2 = nn.Conv2d(out_channels, out_channels, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(out_channels)
+        self.relu2 = nn.ReLU()
+        self.shortcut: nn.Module = nn.Identity()
+        if stride != 1 or in_channels != out_channels:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(in_channels, out_channels, 1, stride, bias=False),
+                nn.BatchNorm2d(out_channels),
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.relu1(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return self.relu2(out + self.shortcut(x))  # type: ignore[no-any-return]
+
+
+def _resnet(depth: int, input_shape: tuple[int, ...], num_classes: int) -> list[nn.Module]:
+    if depth < 8 or (depth - 2) % 6:
+        raise ConfigError(f"model: resnet depth must be 6n+2 (8, 14, 20, 32...), got {depth}")
+    channels, _, _ = _image_shape(f"resnet{depth}", input_shape, 4)
+    per_stage = (depth - 2) // 6
+    blocks: list[nn.Module] = [
+        nn.Sequential(nn.Conv2d(channels, 16, 3, 1, 1, bias=False), nn.BatchNorm2d(16), nn.ReLU())
+    ]
+    width_in = 16
+    for stage, width in enumerate((16, 32, 64)):
+        for index in range(per_stage):
+            stride = 2 if stage > 0 and index == 0 else 1
+            blocks.append(_BasicBlock(width_in, width, stride))
+            width_in = width
+    blocks.append(nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, num_classes)))
+    return blocks
+
+
+def _import_factory(path: str) -> Callable[..., object]:
+    module_name, _, attribute = path.partition(":")
+    if not module_name or not attribute:
+        raise ConfigError(
+            f"model: {path!r} is neither a zoo model ({', '.join(ZOO_NAMES)}) "
+            "nor an import path of the form 'package.module:function'"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ModelError(f"model: cannot import module {module_name!r}: {error}") from error
+    factory = getattr(module, attribute, None)
+    if not callable(factory):
+        raise ModelError(f"model: {module_name!r} has no callable named {attribute!r}")
+    return factory  # type: ignore[no-any-return]
+
+
+def _call_factory(
+    factory: Callable[..., object], input_shape: tuple[int, ...], num_classes: int
+) -> object:
+    parameters = inspect.signature(factory).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    kwargs: dict[str, object] = {}
+    if takes_any or "input_shape" in parameters:
+        kwargs["input_shape"] = input_shape
+    if takes_any or "num_classes" in parameters:
+        kwargs["num_classes"] = num_classes
+    return factory(**kwargs)
+
+
+def _as_blocks(path: str, built: object) -> list[nn.Module]:
+    if isinstance(built, nn.Sequential | nn.ModuleList):
+        blocks: list[object] = list(built)
+    elif isinstance(built, Sequence) and not isinstance(built, str):
+        blocks = list(built)
+    else:
+        raise ModelError(
+            f"model: {path!r} returned {type(built).__name__}; return an nn.Sequential "
+            "or a list of nn.Module blocks so the model can be split"
+        )
+    for index, block in enumerate(blocks):
+        if not isinstance(block, nn.Module):
+            raise ModelError(f"model: block {index} of {path!r} is {type(block).__name__}")
+    if not blocks:
+        raise ModelError(f"model: {path!r} returned no blocks")
+    return [block for block in blocks if isinstance(block, nn.Module)]
+
+
+def build_model(
+    name: str, input_shape: Sequence[int], num_classes: int, seed: int | None = None
+) -> SplittableModel:
+    """Build a zoo model by name or a user model from ``package.module:function``."""
+    shape = tuple(int(d) for d in input_shape)
+    if not shape or min(shape) < 1:
+        raise ConfigError(f"input_shape: expected positive sizes, got {list(input_shape)}")
+    if num_classes < 2:
+        raise ConfigError(f"num_classes: expected at least 2, got {num_classes}")
+    if seed is not None:
+        torch.manual_seed(seed)
+    resnet = _RESNET.match(name)
+    if name == "mlp":
+        blocks = _mlp(shape, num_classes)
+    elif name == "cnn":
+        blocks = _cnn(shape, num_classes)
+    elif resnet is not None:
+        blocks = _resnet(int(resnet.group(1)), shape, num_classes)
+    else:
+        blocks = _as_blocks(name, _call_factory(_import_factory(name), shape, num_classes))
+    return SplittableModel(name, nn.ModuleList(blocks), shape, num_classes)

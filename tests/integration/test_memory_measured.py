@@ -1,0 +1,50 @@
+"""The memory estimate against the real peak of a training step in a fresh process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from edgesplit.runtime import RUNTIME_ENV
+from split_models import build_model, estimate_segment_memory, profile_model
+from split_models.measure import peak_supported
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(not peak_supported(), reason="needs Linux /proc/self/clear_refs"),
+]
+
+
+@pytest.mark.parametrize(("start", "end", "batch"), [(0, 2, 32), (2, 6, 64)])
+def test_estimate_is_within_15_percent_of_measured_peak(start: int, end: int, batch: int) -> None:
+    model = build_model("cnn", (1, 28, 28), 10)
+    profile = profile_model(model, local_losses=("linear",), batch_size=batch)
+    estimate = estimate_segment_memory(profile, start, end, batch, "sgd-momentum").total
+    env = {**os.environ, **RUNTIME_ENV, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "split_models.measure",
+            "--model",
+            "cnn",
+            "--start",
+            str(start),
+            "--end",
+            str(end),
+            "--batch-size",
+            str(batch),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    measured = json.loads(done.stdout)["peak_bytes"]
+    error = (estimate - measured) / measured
+    assert -0.10 <= error <= 0.15, f"estimate {estimate} vs measured {measured}: {error:+.1%}"

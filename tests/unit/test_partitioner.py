@@ -1,0 +1,262 @@
+"""The partitioner against an independent brute force on random small instances."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from coordinator.partitioner import (
+    LABEL_BYTES,
+    TRAIN_FLOPS_FACTOR,
+    PartitionConfig,
+    Problem,
+    plan_split,
+    step_seconds,
+)
+from split_models.devices import DeviceSpec
+from split_models.errors import ConfigError, InfeasiblePlanError
+from split_models.memory import estimate_segment_memory
+from split_models.plan import Plan
+from split_models.profiler import BlockProfile, ModelProfile
+
+pytestmark = pytest.mark.unit
+
+KIB = 1024
+
+
+def _block(params: int, out: int, saved: int, flops: int, working: int) -> BlockProfile:
+    return BlockProfile(
+        param_bytes=params * KIB,
+        buffer_bytes=0,
+        largest_param_bytes=params * KIB,
+        input_shape=(1,),
+        output_shape=(out,),
+        input_bytes=4 * out,
+        output_bytes=4 * out,
+        saved_bytes=saved,
+        saved_fixed_bytes=0,
+        saves_input=True,
+        saves_output=False,
+        largest_activation_bytes=4 * out,
+        flops=flops,
+        backward_bytes=working,
+        first_backward_bytes=working // 2,
+    )
+
+
+@st.composite
+def profiles(draw: st.DrawFn) -> ModelProfile:
+    count = draw(st.integers(2, 6))
+    blocks = tuple(
+        _block(
+            draw(st.integers(1, 400)),
+            draw(st.integers(1, 300)),
+            draw(st.integers(0, 2000)),
+            draw(st.integers(1_000, 5_000_000)),
+            draw(st.integers(0, 2000)),
+        )
+        for _ in range(count)
+    )
+    heads = tuple(_block(draw(st.integers(1, 50)), 10, 40, 2_000, 80) for _ in range(count + 1))
+    return ModelProfile("synthetic", (1,), 10, blocks, {"linear": heads})
+
+
+@st.composite
+def fleets(draw: st.DrawFn) -> list[DeviceSpec]:
+    edges = [
+        DeviceSpec(
+            f"edge-{i}",
+            "edge",
+            draw(st.integers(100, 4000)) * KIB,
+            draw(st.sampled_from([1e8, 1e9, 1e10])),
+            draw(st.sampled_from([1e5, 1e6, 1e7])),
+        )
+        for i in range(draw(st.integers(1, 3)))
+    ]
+    servers = [
+        DeviceSpec(
+            f"gpu-{i}",
+            "gpu",
+            draw(st.integers(200, 6000)) * KIB,
+            draw(st.sampled_from([1e8, 1e9, 1e10, 1e12])),
+        )
+        for i in range(draw(st.integers(1, 3)))
+    ]
+    return edges + servers
+
+
+def _memory(profile: ModelProfile, config: PartitionConfig, a: int, b: int) -> int:
+    return estimate_segment_memory(
+        profile, a, b, config.batch_size, config.optimizer, config.local_loss
+    ).total
+
+
+def _servers_can_hold(
+    profile: ModelProfile, config: PartitionConfig, servers: list[DeviceSpec], start: int
+) -> bool:
+    """Try every ordered subset of servers and every set of cut points."""
+    n = profile.num_blocks
+    for count in range(1, len(servers) + 1):
+        for order in itertools.permutations(servers, count):
+            for cuts in itertools.combinations(range(start + 1, n), count - 1):
+                bounds = [start, *cuts, n]
+                if all(
+                    _memory(profile, config, bounds[i], bounds[i + 1]) <= server.memory
+                    for i, server in enumerate(order)
+                ):
+                    return True
+    return False
+
+
+def _brute_force(
+    profile: ModelProfile, devices: list[DeviceSpec], config: PartitionConfig
+) -> float | None:
+    edges = [d for d in devices if d.kind == "edge"]
+    servers = [d for d in devices if d.kind == "gpu"]
+    n, batch = profile.num_blocks, config.batch_size
+    heads = profile.heads[config.local_loss]
+    best = None
+    options = range(config.min_edge_blocks, n)
+    for splits in itertools.product(options, repeat=len(edges)):
+        needs = [_memory(profile, config, 0, s) for s in splits]
+        if any(need > e.memory for e, need in zip(edges, needs, strict=True)):
+            continue
+        if not _servers_can_hold(profile, config, servers, min(splits)):
+            continue
+        edge_times = []
+        for edge, s in zip(edges, splits, strict=False):
+            flops = sum(b.flops for b in profile.blocks[:s]) + heads[s].flops
+            upload = batch * (profile.blocks[s - 1].output_bytes + LABEL_BYTES) / edge.uplink
+            edge_times.append(max(TRAIN_FLOPS_FACTOR * batch * flops / edge.flops, upload))
+        back = sum(sum(b.flops for b in profile.blocks[s:]) for s in splits)
+        server = TRAIN_FLOPS_FACTOR * batch * back / sum(s.flops for s in servers)
+        objective = max(max(edge_times), server)
+        best = objective if best is None else min(best, objective)
+    return best
+
+
+@settings(max_examples=300, deadline=None)
+@given(profile=profiles(), devices=fleets(), batch=st.sampled_from([1, 8, 32]))
+def test_partitioner_matches_brute_force(
+    profile: ModelProfile, devices: list[DeviceSpec], batch: int
+) -> None:
+    config = PartitionConfig(batch_size=batch, optimizer="sgd")
+    expected = _brute_force(profile, devices, config)
+    if expected is None:
+        with pytest.raises(InfeasiblePlanError):
+            plan_split(profile, devices, config)
+        return
+    plan = plan_split(profile, devices, config)
+    assert math.isclose(plan.estimated_step_seconds, expected, rel_tol=1e-9)
+    problem = Problem.build(profile, config)
+    edges = [d for d in devices if d.kind == "edge"]
+    servers = [d for d in devices if d.kind == "gpu"]
+    splits = [plan.edge(e.name).blocks[1] for e in edges]
+    assert math.isclose(step_seconds(problem, edges, servers, splits), expected, rel_tol=1e-9)
+    for row in plan.edges:
+        assert row.estimated_peak_bytes <= row.budget_bytes
+    for row in plan.servers:
+        assert row.estimated_peak_bytes <= row.budget_bytes
+    spans = sorted(row.blocks for row in plan.servers)
+    assert spans[0][0] <= min(splits) and spans[-1][1] == profile.num_blocks
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(spans)), "server pieces are contiguous"
+
+
+def _fleet(edge_memory: int, server_memory: int = 10**9) -> list[DeviceSpec]:
+    return [
+        DeviceSpec("pi-01", "edge", edge_memory, 1e9, 1e6),
+        DeviceSpec("gpu-a", "gpu", server_memory, 1e12),
+    ]
+
+
+def _small_profile() -> ModelProfile:
+    blocks = tuple(_block(100, 100, 400, 10_000, 400) for _ in range(4))
+    heads = tuple(_block(5, 10, 40, 200, 80) for _ in range(5))
+    return ModelProfile("tiny", (1,), 10, blocks, {"linear": heads})
+
+
+def test_edge_too_small_names_device_need_and_fix() -> None:
+    with pytest.raises(InfeasiblePlanError) as caught:
+        plan_split(_small_profile(), _fleet(1024), PartitionConfig(batch_size=8))
+    message = str(caught.value)
+    assert "'pi-01'" in message and "1.0 KiB" in message and "blocks [0, 1)" in message
+    assert "lower the batch size" in message
+
+
+def test_servers_too_small_is_reported() -> None:
+    with pytest.raises(InfeasiblePlanError, match="GPU servers cannot hold"):
+        plan_split(_small_profile(), _fleet(10**9, server_memory=1024), PartitionConfig())
+
+
+def test_missing_device_kinds_are_reported() -> None:
+    profile = _small_profile()
+    with pytest.raises(InfeasiblePlanError, match="no GPU server"):
+        plan_split(profile, _fleet(10**9)[:1], PartitionConfig())
+    with pytest.raises(InfeasiblePlanError, match="no edge device"):
+        plan_split(profile, _fleet(10**9)[1:], PartitionConfig())
+
+
+def test_min_edge_blocks_is_respected_and_validated() -> None:
+    plan = plan_split(_small_profile(), _fleet(10**9), PartitionConfig(min_edge_blocks=3))
+    assert plan.edges[0].blocks == (0, 3)
+    with pytest.raises(ConfigError, match="min_edge_blocks"):
+        plan_split(_small_profile(), _fleet(10**9), PartitionConfig(min_edge_blocks=4))
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("batch_size", 0), ("optimizer", "rmsprop"), ("local_loss", "nope"), ("compression", "fp8")],
+)
+def test_config_rejects_bad_values_naming_the_field(field: str, value: object) -> None:
+    with pytest.raises(ConfigError, match=field):
+        PartitionConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def test_plan_json_round_trip_and_table() -> None:
+    plan = plan_split(_small_profile(), _fleet(10**9), PartitionConfig(batch_size=4))
+    again = Plan.from_json(plan.to_json())
+    assert again == plan
+    text = str(plan)
+    assert "pi-01" in text and "gpu-a" in text and "estimated step time" in text
+
+
+def test_plan_from_malformed_json_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="format"):
+        Plan.from_dict({"format": 99})
+    with pytest.raises(ConfigError, match="malformed"):
+        Plan.from_dict({"format": 1, "edges": [{"name": "x"}], "servers": []})
+
+
+def test_compression_shrinks_cut_bytes() -> None:
+    fp32 = plan_split(_small_profile(), _fleet(10**9), PartitionConfig(min_edge_blocks=2))
+    int8 = plan_split(
+        _small_profile(), _fleet(10**9), PartitionConfig(min_edge_blocks=2, compression="int8")
+    )
+    assert fp32.edges[0].blocks == int8.edges[0].blocks
+    assert (
+        int8.edges[0].cut_bytes_per_sample - LABEL_BYTES
+        == (fp32.edges[0].cut_bytes_per_sample - LABEL_BYTES) // 4
+    )
+
+
+def test_server_packing_finds_an_order_that_largest_first_misses() -> None:
+    # Block 1 is light, block 2 is heavy. The big server fits only block 2 and the small one
+    # only block 1, so the back [1, 3) fits only as small-then-big.
+    blocks = (_block(10, 10, 0, 1000, 0), _block(10, 10, 0, 1000, 0), _block(1000, 10, 0, 1000, 0))
+    heads = tuple(_block(1, 10, 0, 10, 0) for _ in range(4))
+    profile = ModelProfile("skewed", (1,), 10, blocks, {"linear": heads})
+    config = PartitionConfig(batch_size=1, optimizer="sgd")
+    heavy = _memory(profile, config, 2, 3)
+    light = _memory(profile, config, 1, 2)
+    assert _memory(profile, config, 1, 3) > heavy > light
+    devices = [
+        DeviceSpec("edge", "edge", _memory(profile, config, 0, 1), 1e9, 1e6),
+        DeviceSpec("big", "gpu", heavy, 1e12),
+        DeviceSpec("small", "gpu", light, 1e12),
+    ]
+    plan = plan_split(profile, devices, config)
+    assert [(s.name, s.blocks) for s in plan.servers] == [("small", (1, 2)), ("big", (2, 3))]

@@ -1,0 +1,104 @@
+"""Profile numbers on known layers against hand-computed values; estimator arithmetic."""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+from split_models import (
+    ConfigError,
+    build_model,
+    estimate_segment_memory,
+    profile_model,
+    profile_module,
+    segment_memory_table,
+)
+from split_models.profiler import ModelProfile
+
+pytestmark = pytest.mark.unit
+
+
+def test_linear_layer() -> None:
+    profile = profile_module(nn.Linear(10, 20), (10,))
+    assert profile.param_bytes == (10 * 20 + 20) * 4
+    assert profile.largest_param_bytes == 10 * 20 * 4
+    assert profile.output_shape == (20,) and profile.output_bytes == 80
+    assert profile.flops == 2 * 10 * 20
+    assert profile.saves_input and not profile.saves_output
+    assert profile.saved_bytes == 0  # only its input (counted as the input) and its weight
+
+
+def test_conv_relu_maxpool_counts_shared_storage_once_and_int64_indices() -> None:
+    block = nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2))
+    profile = profile_module(block, (1, 8, 8))
+    assert profile.param_bytes == (8 * 9 + 8) * 4
+    assert profile.output_shape == (8, 4, 4) and profile.output_bytes == 8 * 4 * 4 * 4
+    assert profile.flops == 2 * 8 * 9 * 8 * 8
+    relu_output = 8 * 8 * 8 * 4  # saved by ReLU and by MaxPool as its input: counted once
+    indices = 8 * 4 * 4 * 8  # MaxPool's int64 indices
+    assert profile.saved_bytes == relu_output + indices
+    assert profile.saves_input and not profile.saves_output
+
+
+def test_relu_saves_its_output_and_batchnorm_has_fixed_saved_bytes() -> None:
+    relu = profile_module(nn.ReLU(), (16,))
+    assert relu.saves_output and relu.saved_bytes == 64 and relu.flops == 0
+    norm = profile_module(nn.BatchNorm2d(4), (4, 3, 3))
+    assert norm.saved_bytes == 4 * 3 * 3 * 4 - 0 or norm.saves_input
+    assert norm.saved_fixed_bytes == 2 * 4 * 4  # saved mean and inverse std per channel
+    assert norm.buffer_bytes == 4 * 4 * 2 + 8  # running mean, var and the batch counter
+
+
+@pytest.fixture(scope="module")
+def cnn_profile() -> ModelProfile:
+    return profile_model(build_model("cnn", (1, 28, 28), 10, seed=0))
+
+
+def test_profile_json_round_trip(cnn_profile: ModelProfile) -> None:
+    assert ModelProfile.from_dict(cnn_profile.to_dict()) == cnn_profile
+    assert set(cnn_profile.heads) == {"linear", "mlp", "supcon"}
+    assert len(cnn_profile.heads["linear"]) == cnn_profile.num_blocks + 1
+
+
+def test_estimate_components(cnn_profile: ModelProfile) -> None:
+    blocks = cnn_profile.blocks[0:2]
+    head = cnn_profile.heads["linear"][2]
+    params = sum(b.param_bytes for b in blocks) + head.param_bytes
+    sgd = estimate_segment_memory(cnn_profile, 0, 2, 32, "sgd")
+    momentum = estimate_segment_memory(cnn_profile, 0, 2, 32, "sgd-momentum")
+    adam = estimate_segment_memory(cnn_profile, 0, 2, 32, "adam")
+    assert sgd.weights == params and sgd.gradients == params and sgd.optimizer_state == 0
+    assert momentum.optimizer_state == params
+    largest = max(b.largest_param_bytes for b in (*blocks, head))
+    assert adam.optimizer_state == 2 * params + largest
+    assert sgd.input == 32 * (1 * 28 * 28 * 4 + 8)
+    assert sgd.total == sum(v for k, v in sgd.to_dict().items() if k != "total")
+
+
+def test_estimate_grows_with_batch_and_last_segment_has_no_head(cnn_profile: ModelProfile) -> None:
+    small = estimate_segment_memory(cnn_profile, 0, 3, 16, "sgd")
+    large = estimate_segment_memory(cnn_profile, 0, 3, 64, "sgd")
+    assert large.activations > 3 * small.activations and large.weights == small.weights
+    last = estimate_segment_memory(cnn_profile, 4, 6, 16, "sgd")
+    assert last.weights == sum(b.param_bytes for b in cnn_profile.blocks[4:6])
+
+
+def test_table_equals_single_estimates(cnn_profile: ModelProfile) -> None:
+    for optimizer in ("sgd", "adam"):
+        table = segment_memory_table(cnn_profile, 24, optimizer, "mlp")
+        for start in range(cnn_profile.num_blocks):
+            for end in range(start + 1, cnn_profile.num_blocks + 1):
+                single = estimate_segment_memory(cnn_profile, start, end, 24, optimizer, "mlp")
+                assert table[start][end] == single.total
+
+
+def test_estimate_rejects_bad_input(cnn_profile: ModelProfile) -> None:
+    with pytest.raises(ConfigError, match="outside"):
+        estimate_segment_memory(cnn_profile, 3, 3, 8, "sgd")
+    with pytest.raises(ConfigError, match="optimizer"):
+        estimate_segment_memory(cnn_profile, 0, 1, 8, "rmsprop")
+    with pytest.raises(ConfigError, match="batch_size"):
+        estimate_segment_memory(cnn_profile, 0, 1, 0, "sgd")
+    only_linear = profile_model(build_model("mlp", (1, 8, 8), 10), local_losses=("linear",))
+    with pytest.raises(ConfigError, match="not profiled"):
+        estimate_segment_memory(only_linear, 0, 1, 8, "sgd", "supcon")
