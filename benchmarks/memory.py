@@ -3,7 +3,9 @@
 Each row trains one segment (with its local-loss head, or the task loss for the last segment)
 for three steps in a fresh process and measures the real peak (VmHWM reset via
 /proc/self/clear_refs, MALLOC_MMAP_THRESHOLD_=65536, minus the resident size before the segment
-was built). Targets: |error| <= 15% on every row and no underestimate worse than -10%.
+was built). Segments under 4 MiB are measured in three processes and the median is kept: at that
+size heap granularity moves a single reading by +-0.2 MiB. Targets: |error| <= 15% on every row
+and no underestimate worse than -10%.
 
     python benchmarks/memory.py [--quick] [--out docs/benchmarks-memory.md]
 """
@@ -14,6 +16,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -41,6 +44,7 @@ CASES = [
 ]
 BATCHES = (16, 64, 256)
 OPTIMIZER = "sgd-momentum"
+SMALL_SEGMENT = 4 * 2**20
 
 
 def measure(
@@ -89,6 +93,15 @@ def main() -> int:
                 estimate = estimate_segment_memory(profile, start, end, batch, args.optimizer)
                 measured = measure(name, shape, start, end, batch, args.optimizer)
                 peak = int(measured["peak_bytes"])  # type: ignore[call-overload]
+                if peak < SMALL_SEGMENT:  # heap granularity: take the median of three
+                    again = [
+                        measure(name, shape, start, end, batch, args.optimizer) for _ in range(2)
+                    ]
+                    peak = int(
+                        statistics.median(
+                            [peak, *(int(m["peak_bytes"]) for m in again)]  # type: ignore[call-overload]
+                        )
+                    )
                 error = (estimate.total - peak) / peak
                 worst, worst_under = max(worst, abs(error)), min(worst_under, error)
                 row = (

@@ -264,7 +264,7 @@ def _describe(profile: ModelProfile, config: PartitionConfig, start: int, end: i
     return (
         f"{format_bytes(estimate.total)} at batch {config.batch_size} (weights "
         f"{format_bytes(estimate.weights)}, activations {format_bytes(estimate.activations)}, "
-        f"backward {format_bytes(estimate.transient)})"
+        f"peak of the step {format_bytes(estimate.step_peak)})"
     )
 
 

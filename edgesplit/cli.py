@@ -7,6 +7,7 @@ package and receives plain values.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -65,6 +66,25 @@ def _plan_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[
     plan.add_argument("--json", action="store_true", help="print the plan as one JSON object")
 
 
+def _store_parsers(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    status = commands.add_parser(
+        "status",
+        help="list runs, or one run's rounds and metrics",
+        description="Show runs stored in a database (SQLite file or PostgreSQL URL).",
+    )
+    status.add_argument(
+        "--db",
+        required=True,
+        help="database URL or SQLite file, e.g. runs.db or postgresql+psycopg://...",
+    )
+    status.add_argument("--run", help="show this run's rounds")
+    status.add_argument("--json", action="store_true", help="print JSON")
+    database = commands.add_parser("db", help="database maintenance")
+    actions = database.add_subparsers(dest="action", required=True, metavar="ACTION")
+    upgrade = actions.add_parser("upgrade", help="create or migrate the schema to the latest")
+    upgrade.add_argument("--db", required=True, help="database URL or SQLite file")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="edgesplit",
@@ -73,20 +93,32 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"edgesplit {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _plan_parser(commands)
+    _store_parsers(commands)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if hasattr(signal, "SIGPIPE"):  # `edgesplit status | head` ends quietly, like any Unix tool
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     configure_process()
     from split_models.errors import SplitError
+    from storage.errors import StoreError
 
     try:
         if args.command == "plan":
             from coordinator.commands import plan_command
 
             return plan_command(args)
-    except SplitError as error:
+        if args.command == "status":
+            from coordinator.store_commands import status_command
+
+            return status_command(args)
+        if args.command == "db":
+            from coordinator.store_commands import db_upgrade_command
+
+            return db_upgrade_command(args)
+    except (SplitError, StoreError) as error:
         print(f"edgesplit {args.command}: error: {error}", file=sys.stderr)
         return EXIT_USAGE
     raise AssertionError(f"unhandled command {args.command!r}")

@@ -4,6 +4,8 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh
+# shellcheck source=scripts/services.sh
+source scripts/services.sh  # PostgreSQL for the store tests (started here if none runs)
 export MALLOC_MMAP_THRESHOLD_=65536  # memory measurements in tests track tensor lifetimes
 
 echo "== ruff" >&2

@@ -84,12 +84,18 @@ def _measure(args: argparse.Namespace) -> dict[str, object]:
     from split_models.zoo import build_model
 
     shape = tuple(int(d) for d in args.input_shape.split(","))
-    # Warm the runtime up on a throw-away model so lazily loaded kernels are not counted.
+    # Warm the runtime up on a throw-away copy of the same segment (same layers, head and
+    # optimizer, tiny batch) so code that torch loads lazily counts as runtime, not training.
     warm = build_model(args.model, shape, args.num_classes, seed=1)
-    warm_segment = Segment.from_model(warm, 0, warm.num_blocks, args.local_loss)
+    with torch.no_grad():
+        warm_inputs = warm.segment(0, args.start)(torch.randn(2, *shape)) if args.start else None
+    warm_segment = Segment.from_model(
+        warm, args.start, args.end, args.local_loss, OptimizerConfig(args.optimizer)
+    )
     for _ in range(3):  # the second optimizer step initialises more of the runtime lazily
-        warm_segment.train_step(torch.randn(2, *shape), torch.zeros(2, dtype=torch.long))
-    del warm, warm_segment
+        inputs = warm_inputs if warm_inputs is not None else torch.randn(2, *shape)
+        warm_segment.train_step(inputs, torch.zeros(2, dtype=torch.long))
+    del warm, warm_segment, warm_inputs
     runtime = resident_bytes()
 
     model = build_model(args.model, shape, args.num_classes, seed=0)

@@ -8,8 +8,10 @@ batch sizes separate the per-sample part from the part that does not grow with t
 
 The working set of backward (gradient buffers, kernel workspaces) depends on the kernels, so it
 is measured too: on Linux the block runs forward and backward alone at two batch sizes while the
-process's resident high-water mark is tracked, and the per-sample slope is kept. Where that is
-not possible, three times the largest activation stands in for it.
+process's resident high-water mark is tracked, and the per-sample slope is kept. The first pass at
+a new batch size also leaves kernels and caches resident (oneDNN generates code per shape); that
+is measured as the difference between a first and a repeated pass. Where none of this can be
+measured, three times the largest activation stands in for the working set.
 """
 
 from __future__ import annotations
@@ -55,10 +57,12 @@ class BlockProfile:
     saves_output: bool
     largest_activation_bytes: int  # per sample: biggest tensor any leaf layer produces
     flops: int  # forward FLOPs per sample
-    backward_bytes: int = 0  # per sample: measured peak of forward+backward beyond saved bytes
+    backward_bytes: int = 0  # per sample: peak of a training pass beyond the saved bytes
     backward_fixed_bytes: int = 0  # the part of that peak that does not grow with the batch
     first_backward_bytes: int = 0  # the same two when the input needs no gradient (segment start)
     first_backward_fixed_bytes: int = 0
+    kernel_setup_bytes: int = 0  # left resident by the first pass at the profiled batch size
+    first_kernel_setup_bytes: int = 0
     summary: str = ""
 
     @classmethod
@@ -161,25 +165,34 @@ def _count_flops(module: nn.Module, input_shape: tuple[int, ...], batch: int) ->
     return int(counter.get_total_flops()) // batch
 
 
-def _working_set(
-    module: nn.Module,
-    shape: tuple[int, ...],
-    out_shape: tuple[int, ...],
-    batch: int,
-    input_grad: bool,
-) -> int:
-    """Peak resident bytes of forward + backward of a fresh copy of ``module``, gradients
-    excluded. The copy has new weight storage, so caches made per weight tensor on the first
-    forward (packed weights) are counted as a device would see them."""
-    module = copy.deepcopy(module)
-    inputs = torch.randn(batch, *shape, requires_grad=input_grad)
-    grad = torch.randn(batch, *out_shape)
-    meter = PeakMeter().start()
-    module(inputs).backward(grad)
-    peak = meter.peak()
-    return peak - sum(
-        p.grad.numel() * p.grad.element_size() for p in module.parameters() if p.grad is not None
-    )
+class _Pass:
+    """Training passes through fresh copies of one block, for one input-gradient setting."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        shape: tuple[int, ...],
+        out_shape: tuple[int, ...],
+        input_grad: bool,
+    ) -> None:
+        self.module, self.shape, self.out_shape = module, shape, out_shape
+        self.input_grad = input_grad
+
+    def peak(self, batch: int) -> int:
+        """Peak resident bytes of forward, then backward from a gradient that autograd
+        allocates and frees as a real incoming gradient would be (``(out * w).sum()``): the
+        block's saved tensors, gradient buffers, kernel workspaces and its own weight gradients
+        at their real lifetimes. The copy has fresh weight storage, so per-weight caches count.
+        """
+        module = copy.deepcopy(self.module)
+        inputs = torch.randn(batch, *self.shape, requires_grad=self.input_grad)
+        weight = torch.randn(batch, *self.out_shape)
+        meter = PeakMeter().start()
+        (module(inputs) * weight).sum().backward()
+        return meter.peak()
+
+    def first_and_repeat(self, batch: int) -> tuple[int, int]:
+        return self.peak(batch), self.peak(batch)
 
 
 def _probe_batches(
@@ -193,7 +206,7 @@ def _probe_batches(
     return large // 4, large
 
 
-def _backward_bytes(
+def _training_pass(
     module: nn.Module,
     shape: tuple[int, ...],
     out_shape: tuple[int, ...],
@@ -201,21 +214,27 @@ def _backward_bytes(
     largest: int,
     input_grad: bool,
     batch: int | None,
-) -> tuple[int, int]:
-    """Per-sample and fixed bytes that forward + backward hold beyond the saved activations."""
+) -> tuple[int, int, int]:
+    """Per-sample and fixed bytes a steady-state training pass holds at its peak beyond the
+    saved activations (the fixed part includes the block's weight gradients where they are
+    live then), and the bytes its first pass at ``batch`` leaves resident (kernels generated
+    and cached for that shape)."""
     if not any(p.requires_grad for p in module.parameters()) and not input_grad:
-        return 0, 0
+        return 0, 0, 0
     if not (peak_supported() and release_freed_memory()):
-        return _FALLBACK_WORKING_SET * largest, 0
+        params = sum(p.numel() * p.element_size() for p in module.parameters())
+        return _FALLBACK_WORKING_SET * largest, params, 0
+    passes = _Pass(module, shape, out_shape, input_grad)
+    passes.peak(_WARM_UP_BATCH)  # lazily loaded code is runtime, measured separately
     small, large = _probe_batches(shape, out_shape, batch)
-    # Warm up at another batch size: lazily loaded code is runtime, not training memory, but
-    # kernel caches made per input shape (oneDNN primitives, scratchpads) stay resident on a
-    # device, so each probe size is measured on its first run.
-    _working_set(module, shape, out_shape, _WARM_UP_BATCH, input_grad)
-    at_small = _working_set(module, shape, out_shape, small, input_grad)
-    at_large = _working_set(module, shape, out_shape, large, input_grad)
-    slope = (at_large - at_small) // (large - small)
-    return max(0, slope - saved_bytes), max(0, at_small - slope * small)
+    target = batch or large
+    first, repeat = passes.first_and_repeat(target)
+    at = {target: repeat}
+    for size in (small, large):
+        if size not in at:
+            at[size] = passes.first_and_repeat(size)[1]
+    slope = (at[large] - at[small]) // (large - small)
+    return max(0, slope - saved_bytes), max(0, at[small] - slope * small), max(0, first - repeat)
 
 
 def _summary(module: nn.Module) -> str:
@@ -242,7 +261,7 @@ def profile_module(
         per_sample, fixed = _saved_split(small, large)
         largest_activation = large.largest_activation // _PROBE_BATCHES[1]
         backward, first = (
-            _backward_bytes(
+            _training_pass(
                 module, shape, out_shape, per_sample, largest_activation, grad, batch_size
             )
             for grad in (True, False)
@@ -269,6 +288,8 @@ def profile_module(
         backward_fixed_bytes=backward[1],
         first_backward_bytes=first[0],
         first_backward_fixed_bytes=first[1],
+        kernel_setup_bytes=backward[2],
+        first_kernel_setup_bytes=first[2],
         summary=_summary(module),
     )
 

@@ -5,3 +5,46 @@ from __future__ import annotations
 from edgesplit.runtime import configure_process
 
 configure_process()
+
+import os  # noqa: E402
+import uuid  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+
+import pytest  # noqa: E402
+
+POSTGRES_ADMIN_URL = os.environ.get(
+    "EDGESPLIT_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+)
+
+
+@pytest.fixture
+def postgres_url() -> Iterator[str]:
+    """A fresh, empty PostgreSQL database for one test, dropped afterwards.
+
+    Skips with the reason when no server answers, except under CI (``CI`` set), where
+    ``.ci/run`` starts one and a missing server is a failure.
+    """
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import OperationalError
+
+    admin = create_engine(POSTGRES_ADMIN_URL, isolation_level="AUTOCOMMIT")
+    name = f"edgesplit_{uuid.uuid4().hex[:12]}"
+    try:
+        with admin.connect() as connection:
+            connection.execute(text(f'CREATE DATABASE "{name}"'))
+    except OperationalError as error:
+        admin.dispose()
+        message = (
+            f"PostgreSQL is not reachable at {POSTGRES_ADMIN_URL} "
+            f"(set EDGESPLIT_TEST_POSTGRES_URL): {str(error).splitlines()[0]}"
+        )
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    try:
+        yield make_url(POSTGRES_ADMIN_URL).set(database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as connection:
+            connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()

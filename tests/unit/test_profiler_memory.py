@@ -68,17 +68,21 @@ def test_estimate_components(cnn_profile: ModelProfile) -> None:
     momentum = estimate_segment_memory(cnn_profile, 0, 2, 32, "sgd-momentum")
     adam = estimate_segment_memory(cnn_profile, 0, 2, 32, "adam")
     assert sgd.weights == params and sgd.gradients == params and sgd.optimizer_state == 0
+    assert sgd.step_peak >= max(sgd.activations, sgd.gradients)
     assert momentum.optimizer_state == params
     largest = max(b.largest_param_bytes for b in (*blocks, head))
     assert adam.optimizer_state == 2 * params + largest
     assert sgd.input == 32 * (1 * 28 * 28 * 4 + 8)
-    assert sgd.total == sum(v for k, v in sgd.to_dict().items() if k != "total")
+    assert sgd.total == (
+        sgd.weights + sgd.optimizer_state + sgd.input + sgd.kernel_setup + sgd.step_peak
+    )
 
 
 def test_estimate_grows_with_batch_and_last_segment_has_no_head(cnn_profile: ModelProfile) -> None:
     small = estimate_segment_memory(cnn_profile, 0, 3, 16, "sgd")
     large = estimate_segment_memory(cnn_profile, 0, 3, 64, "sgd")
     assert large.activations > 3 * small.activations and large.weights == small.weights
+    assert large.step_peak > 3 * small.step_peak
     last = estimate_segment_memory(cnn_profile, 4, 6, 16, "sgd")
     assert last.weights == sum(b.param_bytes for b in cnn_profile.blocks[4:6])
 

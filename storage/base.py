@@ -1,0 +1,163 @@
+"""The run-store interface used by the coordinator, and the checks both backends share."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from storage.errors import StateError
+from storage.records import (
+    DEVICE_STATUSES,
+    ROUND_STATES,
+    RUN_STATUSES,
+    DeviceRecord,
+    DeviceResult,
+    Event,
+    MetricPoint,
+    ResumeState,
+    RoundRecord,
+    RunRecord,
+    Tensors,
+)
+
+__all__ = ["RunStore"]
+
+
+def _check(value: str, valid: tuple[str, ...], field: str) -> None:
+    if value not in valid:
+        raise ValueError(f"{field}: {value!r} is not one of {valid}")
+
+
+class RunStore(abc.ABC):
+    """Everything a coordinator must keep to survive a restart.
+
+    A round moves ``open -> aggregating -> committed``; :meth:`commit_round` is atomic: the
+    checkpoint is durable before the round becomes current, so after a crash the run's current
+    round is either the previous one or the new one, never a mix.
+    """
+
+    # ---------------------------------------------------------------- devices
+    @abc.abstractmethod
+    def upsert_device(self, device: DeviceRecord) -> None: ...
+
+    @abc.abstractmethod
+    def get_device(self, name: str) -> DeviceRecord: ...
+
+    @abc.abstractmethod
+    def list_devices(self) -> list[DeviceRecord]: ...
+
+    def mark_device(self, name: str, status: str) -> None:
+        """Set a device's status and last-seen time."""
+        _check(status, DEVICE_STATUSES, "status")
+        self._mark_device(name, status)
+
+    @abc.abstractmethod
+    def _mark_device(self, name: str, status: str) -> None: ...
+
+    # ---------------------------------------------------------------- runs
+    def create_run(self, run_id: str, config: Mapping[str, Any], seed: int) -> RunRecord:
+        """Create a run in state ``created``; an existing id is a :class:`StateError`."""
+        if not run_id or len(run_id) > 128:
+            raise ValueError(f"run_id: expected 1-128 characters, got {run_id!r}")
+        return self._create_run(run_id, dict(config), seed)
+
+    @abc.abstractmethod
+    def _create_run(self, run_id: str, config: dict[str, Any], seed: int) -> RunRecord: ...
+
+    @abc.abstractmethod
+    def get_run(self, run_id: str) -> RunRecord: ...
+
+    @abc.abstractmethod
+    def list_runs(self) -> list[RunRecord]: ...
+
+    def set_run_status(self, run_id: str, status: str) -> None:
+        _check(status, RUN_STATUSES, "status")
+        self._set_run_status(run_id, status)
+
+    @abc.abstractmethod
+    def _set_run_status(self, run_id: str, status: str) -> None: ...
+
+    @abc.abstractmethod
+    def set_plan(self, run_id: str, plan: Mapping[str, Any]) -> int:
+        """Store a new plan for the run; return its version (1, 2, ...)."""
+
+    # ---------------------------------------------------------------- rounds
+    @abc.abstractmethod
+    def open_round(self, run_id: str, number: int, participants: Sequence[str]) -> RoundRecord:
+        """Open round ``number``, or reopen it (new participants, results cleared) if it was
+        opened before and never committed, as after a crash or a retry."""
+
+    @abc.abstractmethod
+    def record_result(self, run_id: str, number: int, result: DeviceResult) -> None:
+        """Record (or replace) one device's result for an open round."""
+
+    def set_round_state(self, run_id: str, number: int, state: str) -> None:
+        _check(state, ROUND_STATES, "state")
+        if state == "committed":
+            raise StateError("use commit_round to commit a round")
+        self._set_round_state(run_id, number, state)
+
+    @abc.abstractmethod
+    def _set_round_state(self, run_id: str, number: int, state: str) -> None: ...
+
+    @abc.abstractmethod
+    def commit_round(
+        self,
+        run_id: str,
+        number: int,
+        weights: Mapping[str, Tensors],
+        optimizer_states: Mapping[str, Tensors] | None = None,
+        metrics: Mapping[str, float] | None = None,
+        evaluation: Mapping[str, float] | None = None,
+    ) -> RoundRecord:
+        """Atomically store the round's aggregated weights and make it the run's current one."""
+
+    @abc.abstractmethod
+    def get_round(self, run_id: str, number: int) -> RoundRecord: ...
+
+    @abc.abstractmethod
+    def list_rounds(self, run_id: str) -> list[RoundRecord]: ...
+
+    @abc.abstractmethod
+    def resume(self, run_id: str) -> ResumeState | None:
+        """The last committed round with its weights and optimizer states, or None."""
+
+    # ---------------------------------------------------------------- metrics and events
+    @abc.abstractmethod
+    def add_metrics(self, run_id: str, points: Iterable[MetricPoint]) -> None: ...
+
+    @abc.abstractmethod
+    def metrics(self, run_id: str, name: str | None = None) -> list[MetricPoint]: ...
+
+    @abc.abstractmethod
+    def add_event(self, run_id: str | None, event: Event) -> None: ...
+
+    @abc.abstractmethod
+    def events(self, run_id: str | None = None) -> list[Event]: ...
+
+    # ---------------------------------------------------------------- maintenance
+    @abc.abstractmethod
+    def integrity_problems(self, deep: bool = False) -> list[str]:
+        """Inconsistencies between rows and checkpoint files; empty when all is well."""
+
+    @abc.abstractmethod
+    def collect_garbage(self, older_than_seconds: float = 3600.0) -> int:
+        """Delete checkpoint files that no committed round refers to; return how many."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections and files."""
+
+    def __enter__(self) -> RunStore:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+
+def validate_result(result: DeviceResult) -> None:
+    """Reject results that no device can have produced."""
+    if result.examples < 0 or result.bytes_sent < 0 or result.bytes_received < 0:
+        raise ValueError(f"result of {result.device!r}: counts must be >= 0")
+    if result.wall_seconds < 0:
+        raise ValueError(f"result of {result.device!r}: wall_seconds must be >= 0")

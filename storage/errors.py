@@ -1,0 +1,24 @@
+"""Exceptions of the run store."""
+
+from __future__ import annotations
+
+__all__ = ["CheckpointError", "NotFoundError", "StateError", "StoreError"]
+
+
+class StoreError(Exception):
+    """Base class for run-store errors."""
+
+
+class NotFoundError(StoreError, KeyError):
+    """A run, round, device or checkpoint that was asked for does not exist."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "not found"
+
+
+class StateError(StoreError):
+    """An operation does not fit the current state (e.g. committing a committed round)."""
+
+
+class CheckpointError(StoreError):
+    """A checkpoint file is missing, truncated or does not match its recorded hash."""

@@ -1,0 +1,60 @@
+"""Read-only summaries of runs for ``edgesplit status`` (plain dicts, JSON-ready)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from storage.base import RunStore
+from storage.records import RoundRecord, RunRecord
+
+__all__ = ["round_summary", "run_status", "runs_overview"]
+
+
+def round_summary(record: RoundRecord) -> dict[str, Any]:
+    """One round: state, evaluation, participants and traffic."""
+    loss = record.evaluation.get("loss", record.metrics.get("loss"))
+    return {
+        "round": record.number,
+        "state": record.state,
+        "accuracy": record.evaluation.get("accuracy"),
+        "loss": loss,
+        "participants": list(record.participants),
+        "failed": sorted(r.device for r in record.results if r.failure),
+        "examples": sum(r.examples for r in record.results),
+        "bytes_up": sum(r.bytes_sent for r in record.results),
+        "bytes_down": sum(r.bytes_received for r in record.results),
+        "committed_at": record.committed_at.isoformat() if record.committed_at else None,
+    }
+
+
+def run_status(store: RunStore, run_id: str) -> dict[str, Any]:
+    """A run with all its rounds."""
+    run = store.get_run(run_id)
+    return {
+        "run_id": run.run_id,
+        "status": run.status,
+        "seed": run.seed,
+        "current_round": run.current_round,
+        "plan_version": run.plan_version,
+        "created_at": run.created_at.isoformat(),
+        "updated_at": run.updated_at.isoformat(),
+        "rounds": [round_summary(r) for r in store.list_rounds(run_id)],
+    }
+
+
+def _overview(run: RunRecord, rounds: list[RoundRecord]) -> dict[str, Any]:
+    committed = [r for r in rounds if r.state == "committed"]
+    last = committed[-1] if committed else None
+    return {
+        "run_id": run.run_id,
+        "status": run.status,
+        "rounds_committed": len(committed),
+        "rounds_planned": run.config.get("rounds"),
+        "accuracy": last.evaluation.get("accuracy") if last else None,
+        "updated_at": run.updated_at.isoformat(),
+    }
+
+
+def runs_overview(store: RunStore) -> list[dict[str, Any]]:
+    """Every run, one line each."""
+    return [_overview(run, store.list_rounds(run.run_id)) for run in store.list_runs()]

@@ -1,0 +1,450 @@
+"""The run store on SQLAlchemy 2: SQLite by default (a file), PostgreSQL by URL."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event, func, select
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
+
+from storage.base import RunStore, validate_result
+from storage.checkpoints import CheckpointFiles
+from storage.errors import CheckpointError, NotFoundError, StateError
+from storage.records import (
+    CheckpointRef,
+    DeviceRecord,
+    DeviceResult,
+    Event,
+    MetricPoint,
+    ResumeState,
+    RoundRecord,
+    RunRecord,
+    Tensors,
+    utcnow,
+)
+from storage.schema import (
+    CheckpointRow,
+    DeviceResultRow,
+    DeviceRow,
+    EventRow,
+    MetricRow,
+    RoundRow,
+    RunRow,
+)
+
+__all__ = ["SqlRunStore", "create_store_engine"]
+
+_SQLITE_BUSY_MS = 30_000
+
+
+def _utc(value: datetime | None) -> datetime | None:
+    """SQLite returns naive datetimes; every stored time is UTC."""
+    if value is None or value.tzinfo is not None:
+        return value
+    return value.replace(tzinfo=UTC)
+
+
+def create_store_engine(url: str) -> Engine:
+    """An engine with the settings the store relies on (SQLite: WAL, foreign keys, busy
+    timeout, BEGIN IMMEDIATE so writers queue instead of failing with 'database is locked')."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite":
+        return create_engine(url, pool_pre_ping=True)
+    engine = create_engine(url, connect_args={"timeout": _SQLITE_BUSY_MS / 1000})
+
+    @event.listens_for(engine, "connect")
+    def _configure(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.isolation_level = None  # transactions are begun explicitly below
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.execute(f"PRAGMA busy_timeout={_SQLITE_BUSY_MS}")
+        cursor.execute("PRAGMA synchronous=FULL")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _begin(connection: Any) -> None:
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+    return engine
+
+
+def _device(row: DeviceRow) -> DeviceRecord:
+    return DeviceRecord(
+        row.name,
+        row.kind,
+        row.memory_bytes,
+        row.flops,
+        row.uplink_bytes,
+        row.credentials_ref,
+        row.status,
+        _utc(row.last_seen),
+    )
+
+
+def _run(row: RunRow) -> RunRecord:
+    return RunRecord(
+        row.id,
+        dict(row.config),
+        row.status,
+        row.seed,
+        _utc(row.created_at) or utcnow(),
+        _utc(row.updated_at) or utcnow(),
+        row.plan,
+        row.plan_version,
+        row.current_round,
+    )
+
+
+def _result(row: DeviceResultRow) -> DeviceResult:
+    return DeviceResult(
+        row.device,
+        row.examples,
+        row.loss,
+        row.accuracy,
+        row.bytes_sent,
+        row.bytes_received,
+        row.wall_seconds,
+        row.peak_memory_bytes,
+        row.failure,
+    )
+
+
+def _round(row: RoundRow) -> RoundRecord:
+    results = tuple(sorted((_result(r) for r in row.results), key=lambda r: r.device))
+    return RoundRecord(
+        row.run_id,
+        row.number,
+        row.state,
+        tuple(row.participants),
+        results,
+        dict(row.metrics),
+        dict(row.evaluation),
+        _utc(row.opened_at),
+        _utc(row.committed_at),
+    )
+
+
+class SqlRunStore(RunStore):
+    """Rows in SQL, checkpoint tensors in content-addressed safetensors files."""
+
+    def __init__(self, url: str, checkpoint_dir: str | Path, migrate: bool = True) -> None:
+        self.url = url
+        self.engine = create_store_engine(url)
+        if migrate:
+            from storage.migrate import upgrade
+
+            upgrade(self.engine)
+        self.files = CheckpointFiles(checkpoint_dir)
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+
+    @contextmanager
+    def _session(self) -> Iterator[Session]:
+        with self._sessions.begin() as session:
+            yield session
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    # ---------------------------------------------------------------- devices
+    def upsert_device(self, device: DeviceRecord) -> None:
+        with self._session() as session:
+            row = session.scalar(select(DeviceRow).where(DeviceRow.name == device.name))
+            if row is None:
+                row = DeviceRow(name=device.name)
+                session.add(row)
+            row.kind, row.memory_bytes, row.flops = device.kind, device.memory_bytes, device.flops
+            row.uplink_bytes, row.credentials_ref = device.uplink_bytes, device.credentials_ref
+            row.status, row.last_seen = device.status, device.last_seen
+
+    def _device_row(self, session: Session, name: str) -> DeviceRow:
+        row = session.scalar(select(DeviceRow).where(DeviceRow.name == name))
+        if row is None:
+            raise NotFoundError(f"no device named {name!r}")
+        return row
+
+    def get_device(self, name: str) -> DeviceRecord:
+        with self._session() as session:
+            return _device(self._device_row(session, name))
+
+    def list_devices(self) -> list[DeviceRecord]:
+        with self._session() as session:
+            return [_device(r) for r in session.scalars(select(DeviceRow).order_by(DeviceRow.name))]
+
+    def _mark_device(self, name: str, status: str) -> None:
+        with self._session() as session:
+            row = self._device_row(session, name)
+            row.status, row.last_seen = status, utcnow()
+
+    # ---------------------------------------------------------------- runs
+    def _create_run(self, run_id: str, config: dict[str, Any], seed: int) -> RunRecord:
+        now = utcnow()
+        try:
+            with self._session() as session:
+                row = RunRow(
+                    id=run_id,
+                    config=config,
+                    status="created",
+                    seed=seed,
+                    created_at=now,
+                    updated_at=now,
+                    plan=None,
+                    plan_version=0,
+                )
+                session.add(row)
+                session.flush()
+                return _run(row)
+        except IntegrityError as error:
+            raise StateError(f"run {run_id!r} exists already") from error
+
+    def _run_row(self, session: Session, run_id: str) -> RunRow:
+        row = session.get(RunRow, run_id)
+        if row is None:
+            raise NotFoundError(f"no run {run_id!r}")
+        return row
+
+    def get_run(self, run_id: str) -> RunRecord:
+        with self._session() as session:
+            return _run(self._run_row(session, run_id))
+
+    def list_runs(self) -> list[RunRecord]:
+        with self._session() as session:
+            return [_run(r) for r in session.scalars(select(RunRow).order_by(RunRow.created_at))]
+
+    def _set_run_status(self, run_id: str, status: str) -> None:
+        with self._session() as session:
+            row = self._run_row(session, run_id)
+            row.status, row.updated_at = status, utcnow()
+
+    def set_plan(self, run_id: str, plan: Mapping[str, Any]) -> int:
+        with self._session() as session:
+            row = self._run_row(session, run_id)
+            row.plan, row.plan_version, row.updated_at = dict(plan), row.plan_version + 1, utcnow()
+            return row.plan_version
+
+    # ---------------------------------------------------------------- rounds
+    def _round_row(self, session: Session, run_id: str, number: int) -> RoundRow:
+        row = session.scalar(
+            select(RoundRow).where(RoundRow.run_id == run_id, RoundRow.number == number)
+        )
+        if row is None:
+            raise NotFoundError(f"no round {number} in run {run_id!r}")
+        return row
+
+    def _uncommitted(self, session: Session, run_id: str, number: int) -> RoundRow:
+        row = self._round_row(session, run_id, number)
+        if row.state == "committed":
+            raise StateError(f"round {number} of run {run_id!r} is committed already")
+        return row
+
+    def open_round(self, run_id: str, number: int, participants: Sequence[str]) -> RoundRecord:
+        with self._session() as session:
+            self._run_row(session, run_id)
+            row = session.scalar(
+                select(RoundRow).where(RoundRow.run_id == run_id, RoundRow.number == number)
+            )
+            if row is not None and row.state == "committed":
+                raise StateError(f"round {number} of run {run_id!r} is committed already")
+            if row is None:
+                row = RoundRow(run_id=run_id, number=number)
+                session.add(row)
+            row.state, row.participants, row.opened_at = "open", list(participants), utcnow()
+            row.metrics, row.evaluation, row.committed_at = {}, {}, None
+            row.results.clear()
+            session.flush()
+            return _round(row)
+
+    def record_result(self, run_id: str, number: int, result: DeviceResult) -> None:
+        validate_result(result)
+        with self._session() as session:
+            row = self._uncommitted(session, run_id, number)
+            for existing in list(row.results):
+                if existing.device == result.device:
+                    row.results.remove(existing)
+            session.flush()
+            row.results.append(
+                DeviceResultRow(
+                    device=result.device,
+                    examples=result.examples,
+                    loss=result.loss,
+                    accuracy=result.accuracy,
+                    bytes_sent=result.bytes_sent,
+                    bytes_received=result.bytes_received,
+                    wall_seconds=result.wall_seconds,
+                    peak_memory_bytes=result.peak_memory_bytes,
+                    failure=result.failure,
+                )
+            )
+
+    def _set_round_state(self, run_id: str, number: int, state: str) -> None:
+        with self._session() as session:
+            self._uncommitted(session, run_id, number).state = state
+
+    def commit_round(
+        self,
+        run_id: str,
+        number: int,
+        weights: Mapping[str, Tensors],
+        optimizer_states: Mapping[str, Tensors] | None = None,
+        metrics: Mapping[str, float] | None = None,
+        evaluation: Mapping[str, float] | None = None,
+    ) -> RoundRecord:
+        if not weights:
+            raise ValueError("commit_round: weights must name at least one segment")
+        # 1. Files first, each fsynced and renamed into place: durable before any row names them.
+        refs = [
+            CheckpointRef(segment, "weights", *self.files.put(tensors))
+            for segment, tensors in weights.items()
+        ]
+        refs += [
+            CheckpointRef(segment, "optimizer", *self.files.put(tensors))
+            for segment, tensors in (optimizer_states or {}).items()
+        ]
+        # 2. One transaction makes the round committed and current, or nothing happens.
+        with self._session() as session:
+            row = self._uncommitted(session, run_id, number)
+            for ref in refs:
+                row.checkpoints.append(
+                    CheckpointRow(
+                        segment=ref.segment,
+                        kind=ref.kind,
+                        sha256=ref.sha256,
+                        size_bytes=ref.size_bytes,
+                    )
+                )
+            row.state, row.committed_at = "committed", utcnow()
+            row.metrics = {k: float(v) for k, v in (metrics or {}).items()}
+            row.evaluation = {k: float(v) for k, v in (evaluation or {}).items()}
+            run = self._run_row(session, run_id)
+            if run.current_round is None or number > run.current_round:
+                run.current_round = number
+            run.updated_at = utcnow()
+            session.flush()
+            return _round(row)
+
+    def get_round(self, run_id: str, number: int) -> RoundRecord:
+        with self._session() as session:
+            return _round(self._round_row(session, run_id, number))
+
+    def list_rounds(self, run_id: str) -> list[RoundRecord]:
+        with self._session() as session:
+            self._run_row(session, run_id)
+            rows = session.scalars(
+                select(RoundRow).where(RoundRow.run_id == run_id).order_by(RoundRow.number)
+            )
+            return [_round(r) for r in rows]
+
+    def resume(self, run_id: str) -> ResumeState | None:
+        with self._session() as session:
+            run = self._run_row(session, run_id)
+            if run.current_round is None:
+                return None
+            row = self._round_row(session, run_id, run.current_round)
+            refs = tuple(
+                CheckpointRef(c.segment, c.kind, c.sha256, c.size_bytes) for c in row.checkpoints
+            )
+            record, run_record = _round(row), _run(run)
+        weights: dict[str, dict[str, Any]] = {}
+        states: dict[str, dict[str, Any]] = {}
+        for ref in refs:
+            target = weights if ref.kind == "weights" else states
+            target[ref.segment] = self.files.get(ref.sha256, ref.size_bytes)
+        return ResumeState(run_record, record, weights, states, refs)
+
+    # ---------------------------------------------------------------- metrics and events
+    def add_metrics(self, run_id: str, points: Iterable[MetricPoint]) -> None:
+        with self._session() as session:
+            self._run_row(session, run_id)
+            session.add_all(
+                MetricRow(
+                    run_id=run_id,
+                    round=p.round,
+                    device=p.device,
+                    name=p.name,
+                    value=float(p.value),
+                    recorded_at=p.recorded_at or utcnow(),
+                )
+                for p in points
+            )
+
+    def metrics(self, run_id: str, name: str | None = None) -> list[MetricPoint]:
+        query = select(MetricRow).where(MetricRow.run_id == run_id)
+        if name is not None:
+            query = query.where(MetricRow.name == name)
+        with self._session() as session:
+            return [
+                MetricPoint(r.name, r.value, r.round, r.device, _utc(r.recorded_at))
+                for r in session.scalars(query.order_by(MetricRow.id))
+            ]
+
+    def add_event(self, run_id: str | None, event: Event) -> None:
+        with self._session() as session:
+            if run_id is not None:
+                self._run_row(session, run_id)
+            session.add(
+                EventRow(
+                    run_id=run_id,
+                    kind=event.kind,
+                    detail=event.detail,
+                    device=event.device,
+                    round=event.round,
+                    at=event.at or utcnow(),
+                )
+            )
+
+    def events(self, run_id: str | None = None) -> list[Event]:
+        query = select(EventRow)
+        if run_id is not None:
+            query = query.where(EventRow.run_id == run_id)
+        with self._session() as session:
+            return [
+                Event(r.kind, r.detail, r.device, r.round, _utc(r.at))
+                for r in session.scalars(query.order_by(EventRow.id))
+            ]
+
+    # ---------------------------------------------------------------- maintenance
+    def integrity_problems(self, deep: bool = False) -> list[str]:
+        problems: list[str] = []
+        with self._session() as session:
+            for run in session.scalars(select(RunRow)):
+                committed = session.scalar(
+                    select(func.max(RoundRow.number)).where(
+                        RoundRow.run_id == run.id, RoundRow.state == "committed"
+                    )
+                )
+                if run.current_round != committed:
+                    problems.append(
+                        f"run {run.id!r}: current round {run.current_round} but "
+                        f"last committed round is {committed}"
+                    )
+            for row in session.scalars(select(RoundRow).where(RoundRow.state == "committed")):
+                kinds = {c.kind for c in row.checkpoints}
+                if "weights" not in kinds:
+                    problems.append(
+                        f"run {row.run_id!r} round {row.number}: committed without weights"
+                    )
+                if row.committed_at is None:
+                    problems.append(f"run {row.run_id!r} round {row.number}: no commit time")
+            for checkpoint in session.scalars(select(CheckpointRow)):
+                problem = self.files.check(checkpoint.sha256, checkpoint.size_bytes, deep)
+                if problem:
+                    problems.append(problem)
+        return problems
+
+    def collect_garbage(self, older_than_seconds: float = 3600.0) -> int:
+        with self._session() as session:
+            referenced = set(session.scalars(select(CheckpointRow.sha256)))
+        return self.files.collect_garbage(referenced, older_than_seconds)
+
+
+def verify_checkpoint(store: SqlRunStore, ref: CheckpointRef) -> None:
+    """Raise :class:`CheckpointError` if the file of ``ref`` is not intact."""
+    problem = store.files.check(ref.sha256, ref.size_bytes, deep=True)
+    if problem:
+        raise CheckpointError(problem)

@@ -1,0 +1,206 @@
+"""One contract for every run-store backend: in-memory, SQLite file, PostgreSQL."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from storage import (
+    DeviceRecord,
+    DeviceResult,
+    Event,
+    InMemoryRunStore,
+    MetricPoint,
+    NotFoundError,
+    RunStore,
+    StateError,
+    open_store,
+)
+
+CONFIG = {"model": "cnn", "rounds": 3, "optimizer": {"name": "sgd", "lr": 0.1}}
+
+
+def weights_for(round_number: int) -> dict[str, dict[str, np.ndarray]]:
+    return {
+        "edge-0-2": {"0.weight": np.full((4, 3), round_number, dtype=np.float32)},
+        "server-2-6": {
+            "2.weight": np.arange(6, dtype=np.float32) + round_number,
+            "2.bias": np.zeros(2, dtype=np.float16),
+        },
+    }
+
+
+class StoreContract:
+    """Behaviour every backend must have. Subclasses provide the ``store`` fixture."""
+
+    @pytest.fixture
+    def store(self) -> Iterator[RunStore]:
+        raise NotImplementedError
+
+    def test_devices_upsert_and_mark(self, store: RunStore) -> None:
+        store.upsert_device(DeviceRecord("pi-01", "edge", 2**28, 2e9, 2.5e6, "secret/pi-01"))
+        store.upsert_device(DeviceRecord("gpu-a", "gpu", 2**36, 1e14))
+        store.upsert_device(DeviceRecord("pi-01", "edge", 2**29, 2e9, 2.5e6, "secret/pi-01"))
+        store.mark_device("pi-01", "online")
+        pi = store.get_device("pi-01")
+        assert pi.memory_bytes == 2**29 and pi.status == "online" and pi.last_seen is not None
+        assert [d.name for d in store.list_devices()] == ["gpu-a", "pi-01"]
+        with pytest.raises(NotFoundError):
+            store.get_device("nope")
+        with pytest.raises(ValueError, match="status"):
+            store.mark_device("pi-01", "asleep")
+
+    def test_run_lifecycle_and_plan_versions(self, store: RunStore) -> None:
+        run = store.create_run("demo-1", CONFIG, seed=7)
+        assert (run.status, run.seed, run.config, run.current_round) == ("created", 7, CONFIG, None)
+        with pytest.raises(StateError, match="exists"):
+            store.create_run("demo-1", CONFIG, seed=7)
+        assert store.set_plan("demo-1", {"edges": [1]}) == 1
+        assert store.set_plan("demo-1", {"edges": [2]}) == 2
+        store.set_run_status("demo-1", "training")
+        run = store.get_run("demo-1")
+        assert run.plan == {"edges": [2]} and run.plan_version == 2 and run.status == "training"
+        assert run.created_at.tzinfo is not None
+        with pytest.raises(ValueError, match="status"):
+            store.set_run_status("demo-1", "sleeping")
+        with pytest.raises(NotFoundError):
+            store.get_run("missing")
+
+    def test_round_commit_and_resume(self, store: RunStore) -> None:
+        store.create_run("r", CONFIG, seed=0)
+        assert store.resume("r") is None
+        store.open_round("r", 1, ["pi-01", "pi-02"])
+        store.record_result(
+            "r",
+            1,
+            DeviceResult(
+                "pi-01",
+                examples=100,
+                loss=1.5,
+                accuracy=0.4,
+                bytes_sent=1000,
+                bytes_received=500,
+                wall_seconds=2.5,
+                peak_memory_bytes=2**20,
+            ),
+        )
+        store.record_result("r", 1, DeviceResult("pi-02", failure="deadline missed"))
+        store.record_result("r", 1, DeviceResult("pi-01", examples=120, loss=1.2))  # replaces
+        store.set_round_state("r", 1, "aggregating")
+        optimizer = {"edge-0-2": {"0.weight.momentum": np.ones((4, 3), dtype=np.float32)}}
+        record = store.commit_round(
+            "r", 1, weights_for(1), optimizer, {"loss": 1.2}, {"accuracy": 0.55}
+        )
+        assert record.state == "committed" and record.evaluation == {"accuracy": 0.55}
+        results = {r.device: r for r in store.get_round("r", 1).results}
+        assert results["pi-01"].examples == 120 and results["pi-02"].failure == "deadline missed"
+        state = store.resume("r")
+        assert state is not None and state.round.number == 1
+        assert state.participants == ("pi-01", "pi-02")
+        for segment, tensors in weights_for(1).items():
+            for name, array in tensors.items():
+                restored = state.weights[segment][name]
+                assert restored.dtype == array.dtype and np.array_equal(restored, array)
+        assert np.array_equal(
+            state.optimizer_states["edge-0-2"]["0.weight.momentum"],
+            np.ones((4, 3), dtype=np.float32),
+        )
+        assert store.get_run("r").current_round == 1
+        assert store.integrity_problems(deep=True) == []
+
+    def test_committed_round_is_final_and_reopening_an_open_round_resets_it(
+        self, store: RunStore
+    ) -> None:
+        store.create_run("r", CONFIG, seed=0)
+        store.open_round("r", 1, ["a"])
+        store.commit_round("r", 1, weights_for(1))
+        with pytest.raises(StateError, match="committed already"):
+            store.commit_round("r", 1, weights_for(1))
+        with pytest.raises(StateError):
+            store.open_round("r", 1, ["a"])
+        with pytest.raises(StateError):
+            store.record_result("r", 1, DeviceResult("a"))
+        store.open_round("r", 2, ["a", "b"])
+        store.record_result("r", 2, DeviceResult("a", examples=5))
+        reopened = store.open_round("r", 2, ["b"])  # a retry after a failed round
+        assert reopened.participants == ("b",) and reopened.results == ()
+        with pytest.raises(StateError, match="commit_round"):
+            store.set_round_state("r", 2, "committed")
+        with pytest.raises(ValueError, match="weights"):
+            store.commit_round("r", 2, {})
+        assert [r.number for r in store.list_rounds("r")] == [1, 2]
+        assert store.resume("r").round.number == 1  # type: ignore[union-attr]
+
+    def test_bad_results_are_rejected(self, store: RunStore) -> None:
+        store.create_run("r", CONFIG, seed=0)
+        store.open_round("r", 1, ["a"])
+        with pytest.raises(ValueError, match="counts"):
+            store.record_result("r", 1, DeviceResult("a", examples=-1))
+        with pytest.raises(NotFoundError):
+            store.record_result("r", 9, DeviceResult("a"))
+
+    def test_metrics_and_events(self, store: RunStore) -> None:
+        store.create_run("r", CONFIG, seed=0)
+        store.add_metrics(
+            "r",
+            [
+                MetricPoint("loss", 2.0, round=1, device="pi-01"),
+                MetricPoint("accuracy", 0.5, round=1),
+            ],
+        )
+        store.add_metrics("r", [MetricPoint("loss", 1.0, round=2, device="pi-01")])
+        assert [p.value for p in store.metrics("r", "loss")] == [2.0, 1.0]
+        assert len(store.metrics("r")) == 3
+        store.add_event("r", Event("device_joined", device="pi-01"))
+        store.add_event(None, Event("message_rejected", "NaN in activations", device="pi-02"))
+        assert [e.kind for e in store.events("r")] == ["device_joined"]
+        assert [e.kind for e in store.events()] == ["device_joined", "message_rejected"]
+        assert store.events()[1].at is not None
+
+    def test_concurrent_writers_do_not_fail(self, store: RunStore) -> None:
+        store.create_run("r", CONFIG, seed=0)
+        errors: list[BaseException] = []
+
+        def write(worker: int) -> None:
+            try:
+                for i in range(25):
+                    store.add_metrics("r", [MetricPoint("loss", float(i), device=f"d{worker}")])
+                    store.add_event("r", Event("tick", str(i), device=f"d{worker}"))
+                    store.get_run("r")
+            except BaseException as error:
+                errors.append(error)
+
+        threads = [threading.Thread(target=write, args=(w,)) for w in range(6)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert errors == []
+        assert len(store.metrics("r")) == 6 * 25 and len(store.events("r")) == 6 * 25
+
+
+@pytest.mark.unit
+class TestInMemoryStore(StoreContract):
+    @pytest.fixture
+    def store(self) -> Iterator[RunStore]:
+        yield InMemoryRunStore()
+
+
+@pytest.mark.integration
+class TestSqliteStore(StoreContract):
+    @pytest.fixture
+    def store(self, tmp_path: Path) -> Iterator[RunStore]:
+        with open_store(str(tmp_path / "runs.db")) as store:
+            yield store
+
+
+@pytest.mark.integration
+class TestPostgresStore(StoreContract):
+    @pytest.fixture
+    def store(self, postgres_url: str, tmp_path: Path) -> Iterator[RunStore]:
+        with open_store(postgres_url, tmp_path / "checkpoints") as store:
+            yield store
