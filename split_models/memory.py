@@ -97,14 +97,12 @@ class _Chain:
         saved = block.saved_bytes
         if self.last is None:
             per_sample, fixed = block.first_backward_bytes, block.first_backward_fixed_bytes
-            setup = block.first_kernel_setup_bytes
         else:
             per_sample, fixed = block.backward_bytes, block.backward_fixed_bytes
-            setup = block.kernel_setup_bytes
             if block.saves_input and not self.last.saves_output:
                 saved += block.input_bytes
         saved_total = batch * saved + block.saved_fixed_bytes
-        return saved_total, saved_total + batch * per_sample + fixed, setup
+        return saved_total, saved_total + batch * per_sample + fixed, block.kernel_setup_bytes
 
     def add(self, block: BlockProfile) -> None:
         saved, training_pass, setup = self._extend(block)

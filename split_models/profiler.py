@@ -62,7 +62,6 @@ class BlockProfile:
     first_backward_bytes: int = 0  # the same two when the input needs no gradient (segment start)
     first_backward_fixed_bytes: int = 0
     kernel_setup_bytes: int = 0  # left resident by the first pass at the profiled batch size
-    first_kernel_setup_bytes: int = 0
     summary: str = ""
 
     @classmethod
@@ -288,8 +287,8 @@ def profile_module(
         backward_fixed_bytes=backward[1],
         first_backward_bytes=first[0],
         first_backward_fixed_bytes=first[1],
-        kernel_setup_bytes=backward[2],
-        first_kernel_setup_bytes=first[2],
+        # Both passes share the forward kernels; whichever ran first paid for them.
+        kernel_setup_bytes=max(backward[2], first[2]),
         summary=_summary(module),
     )
 

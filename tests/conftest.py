@@ -48,3 +48,19 @@ def postgres_url() -> Iterator[str]:
         with admin.connect() as connection:
             connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         admin.dispose()
+
+
+@pytest.fixture(scope="module")
+def broker() -> Iterator[object]:
+    """A private mosquitto on a free loopback port for this test module."""
+    from wire.broker import Broker
+    from wire.errors import TransportError
+
+    try:
+        instance = Broker()
+    except TransportError as error:
+        if os.environ.get("CI"):
+            pytest.fail(str(error))
+        pytest.skip(str(error))
+    with instance:
+        yield instance

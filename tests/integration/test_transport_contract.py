@@ -1,0 +1,206 @@
+"""One contract for both transports: in-process and MQTT (a real mosquitto on loopback)."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+
+from wire import topics
+from wire.broker import Broker
+from wire.channel import Channel
+from wire.codec import Envelope, TensorSpec, encode
+from wire.mqtt import MqttConfig, MqttTransport
+from wire.transport import InProcessHub, InProcessTransport, Transport, Will
+
+Factory = Callable[..., Transport]
+
+
+class Inbox:
+    """Collects deliveries and waits for them."""
+
+    def __init__(self) -> None:
+        self.items: list[object] = []
+        self._condition = threading.Condition()
+
+    def __call__(self, *item: object) -> None:
+        with self._condition:
+            self.items.append(item if len(item) > 1 else item[0])
+            self._condition.notify_all()
+
+    def wait(self, count: int, timeout: float = 10.0) -> list[object]:
+        deadline = time.monotonic() + timeout
+        with self._condition:
+            while len(self.items) < count and time.monotonic() < deadline:
+                self._condition.wait(0.05)
+        return list(self.items)
+
+
+def settle(seconds: float = 0.3) -> None:
+    time.sleep(seconds)  # let subscriptions reach the broker before publishing
+
+
+class TransportContract:
+    @pytest.fixture
+    def connect(self) -> Iterator[Factory]:
+        raise NotImplementedError
+
+    def test_publish_subscribe_with_wildcards(self, connect: Factory) -> None:
+        publisher, subscriber = connect("pub"), connect("sub")
+        exact, plus, hash_ = Inbox(), Inbox(), Inbox()
+        subscriber.subscribe("edgesplit/v1/r/act/seg-a", exact)
+        subscriber.subscribe("edgesplit/v1/r/act/+", plus)
+        subscriber.subscribe("edgesplit/v1/#", hash_)
+        settle()
+        publisher.publish("edgesplit/v1/r/act/seg-a", b"one")
+        publisher.publish("edgesplit/v1/r/act/seg-b", b"two")
+        publisher.publish("edgesplit/v1/other", b"three")
+        assert [p for _, p in hash_.wait(3)] == [b"one", b"two", b"three"]  # type: ignore[misc]
+        assert [p for _, p in plus.wait(2)] == [b"one", b"two"]  # type: ignore[misc]
+        assert exact.wait(1) == [("edgesplit/v1/r/act/seg-a", b"one")]
+
+    def test_retained_presence_and_last_will(self, connect: Factory) -> None:
+        device = f"pi-{uuid.uuid4().hex[:6]}"
+        will = Will(topics.presence(device), b"offline")
+        agent = connect(f"agent-{device}", will=will)
+        agent.publish(topics.presence(device), b"online", retain=True)
+        agent.flush()
+        watcher = Inbox()
+        observer = connect("observer")
+        observer.subscribe(topics.presence(device), watcher)
+        assert watcher.wait(1) == [(topics.presence(device), b"online")]  # retained
+        agent.kill()  # type: ignore[attr-defined]
+        assert watcher.wait(2, timeout=60)[-1] == (topics.presence(device), b"offline")
+        late = Inbox()
+        connect("late").subscribe(topics.presence(device), late)
+        assert late.wait(1) == [(topics.presence(device), b"offline")]
+
+    def test_shared_subscription_splits_the_stream(self, connect: Factory) -> None:
+        stream = f"edgesplit/v1/r/act/{uuid.uuid4().hex[:8]}"
+        first, second = Inbox(), Inbox()
+        connect("gpu-a").subscribe(topics.shared("gpus", stream), first)
+        connect("gpu-b").subscribe(topics.shared("gpus", stream), second)
+        settle()
+        producer = connect("edge")
+        for index in range(40):
+            producer.publish(stream, str(index).encode())
+        deadline = time.monotonic() + 10
+        while len(first.items) + len(second.items) < 40 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        got = sorted(int(p) for _, p in [*first.items, *second.items])  # type: ignore[misc]
+        assert got == list(range(40)), "each message reaches exactly one group member"
+        assert first.items and second.items, "both consumers share the load"
+
+    def test_channel_chunks_large_messages_and_drops_duplicates(self, connect: Factory) -> None:
+        sender, receiver = Channel(connect("edge-c"), "pi-01", chunk_bytes=1 << 20), Inbox()
+        listener = Channel(connect("gpu-c"), "gpu-a")
+        topic = topics.activations("r", "seg-big")
+        expect = {"x": TensorSpec("float32", (None, 1024)), "y": TensorSpec("int64", (None,))}
+        listener.subscribe(topic, receiver, expect=expect)
+        settle()
+        x = np.random.default_rng(0).standard_normal((3000, 1024)).astype(np.float32)  # 12 MB
+        sender.send(topic, "activations", "r", tensors={"x": x, "y": np.arange(3000)})
+        (envelope,) = receiver.wait(1, timeout=30)
+        assert isinstance(envelope, Envelope) and np.array_equal(envelope.tensors["x"], x)
+        duplicate = encode(
+            Envelope(
+                "activations",
+                "r",
+                "pi-01",
+                0,
+                0,
+                {"epoch": sender.epoch},
+                {"x": x[:2], "y": np.arange(2)},
+            )
+        )
+        sender.transport.publish(topic, duplicate)  # same (sender, epoch, kind, seq): redelivery
+        sender.send(topic, "activations", "r", tensors={"x": x[:5], "y": np.arange(5)})
+        received = receiver.wait(2, timeout=10)
+        assert len(received) == 2 and listener.stats.duplicates == 1
+
+    def test_malformed_messages_are_counted_and_dropped(self, connect: Factory) -> None:
+        receiver, rejected = Inbox(), Inbox()
+        listener = Channel(connect("gpu-m"), "gpu-a")
+        topic = topics.activations("r", "seg-m")
+        expect = {"x": TensorSpec("float32", (None, 4))}
+        listener.subscribe(
+            topic, receiver, expect=expect, on_reject=lambda t, e: rejected(e.reason)
+        )
+        settle()
+        raw = connect("attacker")
+        good = encode(
+            Envelope(
+                "activations",
+                "r",
+                "pi",
+                0,
+                0,
+                {"epoch": "a"},
+                {"x": np.ones((2, 4), dtype=np.float32)},
+            )
+        )
+        nan = np.ones((2, 4), dtype=np.float32)
+        nan[0, 0] = np.nan
+        raw.publish(topic, good[: len(good) // 2])  # truncated inside the header
+        raw.publish(
+            topic,
+            encode(
+                Envelope(
+                    "activations",
+                    "r",
+                    "pi",
+                    1,
+                    0,
+                    {"epoch": "a"},
+                    {"x": np.ones((2, 5), dtype=np.float32)},
+                )
+            ),
+        )
+        raw.publish(
+            topic, encode(Envelope("activations", "r", "pi", 2, 0, {"epoch": "a"}, {"x": nan}))
+        )
+        raw.publish(topic, b"ESW1" + b"\xff" * 20)
+        raw.publish(topic, good.replace(b'"activations"', b'"exfiltrate!"'))
+        raw.publish(topic, good)  # and a good one still goes through afterwards
+        (delivered,) = receiver.wait(1)
+        assert isinstance(delivered, Envelope) and delivered.seq == 0
+        reasons = rejected.wait(5)
+        assert sorted(reasons) == sorted(["framing", "shape", "non_finite", "framing", "kind"])
+        assert sum(listener.stats.rejected.values()) == 5
+
+
+class TestInProcessTransport(TransportContract):
+    pytestmark = pytest.mark.unit
+
+    @pytest.fixture
+    def connect(self) -> Iterator[Factory]:
+        hub, made = InProcessHub(), []
+
+        def factory(client_id: str, will: Will | None = None) -> InProcessTransport:
+            made.append(hub.connect(client_id, will))
+            return made[-1]
+
+        yield factory
+        for transport in made:
+            transport.close()
+
+
+class TestMqttTransport(TransportContract):
+    pytestmark = pytest.mark.integration
+
+    @pytest.fixture
+    def connect(self, broker: Broker) -> Iterator[Factory]:
+        made: list[MqttTransport] = []
+        config = MqttConfig.from_url(broker.url, keepalive=2)
+
+        def factory(client_id: str, will: Will | None = None) -> MqttTransport:
+            made.append(MqttTransport(config, f"{client_id}-{uuid.uuid4().hex[:6]}", will))
+            return made[-1]
+
+        yield factory
+        for transport in made:
+            transport.close()

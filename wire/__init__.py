@@ -1,0 +1,26 @@
+"""The wire protocol shared by all edgesplit roles: topics, envelopes, transports, Flower.
+
+Torch-free: tensors are numpy arrays here, converted at the edge of each role.
+"""
+
+from wire.channel import Channel, ChannelStats
+from wire.codec import ENCODINGS, KINDS, Envelope, TensorSpec, decode, encode
+from wire.errors import TransportError, WireError
+from wire.transport import InProcessHub, InProcessTransport, Transport, Will
+
+__all__ = [
+    "ENCODINGS",
+    "KINDS",
+    "Channel",
+    "ChannelStats",
+    "Envelope",
+    "InProcessHub",
+    "InProcessTransport",
+    "TensorSpec",
+    "Transport",
+    "TransportError",
+    "Will",
+    "WireError",
+    "decode",
+    "encode",
+]

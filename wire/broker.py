@@ -1,0 +1,117 @@
+"""A mosquitto broker for development and tests, with a generated configuration.
+
+MQTT v5 is always on in mosquitto 2. The configuration raises ``max_packet_size`` above the
+Channel's chunk size and lifts the per-client queue bound (``max_queued_messages 0``), so QoS 1
+data is never dropped by the broker.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from wire.errors import TransportError
+
+__all__ = ["Broker", "broker_config", "free_port"]
+
+INSTALL_HINT = (
+    "mosquitto is not installed; install it with `apt-get install mosquitto` "
+    "(Debian/Ubuntu) or `brew install mosquitto` (macOS)"
+)
+MAX_PACKET_BYTES = 80 * 1024 * 1024
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def broker_config(port: int, extra: str = "", persistence_dir: Path | None = None) -> str:
+    lines = [
+        f"listener {port} 127.0.0.1",
+        "allow_anonymous true",
+        f"max_packet_size {MAX_PACKET_BYTES}",
+        "max_queued_messages 0",
+        "max_queued_bytes 0",
+        "max_inflight_messages 0",
+        "set_tcp_nodelay true",
+        "persistent_client_expiration 1h",
+    ]
+    if persistence_dir is not None:
+        lines += ["persistence true", f"persistence_location {persistence_dir}/"]
+    return "\n".join(lines) + "\n" + extra
+
+
+class Broker:
+    """Runs mosquitto in the foreground on a loopback port until ``stop()``."""
+
+    def __init__(
+        self, port: int | None = None, extra_config: str = "", persistence: bool = False
+    ) -> None:
+        executable = shutil.which("mosquitto") or (
+            "/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None
+        )
+        if executable is None:
+            raise TransportError(INSTALL_HINT)
+        self.executable = executable
+        self.port = port or free_port()
+        self._dir = Path(tempfile.mkdtemp(prefix="edgesplit-broker-"))
+        persistence_dir = self._dir if persistence else None
+        self.config_path = self._dir / "mosquitto.conf"
+        self.config_path.write_text(broker_config(self.port, extra_config, persistence_dir))
+        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"mqtt://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 10.0) -> Broker:
+        self._process = subprocess.Popen(
+            [self.executable, "-c", str(self.config_path)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._process.poll() is not None:
+                error = self._process.stderr.read().decode() if self._process.stderr else ""
+                raise TransportError(f"mosquitto exited at start: {error.strip()}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                    return self
+            except OSError:
+                time.sleep(0.05)
+        self.stop()
+        raise TransportError(f"mosquitto did not listen on port {self.port} in {timeout} s")
+
+    def stop(self) -> None:
+        if self._process is not None and self._process.poll() is None:
+            self._process.terminate()
+            try:
+                self._process.wait(5)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+        self._process = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def __enter__(self) -> Broker:
+        return self.start()
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def wait(self) -> int:
+        """Block until mosquitto exits (the foreground ``edgesplit broker`` command)."""
+        if self._process is None:
+            return 0
+        return self._process.wait()

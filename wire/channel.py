@@ -1,0 +1,170 @@
+"""Envelopes over a transport: encoding, chunking, exactly-once processing, validation.
+
+Each sender numbers its messages per stream (``seq``) under an ``epoch`` chosen at start, so a
+restarted sender begins a new stream. A receiver remembers recent sequence numbers per
+(sender, epoch, kind) and drops redelivered duplicates, turning MQTT's at-least-once delivery
+into exactly-once processing. Every inbound payload is validated; a bad one is counted under
+its reason, logged, and dropped without reaching the handler.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import threading
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from wire.chunks import Reassembler, is_chunk, split
+from wire.codec import MAX_MESSAGE_BYTES, Envelope, TensorSpec, decode, encode
+from wire.errors import WireError
+from wire.transport import Transport
+
+__all__ = ["Channel", "ChannelStats"]
+
+log = logging.getLogger(__name__)
+DEFAULT_CHUNK_BYTES = 8 * 1024 * 1024
+_WINDOW = 1 << 16
+
+
+@dataclass
+class ChannelStats:
+    sent: int = 0
+    received: int = 0
+    duplicates: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    rejected: collections.Counter[str] = field(default_factory=collections.Counter)
+
+
+class _Seen:
+    """Recent sequence numbers of one stream; anything older than the window counts as seen."""
+
+    def __init__(self) -> None:
+        self.highest = -1
+        self.recent: set[int] = set()
+
+    def first_time(self, seq: int) -> bool:
+        if seq <= self.highest - _WINDOW or seq in self.recent:
+            return False
+        self.recent.add(seq)
+        if seq > self.highest:
+            self.highest = seq
+            if len(self.recent) > 2 * _WINDOW:
+                self.recent = {s for s in self.recent if s > self.highest - _WINDOW}
+        return True
+
+
+class Channel:
+    """Sends and receives :class:`Envelope` messages for one participant (``sender``)."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        sender: str,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+        reassembly_timeout: float = 120.0,
+    ) -> None:
+        self.transport, self.sender = transport, sender
+        self.chunk_bytes = min(chunk_bytes, transport.max_payload - 4096)
+        self.max_message_bytes = max_message_bytes
+        self.epoch = uuid.uuid4().hex[:16]
+        self.stats = ChannelStats()
+        self._counters: dict[str, itertools.count[int]] = {}
+        self._seen: dict[tuple[str, str, str], _Seen] = {}
+        self._reassembler = Reassembler(max_message_bytes, reassembly_timeout)
+        self._lock = threading.Lock()
+
+    def send(
+        self,
+        topic: str,
+        kind: str,
+        run: str,
+        *,
+        round: int = 0,
+        tensors: Mapping[str, np.ndarray] | None = None,
+        meta: Mapping[str, Any] | None = None,
+        encoding: str = "fp32",
+        retain: bool = False,
+    ) -> int:
+        """Encode and publish one envelope (chunked if large); return its sequence number."""
+        with self._lock:
+            seq = next(self._counters.setdefault(kind, itertools.count()))
+        envelope = Envelope(
+            kind,
+            run,
+            self.sender,
+            seq,
+            round,
+            {**(meta or {}), "epoch": self.epoch},
+            dict(tensors or {}),
+        )
+        data = encode(envelope, encoding)
+        if len(data) > self.max_message_bytes:
+            raise ValueError(
+                f"message of {len(data)} bytes exceeds max_message_bytes {self.max_message_bytes}"
+            )
+        if len(data) <= self.chunk_bytes:
+            self.transport.publish(topic, data, retain)
+        else:
+            for frame in split(data, self.chunk_bytes):
+                self.transport.publish(topic, frame)
+        self.stats.sent += 1
+        self.stats.bytes_sent += len(data)
+        return seq
+
+    def subscribe(
+        self,
+        topic_filter: str,
+        handler: Callable[[Envelope], None],
+        expect: Mapping[str, TensorSpec] | None = None,
+        kinds: frozenset[str] | None = None,
+        on_reject: Callable[[str, WireError], None] | None = None,
+    ) -> None:
+        """Deliver each valid, first-seen envelope on ``topic_filter`` to ``handler``."""
+
+        def receive(topic: str, payload: bytes) -> None:
+            try:
+                envelope = self._accept(payload, expect, kinds)
+            except WireError as error:
+                self.stats.rejected[error.reason] += 1
+                log.warning("rejected message on %s: %s", topic, error)
+                if on_reject is not None:
+                    on_reject(topic, error)
+                return
+            if envelope is not None:
+                handler(envelope)
+
+        self.transport.subscribe(topic_filter, receive)
+
+    def _accept(
+        self, payload: bytes, expect: Mapping[str, TensorSpec] | None, kinds: frozenset[str] | None
+    ) -> Envelope | None:
+        if is_chunk(payload):
+            with self._lock:
+                whole = self._reassembler.feed(payload)
+            if whole is None:
+                return None
+            payload = whole
+        envelope = decode(payload, expect, self.max_message_bytes)
+        if kinds is not None and envelope.kind not in kinds:
+            raise WireError("kind", f"{envelope.kind!r} is not accepted here")
+        epoch = envelope.meta.get("epoch")
+        if not isinstance(epoch, str):
+            raise WireError("header", "meta.epoch is missing")
+        key = (envelope.sender, epoch, envelope.kind)
+        with self._lock:
+            first = self._seen.setdefault(key, _Seen()).first_time(envelope.seq)
+            if not first:
+                self.stats.duplicates += 1
+                return None
+            self.stats.received += 1
+            self.stats.bytes_received += len(payload)
+        meta = {k: v for k, v in envelope.meta.items() if k != "epoch"}
+        return replace(envelope, meta=meta)

@@ -1,0 +1,134 @@
+"""Chunking of payloads above the broker's packet limit, and bounded reassembly.
+
+Frame: ``b"ESC1"``, header length (uint32 LE), JSON ``{"id", "index", "count", "total",
+"sha256"}``, then the chunk's bytes. The reassembler keeps at most ``max_pending_bytes`` of
+incomplete messages, drops a message whose chunks stop arriving for ``timeout`` seconds, and
+checks the SHA-256 of the whole before handing it on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from wire.errors import WireError
+
+__all__ = ["CHUNK_MAGIC", "Reassembler", "is_chunk", "split"]
+
+CHUNK_MAGIC = b"ESC1"
+_LENGTH = struct.Struct("<I")
+_MAX_CHUNKS = 1 << 20
+
+
+def is_chunk(data: bytes) -> bool:
+    return data[: len(CHUNK_MAGIC)] == CHUNK_MAGIC
+
+
+def split(data: bytes, chunk_bytes: int) -> Iterator[bytes]:
+    """Frames of at most ``chunk_bytes`` payload each (plus a small header)."""
+    if chunk_bytes < 1024:
+        raise ValueError(f"chunk_bytes: must be >= 1024, got {chunk_bytes}")
+    count = max(1, -(-len(data) // chunk_bytes))
+    identity = uuid.uuid4().hex
+    digest = hashlib.sha256(data).hexdigest()
+    view = memoryview(data)
+    for index in range(count):
+        header = json.dumps(
+            {"id": identity, "index": index, "count": count, "total": len(data), "sha256": digest}
+        ).encode()
+        body = view[index * chunk_bytes : (index + 1) * chunk_bytes]
+        yield CHUNK_MAGIC + _LENGTH.pack(len(header)) + header + bytes(body)
+
+
+@dataclass
+class _Pending:
+    count: int
+    total: int
+    sha256: str
+    parts: dict[int, bytes] = field(default_factory=dict)
+    size: int = 0
+    last_seen: float = 0.0
+
+
+class Reassembler:
+    """Collects chunks per message id; ``feed`` returns the whole message when complete."""
+
+    def __init__(
+        self,
+        max_pending_bytes: int = 1 << 30,
+        timeout: float = 120.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.max_pending_bytes, self.timeout, self.clock = max_pending_bytes, timeout, clock
+        self._pending: dict[str, _Pending] = {}
+        self.expired = 0
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes reserved by incomplete messages: their declared totals."""
+        return sum(p.total for p in self._pending.values())
+
+    def _parse(self, data: bytes) -> tuple[dict[str, object], bytes]:
+        start = len(CHUNK_MAGIC) + _LENGTH.size
+        if len(data) < start or not is_chunk(data):
+            raise WireError("framing", "not a chunk frame")
+        (length,) = _LENGTH.unpack_from(data, len(CHUNK_MAGIC))
+        if start + length > len(data):
+            raise WireError("framing", "chunk header longer than the frame")
+        try:
+            header = json.loads(data[start : start + length])
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise WireError("header", f"chunk header is not JSON: {error}") from error
+        fields = {"id": str, "index": int, "count": int, "total": int, "sha256": str}
+        if not isinstance(header, dict) or any(
+            not isinstance(header.get(k), t) for k, t in fields.items()
+        ):
+            raise WireError("header", "chunk header misses id/index/count/total/sha256")
+        if not 0 <= header["index"] < header["count"] <= _MAX_CHUNKS or header["total"] < 0:
+            raise WireError("header", "chunk index/count out of range")
+        return header, data[start + length :]
+
+    def _expire(self, now: float) -> None:
+        for identity, pending in list(self._pending.items()):
+            if now - pending.last_seen > self.timeout:
+                del self._pending[identity]
+                self.expired += 1
+
+    def feed(self, data: bytes) -> bytes | None:
+        header, body = self._parse(data)
+        now = self.clock()
+        self._expire(now)
+        identity = str(header["id"])
+        pending = self._pending.get(identity)
+        if pending is None:
+            total = int(header["total"])  # type: ignore[call-overload]
+            if total > self.max_pending_bytes - self.pending_bytes:
+                raise WireError(
+                    "oversize",
+                    f"message of {total} bytes would exceed the "
+                    f"reassembly bound of {self.max_pending_bytes}",
+                )
+            pending = _Pending(int(header["count"]), total, str(header["sha256"]))  # type: ignore[call-overload]
+            self._pending[identity] = pending
+        if (pending.count, pending.total) != (header["count"], header["total"]):
+            raise WireError("header", "chunk disagrees with earlier chunks of its message")
+        index = int(header["index"])  # type: ignore[call-overload]
+        if index not in pending.parts:
+            if pending.size + len(body) > pending.total:
+                del self._pending[identity]
+                raise WireError("oversize", "chunks exceed the declared total size")
+            pending.parts[index] = body
+            pending.size += len(body)
+        pending.last_seen = now
+        if len(pending.parts) < pending.count:
+            return None
+        del self._pending[identity]
+        whole = b"".join(pending.parts[i] for i in range(pending.count))
+        if len(whole) != pending.total or hashlib.sha256(whole).hexdigest() != pending.sha256:
+            raise WireError("payload", "reassembled message does not match its size or hash")
+        return whole

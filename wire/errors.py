@@ -1,0 +1,18 @@
+"""Errors of the wire layer. A ``WireError`` carries a short machine-readable reason."""
+
+from __future__ import annotations
+
+__all__ = ["TransportError", "WireError"]
+
+
+class WireError(ValueError):
+    """An inbound message was rejected; ``reason`` is a short tag used in metrics."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+class TransportError(RuntimeError):
+    """The transport cannot do what was asked (not connected, payload too large...)."""

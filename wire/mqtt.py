@@ -1,0 +1,258 @@
+"""The MQTT transport: paho-mqtt 2, MQTT v5, QoS 1 for everything.
+
+Persistent sessions (``clean_start=False`` plus a session-expiry interval) keep subscriptions
+and queued QoS 1 messages across reconnects; subscriptions are re-sent when the broker did not
+keep the session. paho reconnects with exponential backoff. Outgoing messages wait in a bounded
+queue: a producer faster than the network blocks instead of growing memory or dropping data.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import ssl
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlparse
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import CallbackAPIVersion
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+
+from wire.errors import TransportError
+from wire.transport import Handler, Transport, Will, _Mailbox, matches, split_shared
+
+__all__ = ["MqttConfig", "MqttTransport"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MqttConfig:
+    """Where and how to connect. ``from_url`` reads ``mqtt://user:pass@host:port`` and
+    ``mqtts://...?ca=FILE&cert=FILE&key=FILE`` (TLS)."""
+
+    host: str = "127.0.0.1"
+    port: int = 1883
+    username: str | None = None
+    password: str | None = None
+    tls: bool = False
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    keepalive: int = 30
+    session_expiry: int = 3600
+    clean_start: bool = False
+    connect_timeout: float = 10.0
+    reconnect_min: int = 1
+    reconnect_max: int = 30
+    max_payload: int = 64 * 1024 * 1024
+    max_queued: int = 64
+
+    @classmethod
+    def from_url(cls, url: str, **overrides: Any) -> MqttConfig:
+        parsed = urlparse(url)
+        if parsed.scheme not in ("mqtt", "mqtts"):
+            raise ValueError(f"broker URL: expected mqtt://host:port or mqtts://..., got {url!r}")
+        query = {k: v[-1] for k, v in parse_qs(parsed.query).items()}
+        tls = parsed.scheme == "mqtts"
+        return cls(
+            host=parsed.hostname or "127.0.0.1",
+            port=parsed.port or (8883 if tls else 1883),
+            username=unquote(parsed.username) if parsed.username else None,
+            password=unquote(parsed.password) if parsed.password else None,
+            tls=tls,
+            ca_file=query.get("ca"),
+            cert_file=query.get("cert"),
+            key_file=query.get("key"),
+            **overrides,
+        )
+
+
+class MqttTransport(Transport):
+    """A connected MQTT v5 client."""
+
+    def __init__(
+        self, config: MqttConfig, client_id: str | None = None, will: Will | None = None
+    ) -> None:
+        self.config = config
+        self.client_id = client_id or f"edgesplit-{uuid.uuid4().hex[:12]}"
+        self.max_payload = config.max_payload
+        self._handlers: dict[str, tuple[int, Handler]] = {}  # filter -> (subscription id, ...)
+        self._next_id = 1
+        self._lock = threading.Lock()
+        self._connected = threading.Event()
+        self._pending: collections.deque[mqtt.MQTTMessageInfo] = collections.deque()
+        self.mailbox = _Mailbox(self.client_id)
+        self._closed = False
+        self._client = self._build(will)
+        self._connect()
+
+    def _build(self, will: Will | None) -> mqtt.Client:
+        client = mqtt.Client(
+            CallbackAPIVersion.VERSION2, client_id=self.client_id, protocol=mqtt.MQTTv5
+        )
+        config = self.config
+        if config.username is not None:
+            client.username_pw_set(config.username, config.password)
+        if config.tls:
+            client.tls_set(
+                ca_certs=config.ca_file,
+                certfile=config.cert_file,
+                keyfile=config.key_file,
+                tls_version=ssl.PROTOCOL_TLS_CLIENT,
+            )
+        if will is not None:
+            client.will_set(will.topic, will.payload, qos=1, retain=will.retain)
+        client.reconnect_delay_set(config.reconnect_min, config.reconnect_max)
+        client.max_queued_messages_set(config.max_queued)
+        client.on_connect = self._on_connect
+        client.on_disconnect = self._on_disconnect
+        client.on_message = self._on_message
+        return client
+
+    def _connect(self) -> None:
+        properties = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
+        properties.SessionExpiryInterval = self.config.session_expiry
+        try:
+            self._client.connect_async(
+                self.config.host,
+                self.config.port,
+                self.config.keepalive,
+                clean_start=self.config.clean_start,
+                properties=properties,
+            )
+        except (OSError, ValueError) as error:
+            raise TransportError(
+                f"cannot reach the MQTT broker at {self.config.host}:{self.config.port}: {error}"
+            ) from error
+        self._client.loop_start()
+        if not self._connected.wait(self.config.connect_timeout):
+            self._client.loop_stop()
+            raise TransportError(
+                f"no connection to the MQTT broker at {self.config.host}:{self.config.port} "
+                f"within {self.config.connect_timeout:.0f} s; is it running? "
+                "(`edgesplit broker` starts one for development)"
+            )
+
+    # ---------------------------------------------------------------- paho callbacks
+    def _on_connect(
+        self, client: mqtt.Client, _userdata: Any, flags: Any, reason: Any, _properties: Any
+    ) -> None:
+        if reason.is_failure:
+            log.error("MQTT connection refused: %s", reason)
+            return
+        if not flags.session_present:
+            with self._lock:
+                filters = [(f, i) for f, (i, _) in self._handlers.items()]
+            for topic_filter, identifier in filters:
+                self._send_subscribe(topic_filter, identifier)
+        self._connected.set()
+
+    def _send_subscribe(self, topic_filter: str, identifier: int) -> int:
+        properties = Properties(PacketTypes.SUBSCRIBE)  # type: ignore[no-untyped-call]
+        properties.SubscriptionIdentifier = identifier
+        result, _ = self._client.subscribe(topic_filter, qos=1, properties=properties)
+        return int(result)
+
+    def _on_disconnect(
+        self, _client: mqtt.Client, _userdata: Any, _flags: Any, reason: Any, _properties: Any
+    ) -> None:
+        self._connected.clear()
+        if reason.value != 0:
+            log.warning("MQTT connection lost (%s); reconnecting", reason)
+
+    def _on_message(self, _client: mqtt.Client, _userdata: Any, message: mqtt.MQTTMessage) -> None:
+        # With overlapping subscriptions the broker sends one copy per subscription, each
+        # naming its subscription identifiers: deliver each copy to exactly those handlers.
+        identifiers = set(getattr(message.properties, "SubscriptionIdentifier", None) or ())
+        with self._lock:
+            if identifiers:
+                targets = [h for i, h in self._handlers.values() if i in identifiers]
+            else:
+                targets = [
+                    h
+                    for f, (_, h) in self._handlers.items()
+                    if matches(split_shared(f)[1], message.topic)
+                ]
+        for handler in targets:
+            self.mailbox.put(handler, message.topic, bytes(message.payload))
+
+    # ---------------------------------------------------------------- Transport
+    def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
+        self._check_size(payload)
+        while True:
+            info = self._client.publish(topic, payload, qos=1, retain=retain)
+            if info.rc == mqtt.MQTT_ERR_QUEUE_SIZE:
+                self._wait_oldest()  # the bounded queue is full: wait for the broker
+                continue
+            if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
+                raise TransportError(f"publish to {topic!r} failed: {mqtt.error_string(info.rc)}")
+            self._pending.append(info)
+            while self._pending and self._pending[0].is_published():
+                self._pending.popleft()
+            return
+
+    def _wait_oldest(self, timeout: float = 60.0) -> None:
+        if not self._pending:
+            time.sleep(0.01)
+            return
+        oldest = self._pending.popleft()
+        deadline = time.monotonic() + timeout
+        while not oldest.is_published():
+            if time.monotonic() > deadline:
+                self._pending.appendleft(oldest)
+                raise TransportError(f"the broker acknowledged nothing for {timeout:.0f} s")
+            time.sleep(0.001)
+
+    def flush(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self._pending:
+            self._wait_oldest(max(0.1, deadline - time.monotonic()))
+
+    def subscribe(self, topic_filter: str, handler: Handler) -> None:
+        with self._lock:
+            identifier = self._handlers.get(topic_filter, (self._next_id, handler))[0]
+            self._next_id = max(self._next_id, identifier + 1)
+            self._handlers[topic_filter] = (identifier, handler)
+        result = self._send_subscribe(topic_filter, identifier)
+        if result not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
+            raise TransportError(
+                f"subscribe to {topic_filter!r} failed: {mqtt.error_string(result)}"
+            )
+
+    def unsubscribe(self, topic_filter: str) -> None:
+        with self._lock:
+            self._handlers.pop(topic_filter, None)
+        self._client.unsubscribe(topic_filter)
+
+    @property
+    def connected(self) -> bool:
+        return self._connected.is_set()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.flush(timeout=5.0)
+        except TransportError:
+            log.warning("closing with unacknowledged messages")
+        self._client.disconnect()
+        self._client.loop_stop()
+        self.mailbox.stop()
+
+    def kill(self) -> None:
+        """Drop the network connection without DISCONNECT, as a crash would (for tests)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._client.loop_stop()
+        sock = self._client.socket()
+        if sock is not None:
+            sock.close()
+        self.mailbox.stop()

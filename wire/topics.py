@@ -1,0 +1,66 @@
+"""The versioned topic layout: every edgesplit topic starts with ``edgesplit/v1/``.
+
+ARCHITECTURE.md has the table of topics with direction, QoS, retain flag and payload.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = [
+    "PREFIX",
+    "activations",
+    "capabilities",
+    "check_name",
+    "credit",
+    "flower_in",
+    "flower_out",
+    "presence",
+    "shared",
+]
+
+PREFIX = "edgesplit/v1"
+_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+
+
+def check_name(value: str, field: str = "name") -> str:
+    """Names become topic levels: letters, digits, ``_ . -`` only (no ``/ + #``)."""
+    if not _NAME.match(value):
+        raise ValueError(
+            f"{field}: {value!r} cannot be used in a topic; use 1-64 of A-Z a-z 0-9 _ . -"
+        )
+    return value
+
+
+def presence(device: str) -> str:
+    return f"{PREFIX}/presence/{check_name(device, 'device')}"
+
+
+def capabilities(device: str) -> str:
+    return f"{PREFIX}/capabilities/{check_name(device, 'device')}"
+
+
+def run_topic(run: str, kind: str, target: str | None = None) -> str:
+    base = f"{PREFIX}/{check_name(run, 'run')}/{kind}"
+    return base if target is None else f"{base}/{check_name(target, kind)}"
+
+
+def activations(run: str, segment: str) -> str:
+    return run_topic(run, "act", segment)
+
+
+def credit(run: str, device: str) -> str:
+    return run_topic(run, "credit", device)
+
+
+def flower_in(node_id: int) -> str:
+    return f"{PREFIX}/flower/{int(node_id)}/in"
+
+
+def flower_out() -> str:
+    return f"{PREFIX}/flower/out"
+
+
+def shared(group: str, topic_filter: str) -> str:
+    """An MQTT v5 shared subscription: each message goes to one member of ``group``."""
+    return f"$share/{check_name(group, 'group')}/{topic_filter}"
