@@ -27,12 +27,7 @@ configure_process()
 
 import torch  # noqa: E402
 
-from split_models import (  # noqa: E402
-    build_model,
-    estimate_segment_memory,
-    format_bytes,
-    profile_model,
-)
+from split_models import ModelProfile, estimate_segment_memory, format_bytes  # noqa: E402
 
 # model, input shape, segments (the cuts of a three-part split)
 CASES = [
@@ -72,6 +67,29 @@ def measure(
     return json.loads(done.stdout)  # type: ignore[no-any-return]
 
 
+def fresh_profile(model: str, shape: tuple[int, ...], batch: int) -> ModelProfile:
+    """Profile in a new process, as the coordinator does: kernels that an earlier profile in
+    the same process generated would hide this model's one-time kernel setup."""
+    command = [
+        sys.executable,
+        "-m",
+        "edgesplit",
+        "profile",
+        "--model",
+        model,
+        "--input-shape",
+        ",".join(map(str, shape)),
+        "--batch-size",
+        str(batch),
+        "--local-loss",
+        "linear",
+        "--json",
+    ]
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+    return ModelProfile.from_dict(json.loads(done.stdout))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="one segment per model, batch 64")
@@ -87,8 +105,7 @@ def main() -> int:
     print(header)
     for name, shape, segments in CASES:
         for batch in (64,) if args.quick else BATCHES:
-            model = build_model(name, shape, 10)
-            profile = profile_model(model, local_losses=("linear",), batch_size=batch)
+            profile = fresh_profile(name, shape, batch)
             for start, end in segments[:1] if args.quick else segments:
                 estimate = estimate_segment_memory(profile, start, end, batch, args.optimizer)
                 measured = measure(name, shape, start, end, batch, args.optimizer)

@@ -10,9 +10,10 @@ from coordinator.partitioner import PartitionConfig, plan_split
 from split_models.devices import load_devices
 from split_models.errors import ConfigError
 from split_models.profiler import profile_model
+from split_models.units import format_bytes
 from split_models.zoo import build_model
 
-__all__ = ["parse_shape", "plan_command"]
+__all__ = ["parse_shape", "plan_command", "profile_command"]
 
 
 def parse_shape(text: str, field: str = "--input-shape") -> tuple[int, ...]:
@@ -41,4 +42,26 @@ def plan_command(args: argparse.Namespace) -> int:
     profile = profile_model(model, local_losses=(args.local_loss,), batch_size=args.batch_size)
     plan = plan_split(profile, devices, config)
     print(json.dumps(plan.to_dict(), indent=2) if args.json else str(plan))
+    return 0
+
+
+def profile_command(args: argparse.Namespace) -> int:
+    """``edgesplit profile``: per-block profile of a model at a batch size."""
+    model = build_model(args.model, parse_shape(args.input_shape), args.num_classes, seed=0)
+    losses = tuple(args.local_loss or ("linear", "mlp", "supcon"))
+    profile = profile_model(model, local_losses=losses, batch_size=args.batch_size)
+    if args.json:
+        print(json.dumps(profile.to_dict()))
+        return 0
+    print(
+        f"{'block':>5} {'layers':<28} {'params':>10} {'output':>16} {'saved/sample':>13} "
+        f"{'pass/sample':>12} {'MFLOP/sample':>13}"
+    )
+    for index, block in enumerate(profile.blocks):
+        shape = "x".join(map(str, block.output_shape))
+        print(
+            f"{index:>5} {block.summary[:28]:<28} {format_bytes(block.param_bytes):>10} "
+            f"{shape:>16} {format_bytes(block.saved_bytes):>13} "
+            f"{format_bytes(block.backward_bytes):>12} {block.flops / 1e6:>13.2f}"
+        )
     return 0

@@ -66,6 +66,25 @@ def _plan_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[
     plan.add_argument("--json", action="store_true", help="print the plan as one JSON object")
 
 
+def _profile_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    profile = commands.add_parser(
+        "profile",
+        help="profile a model's blocks (memory, activations, FLOPs)",
+        description="Measure every block of a model for training at a batch size.",
+    )
+    profile.add_argument("--model", required=True, help="zoo model or package.module:function")
+    profile.add_argument("--input-shape", default="1,28,28", help="default: %(default)s")
+    profile.add_argument("--num-classes", type=int, default=10, help="default: %(default)s")
+    profile.add_argument("--batch-size", type=int, default=64, help="default: %(default)s")
+    profile.add_argument(
+        "--local-loss",
+        action="append",
+        choices=["linear", "mlp", "supcon"],
+        help="heads to profile (repeatable; default: all)",
+    )
+    profile.add_argument("--json", action="store_true", help="print the profile as JSON")
+
+
 def _store_parsers(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     status = commands.add_parser(
         "status",
@@ -93,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"edgesplit {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _plan_parser(commands)
+    _profile_parser(commands)
     _store_parsers(commands)
     return parser
 
@@ -110,6 +130,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from coordinator.commands import plan_command
 
             return plan_command(args)
+        if args.command == "profile":
+            from coordinator.commands import profile_command
+
+            return profile_command(args)
         if args.command == "status":
             from coordinator.store_commands import status_command
 

@@ -7,6 +7,7 @@ data is never dropped by the broker.
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -31,10 +32,12 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def broker_config(port: int, extra: str = "", persistence_dir: Path | None = None) -> str:
+def broker_config(
+    port: int, extra: str = "", persistence_dir: Path | None = None, anonymous: bool = True
+) -> str:
     lines = [
         f"listener {port} 127.0.0.1",
-        "allow_anonymous true",
+        f"allow_anonymous {'true' if anonymous else 'false'}",
         f"max_packet_size {MAX_PACKET_BYTES}",
         "max_queued_messages 0",
         "max_queued_bytes 0",
@@ -42,6 +45,10 @@ def broker_config(port: int, extra: str = "", persistence_dir: Path | None = Non
         "set_tcp_nodelay true",
         "persistent_client_expiration 1h",
     ]
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        # A development broker on loopback: keep the invoking user instead of switching to
+        # 'mosquitto', so it can read files (passwords, ACLs) that the caller wrote.
+        lines.append("user root")
     if persistence_dir is not None:
         lines += ["persistence true", f"persistence_location {persistence_dir}/"]
     return "\n".join(lines) + "\n" + extra
@@ -51,7 +58,11 @@ class Broker:
     """Runs mosquitto in the foreground on a loopback port until ``stop()``."""
 
     def __init__(
-        self, port: int | None = None, extra_config: str = "", persistence: bool = False
+        self,
+        port: int | None = None,
+        extra_config: str = "",
+        persistence: bool = False,
+        anonymous: bool = True,
     ) -> None:
         executable = shutil.which("mosquitto") or (
             "/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None
@@ -63,7 +74,9 @@ class Broker:
         self._dir = Path(tempfile.mkdtemp(prefix="edgesplit-broker-"))
         persistence_dir = self._dir if persistence else None
         self.config_path = self._dir / "mosquitto.conf"
-        self.config_path.write_text(broker_config(self.port, extra_config, persistence_dir))
+        self.config_path.write_text(
+            broker_config(self.port, extra_config, persistence_dir, anonymous)
+        )
         self._process: subprocess.Popen[bytes] | None = None
 
     @property

@@ -14,7 +14,7 @@ import ssl
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlparse
 
@@ -60,7 +60,7 @@ class MqttConfig:
             raise ValueError(f"broker URL: expected mqtt://host:port or mqtts://..., got {url!r}")
         query = {k: v[-1] for k, v in parse_qs(parsed.query).items()}
         tls = parsed.scheme == "mqtts"
-        return cls(
+        parsed_config = cls(
             host=parsed.hostname or "127.0.0.1",
             port=parsed.port or (8883 if tls else 1883),
             username=unquote(parsed.username) if parsed.username else None,
@@ -69,8 +69,8 @@ class MqttConfig:
             ca_file=query.get("ca"),
             cert_file=query.get("cert"),
             key_file=query.get("key"),
-            **overrides,
         )
+        return replace(parsed_config, **overrides)
 
 
 class MqttTransport(Transport):
@@ -89,6 +89,7 @@ class MqttTransport(Transport):
         self._pending: collections.deque[mqtt.MQTTMessageInfo] = collections.deque()
         self.mailbox = _Mailbox(self.client_id)
         self._closed = False
+        self.refused: collections.Counter[str] = collections.Counter()  # PUBACK >= 0x80
         self._client = self._build(will)
         self._connect()
 
@@ -113,6 +114,7 @@ class MqttTransport(Transport):
         client.on_connect = self._on_connect
         client.on_disconnect = self._on_disconnect
         client.on_message = self._on_message
+        client.on_publish = self._on_publish
         return client
 
     def _connect(self) -> None:
@@ -158,6 +160,13 @@ class MqttTransport(Transport):
         properties.SubscriptionIdentifier = identifier
         result, _ = self._client.subscribe(topic_filter, qos=1, properties=properties)
         return int(result)
+
+    def _on_publish(
+        self, _client: mqtt.Client, _userdata: Any, mid: int, reason: Any, _properties: Any
+    ) -> None:
+        if reason.is_failure:  # e.g. "Not authorized": an ACL forbids this topic
+            self.refused[str(reason)] += 1
+            log.error("the broker refused message %s: %s", mid, reason)
 
     def _on_disconnect(
         self, _client: mqtt.Client, _userdata: Any, _flags: Any, reason: Any, _properties: Any

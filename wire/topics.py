@@ -10,6 +10,7 @@ import re
 __all__ = [
     "PREFIX",
     "activations",
+    "activations_filter",
     "capabilities",
     "check_name",
     "credit",
@@ -45,8 +46,14 @@ def run_topic(run: str, kind: str, target: str | None = None) -> str:
     return base if target is None else f"{base}/{check_name(target, kind)}"
 
 
-def activations(run: str, segment: str) -> str:
-    return run_topic(run, "act", segment)
+def activations(run: str, segment: str, device: str) -> str:
+    """Where ``device`` streams the cut activations of ``segment`` (its own topic, for ACLs)."""
+    return f"{run_topic(run, 'act', segment)}/{check_name(device, 'device')}"
+
+
+def activations_filter(run: str, segment: str) -> str:
+    """Every edge's stream into ``segment``; GPU servers take it as a shared subscription."""
+    return f"{run_topic(run, 'act', segment)}/+"
 
 
 def credit(run: str, device: str) -> str:

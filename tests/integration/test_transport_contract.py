@@ -98,7 +98,7 @@ class TransportContract:
     def test_channel_chunks_large_messages_and_drops_duplicates(self, connect: Factory) -> None:
         sender, receiver = Channel(connect("edge-c"), "pi-01", chunk_bytes=1 << 20), Inbox()
         listener = Channel(connect("gpu-c"), "gpu-a")
-        topic = topics.activations("r", "seg-big")
+        topic = topics.activations("r", "seg-big", "pi-01")
         expect = {"x": TensorSpec("float32", (None, 1024)), "y": TensorSpec("int64", (None,))}
         listener.subscribe(topic, receiver, expect=expect)
         settle()
@@ -125,7 +125,7 @@ class TransportContract:
     def test_malformed_messages_are_counted_and_dropped(self, connect: Factory) -> None:
         receiver, rejected = Inbox(), Inbox()
         listener = Channel(connect("gpu-m"), "gpu-a")
-        topic = topics.activations("r", "seg-m")
+        topic = topics.activations("r", "seg-m", "pi-01")
         expect = {"x": TensorSpec("float32", (None, 4))}
         listener.subscribe(
             topic, receiver, expect=expect, on_reject=lambda t, e: rejected(e.reason)

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Add (or change) a device's broker password: add-device.sh PASSWORD_FILE NAME
+# The password is read from standard input so it never appears in the process list.
+set -euo pipefail
+[ $# -eq 2 ] || { echo "usage: $0 PASSWORD_FILE DEVICE_NAME  (password on stdin)" >&2; exit 2; }
+read -r password
+touch "$1"
+mosquitto_passwd -b "$1" "$2" "$password"

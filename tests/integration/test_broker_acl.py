@@ -1,0 +1,68 @@
+"""The shipped ACL (deploy/mosquitto/acl) on a real broker: devices write only their own topics."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+import uuid
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from wire import topics
+from wire.broker import Broker
+from wire.errors import TransportError
+from wire.mqtt import MqttConfig, MqttTransport
+
+pytestmark = pytest.mark.integration
+
+ACL = Path(__file__).resolve().parents[2] / "deploy" / "mosquitto" / "acl"
+ACCOUNTS = {"pi-01": "secret-1", "pi-02": "secret-2", "coordinator": "secret-c"}
+
+
+@pytest.fixture
+def secured(tmp_path: Path) -> Broker:
+    if shutil.which("mosquitto_passwd") is None:
+        pytest.skip("mosquitto_passwd is not installed")
+    passwords = tmp_path / "passwords"
+    passwords.touch()
+    for user, password in ACCOUNTS.items():
+        subprocess.run(["mosquitto_passwd", "-b", str(passwords), user, password], check=True)
+    extra = f"password_file {passwords}\nacl_file {ACL}\n"
+    with Broker(extra_config=extra, anonymous=False) as broker:
+        yield broker
+
+
+def _connect(broker: Broker, user: str | None) -> MqttTransport:
+    config = MqttConfig.from_url(broker.url, connect_timeout=3.0)
+    if user is not None:
+        config = replace(config, username=user, password=ACCOUNTS[user])
+    return MqttTransport(config, f"{user}-{uuid.uuid4().hex[:6]}")
+
+
+def test_device_may_publish_only_on_its_own_topics(secured: Broker) -> None:
+    coordinator, device = _connect(secured, "coordinator"), _connect(secured, "pi-01")
+    seen: list[tuple[str, bytes]] = []
+    coordinator.subscribe("edgesplit/v1/#", lambda t, p: seen.append((t, p)))
+    time.sleep(0.3)
+    device.publish(topics.presence("pi-01"), b"online")
+    device.publish(topics.presence("pi-02"), b"online")  # impersonation attempt
+    device.publish(topics.activations("run-1", "seg-0", "pi-02"), b"x")  # and another
+    device.flush()
+    time.sleep(0.5)
+    assert seen == [(topics.presence("pi-01"), b"online")]
+    assert sum(device.refused.values()) == 2, device.refused
+    coordinator.close()
+    device.close()
+
+
+def test_anonymous_and_wrong_password_are_refused(secured: Broker) -> None:
+    with pytest.raises(TransportError, match="no connection"):
+        _connect(secured, None)
+    config = MqttConfig.from_url(
+        secured.url, connect_timeout=3.0, username="pi-01", password="wrong"
+    )
+    with pytest.raises(TransportError):
+        MqttTransport(config, "intruder")

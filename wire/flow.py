@@ -1,0 +1,92 @@
+"""Credit-based flow control: a GPU server bounds how many batches each edge has in flight.
+
+The server grants ``window`` credits when an edge's stream opens and one more after each batch
+it has processed; an edge spends one credit per batch and blocks when it has none, so a fast
+edge cannot flood the broker or the server, and nothing is dropped.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+from wire import topics
+from wire.channel import Channel
+from wire.codec import Envelope
+
+__all__ = ["CreditGate", "CreditGranter"]
+
+_POLL = 0.05
+
+
+class CreditGate:
+    """Edge side: ``acquire()`` before sending a batch; credits arrive from the server."""
+
+    def __init__(
+        self, channel: Channel, run: str, device: str, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._credits = 0
+        self._condition = threading.Condition()
+        self._clock = clock
+        self.waited_seconds = 0.0
+        channel.subscribe(topics.credit(run, device), self._on_credit, kinds=frozenset({"credit"}))
+
+    def _on_credit(self, envelope: Envelope) -> None:
+        granted = envelope.meta.get("credits")
+        if isinstance(granted, int) and 0 < granted <= 1_000_000:
+            self.grant(granted)
+
+    def grant(self, credits: int) -> None:
+        with self._condition:
+            self._credits += credits
+            self._condition.notify_all()
+
+    @property
+    def available(self) -> int:
+        with self._condition:
+            return self._credits
+
+    def acquire(self, timeout: float | None = None) -> bool:
+        """Take one credit, waiting up to ``timeout`` seconds; False if none came."""
+        started = self._clock()
+        with self._condition:
+            while self._credits == 0:
+                remaining = None if timeout is None else timeout - (self._clock() - started)
+                if remaining is not None and remaining <= 0:
+                    return False
+                # Short waits: a grant wakes us at once, and the (injectable) clock decides
+                # when the timeout has passed.
+                self._condition.wait(_POLL if remaining is None else min(remaining, _POLL))
+            self._credits -= 1
+        self.waited_seconds += self._clock() - started
+        return True
+
+
+class CreditGranter:
+    """Server side: opens a window per edge and returns a credit per processed batch."""
+
+    def __init__(self, channel: Channel, run: str, window: int = 4) -> None:
+        if window < 1:
+            raise ValueError(f"window: must be >= 1, got {window}")
+        self.channel, self.run, self.window = channel, run, window
+        self._outstanding: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def open(self, device: str) -> None:
+        """Grant the initial window to ``device``."""
+        with self._lock:
+            self._outstanding[device] = self._outstanding.get(device, 0) + self.window
+        self._send(device, self.window)
+
+    def processed(self, device: str) -> None:
+        """One batch of ``device`` is done: return its credit."""
+        with self._lock:
+            if device not in self._outstanding:
+                return
+        self._send(device, 1)
+
+    def _send(self, device: str, credits: int) -> None:
+        self.channel.send(
+            topics.credit(self.run, device), "credit", self.run, meta={"credits": credits}
+        )

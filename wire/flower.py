@@ -1,0 +1,238 @@
+"""Flower's Message API over an edgesplit transport.
+
+``TransportGrid`` is a ``flwr.serverapp.Grid``: any Flower strategy (FedAvg, FedProx, FedAdam,
+FedTrimmedAvg, Krum...) drives rounds through it unchanged. ``FlowerNode`` runs on a device and
+hands each message to a Flower ``ClientApp``. Messages travel as Flower's own protobuf
+serialisation, in chunk frames (so large models pass the broker's packet limit), and every
+inbound payload is size-bounded, hash-checked and parsed defensively.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterable
+from typing import Any
+
+from flwr.app import Context, Error, Message, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.common.constant import SUPERLINK_NODE_ID
+from flwr.common.serde import message_from_proto, message_to_proto
+from flwr.proto.message_pb2 import Message as ProtoMessage  # type: ignore[attr-defined]
+from flwr.serverapp import Grid
+from flwr.supercore.run import Run
+from flwr.supercore.task_identity import TaskIdentity
+
+from wire import topics
+from wire.chunks import Reassembler, split
+from wire.errors import WireError
+from wire.transport import Transport, Will
+
+__all__ = ["FlowerNode", "TransportGrid", "node_will"]
+
+log = logging.getLogger(__name__)
+CHUNK_BYTES = 8 * 1024 * 1024
+MAX_MESSAGE_BYTES = 1024 * 1024 * 1024
+_NODES = f"{topics.PREFIX}/flower/nodes"
+
+
+def node_will(node_id: int) -> Will:
+    """The last will a node's transport must carry, so the grid sees it go offline."""
+    return Will(f"{_NODES}/{int(node_id)}", b"offline")
+
+
+class _Frames:
+    """Serialise Flower messages into chunk frames and back, with validation."""
+
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
+        self.chunk_bytes = min(CHUNK_BYTES, transport.max_payload - 4096)
+        self.reassembler = Reassembler(MAX_MESSAGE_BYTES)
+        self.rejected = 0
+        self._lock = threading.Lock()
+
+    def send(self, topic: str, message: Message) -> None:
+        data = message_to_proto(message).SerializeToString()
+        for frame in split(data, self.chunk_bytes):
+            self.transport.publish(topic, frame)
+
+    def receive(self, payload: bytes) -> Message | None:
+        try:
+            with self._lock:
+                whole = self.reassembler.feed(payload)
+            if whole is None:
+                return None
+            proto = ProtoMessage()
+            proto.ParseFromString(whole)
+            return message_from_proto(proto)
+        except WireError as error:
+            self.rejected += 1
+            log.warning("rejected Flower frame: %s", error)
+        except Exception as error:  # protobuf and Flower raise assorted types on bad input
+            self.rejected += 1
+            log.warning("rejected Flower message: %s", error)
+        return None
+
+
+class TransportGrid(Grid):
+    """The coordinator's side: sends Flower messages to nodes and collects their replies."""
+
+    def __init__(self, transport: Transport, run_id: int = 1) -> None:
+        self._frames = _Frames(transport)
+        self._run = Run.create_empty(run_id)
+        self._replies: dict[str, Message] = {}
+        self._sent: set[str] = set()
+        self._online: set[int] = set()
+        self._condition = threading.Condition()
+        # Flower's own runtime sets this process-wide identity; here the grid is the runtime.
+        TaskIdentity.run_id = run_id
+        TaskIdentity.node_id = SUPERLINK_NODE_ID
+        TaskIdentity.task_id = run_id
+        transport.subscribe(topics.flower_out(), self._on_reply)
+        transport.subscribe(f"{_NODES}/+", self._on_presence)
+
+    def _on_reply(self, _topic: str, payload: bytes) -> None:
+        message = self._frames.receive(payload)
+        if message is None:
+            return
+        reply_to = message.metadata.reply_to_message_id
+        with self._condition:
+            if reply_to not in self._sent:
+                log.warning("dropped a Flower reply to unknown message %r", reply_to)
+                return
+            self._sent.discard(reply_to)
+            self._replies[reply_to] = message
+            self._condition.notify_all()
+
+    def _on_presence(self, topic: str, payload: bytes) -> None:
+        try:
+            node_id = int(topic.rsplit("/", 1)[1])
+        except ValueError:
+            return
+        with self._condition:
+            if payload == b"online":
+                self._online.add(node_id)
+            else:
+                self._online.discard(node_id)
+            self._condition.notify_all()
+
+    def wait_for_nodes(self, count: int, timeout: float) -> list[int]:
+        """Block until ``count`` nodes are online (or the timeout passes); return them."""
+        deadline = time.monotonic() + timeout
+        with self._condition:
+            while len(self._online) < count and time.monotonic() < deadline:
+                self._condition.wait(0.05)
+            return sorted(self._online)
+
+    def set_run(self, run: Run) -> None:
+        self._run = run
+        TaskIdentity.run_id = run.run_id
+
+    @property
+    def run(self) -> Run:
+        return self._run
+
+    def create_message(
+        self,
+        content: RecordDict,
+        message_type: str,
+        dst_node_id: int,
+        group_id: str,
+        ttl: float | None = None,
+    ) -> Message:
+        return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
+
+    def get_node_ids(self) -> Iterable[int]:
+        with self._condition:
+            return sorted(self._online)
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        identifiers = []
+        for message in messages:
+            identifier = str(uuid.uuid4())
+            message.metadata.__dict__["_message_id"] = identifier
+            with self._condition:
+                self._sent.add(identifier)
+            self._frames.send(topics.flower_in(message.metadata.dst_node_id), message)
+            identifiers.append(identifier)
+        return identifiers
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        with self._condition:
+            return [self._replies.pop(i) for i in list(message_ids) if i in self._replies]
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> Iterable[Message]:
+        pending = set(self.push_messages(messages))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        replies: list[Message] = []
+        while pending:
+            with self._condition:
+                ready = [i for i in pending if i in self._replies]
+                if not ready:
+                    if deadline is not None and time.monotonic() >= deadline:
+                        break
+                    self._condition.wait(0.05)
+                    continue
+            got = list(self.pull_messages(ready))
+            replies += got
+            pending -= {m.metadata.reply_to_message_id for m in got}
+        with self._condition:
+            self._sent -= pending  # late replies to abandoned messages are dropped
+        # Arrival order depends on the network; a fixed order makes aggregation reproducible.
+        return sorted(replies, key=lambda m: m.metadata.src_node_id)
+
+
+class FlowerNode:
+    """A device's side: runs a Flower ``ClientApp`` on every message addressed to it.
+
+    Create its transport with ``will=node_will(node_id)`` so the grid sees a crash.
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        node_id: int,
+        app: ClientApp,
+        node_config: dict[str, Any] | None = None,
+        run_id: int = 1,
+    ) -> None:
+        self.transport, self.node_id, self.app = transport, int(node_id), app
+        self._frames = _Frames(transport)
+        self._context = Context(
+            run_id=run_id,
+            node_id=self.node_id,
+            node_config=dict(node_config or {}),
+            state=RecordDict(),
+            run_config={},
+        )
+        self.handled = 0
+        TaskIdentity.run_id = run_id
+        transport.subscribe(topics.flower_in(self.node_id), self._on_message)
+        transport.publish(f"{_NODES}/{self.node_id}", b"online", retain=True)
+
+    def _on_message(self, _topic: str, payload: bytes) -> None:
+        message = self._frames.receive(payload)
+        if message is None:
+            return
+        if message.metadata.dst_node_id != self.node_id:
+            log.warning(
+                "node %s dropped a message for node %s", self.node_id, message.metadata.dst_node_id
+            )
+            return
+        try:
+            reply = self.app(message, self._context)
+        except Exception as error:  # the ClientApp failed: tell the strategy, keep running
+            log.exception("ClientApp failed on node %s", self.node_id)
+            reply = Message(
+                Error(code=1, reason=f"{type(error).__name__}: {error}"), reply_to=message
+            )
+        self.handled += 1
+        self._frames.send(topics.flower_out(), reply)
+
+    def leave(self) -> None:
+        """Announce a clean departure (retained ``offline``)."""
+        self.transport.publish(f"{_NODES}/{self.node_id}", b"offline", retain=True)
