@@ -14,6 +14,7 @@ import ssl
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlparse
@@ -86,7 +87,10 @@ class MqttTransport(Transport):
         self._next_id = 1
         self._lock = threading.Lock()
         self._connected = threading.Event()
-        self._pending: collections.deque[mqtt.MQTTMessageInfo] = collections.deque()
+        # Message ids sent but not yet acknowledged; acks that beat publish() wait in _acked.
+        self._outstanding: set[int] = set()
+        self._acked: set[int] = set()
+        self._acks = threading.Condition()
         self.mailbox = _Mailbox(self.client_id)
         self._closed = False
         self.refused: collections.Counter[str] = collections.Counter()  # PUBACK >= 0x80
@@ -167,6 +171,12 @@ class MqttTransport(Transport):
         if reason.is_failure:  # e.g. "Not authorized": an ACL forbids this topic
             self.refused[str(reason)] += 1
             log.error("the broker refused message %s: %s", mid, reason)
+        with self._acks:
+            if mid in self._outstanding:
+                self._outstanding.discard(mid)
+            else:
+                self._acked.add(mid)
+            self._acks.notify_all()
 
     def _on_disconnect(
         self, _client: mqtt.Client, _userdata: Any, _flags: Any, reason: Any, _properties: Any
@@ -196,32 +206,33 @@ class MqttTransport(Transport):
         self._check_size(payload)
         while True:
             info = self._client.publish(topic, payload, qos=1, retain=retain)
-            if info.rc == mqtt.MQTT_ERR_QUEUE_SIZE:
-                self._wait_oldest()  # the bounded queue is full: wait for the broker
+            if info.rc == mqtt.MQTT_ERR_QUEUE_SIZE:  # bounded queue full: wait for the broker
+                self._wait_until(lambda: len(self._outstanding) < self.config.max_queued)
                 continue
+            # MQTT_ERR_NO_CONN: paho keeps QoS 1 messages and sends them after reconnecting.
             if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
                 raise TransportError(f"publish to {topic!r} failed: {mqtt.error_string(info.rc)}")
-            self._pending.append(info)
-            while self._pending and self._pending[0].is_published():
-                self._pending.popleft()
+            with self._acks:
+                if info.mid in self._acked:
+                    self._acked.discard(info.mid)
+                else:
+                    self._outstanding.add(info.mid)
             return
 
-    def _wait_oldest(self, timeout: float = 60.0) -> None:
-        if not self._pending:
-            time.sleep(0.01)
-            return
-        oldest = self._pending.popleft()
+    def _wait_until(self, ready: Callable[[], bool], timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
-        while not oldest.is_published():
-            if time.monotonic() > deadline:
-                self._pending.appendleft(oldest)
-                raise TransportError(f"the broker acknowledged nothing for {timeout:.0f} s")
-            time.sleep(0.001)
+        with self._acks:
+            while not ready():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TransportError(
+                        f"the broker acknowledged nothing for {timeout:.0f} s "
+                        f"({len(self._outstanding)} messages outstanding)"
+                    )
+                self._acks.wait(min(remaining, 0.5))
 
     def flush(self, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while self._pending:
-            self._wait_oldest(max(0.1, deadline - time.monotonic()))
+        self._wait_until(lambda: not self._outstanding, timeout)
 
     def subscribe(self, topic_filter: str, handler: Handler) -> None:
         with self._lock:
