@@ -85,6 +85,16 @@ def _profile_parser(commands: argparse._SubParsersAction) -> None:  # type: igno
     profile.add_argument("--json", action="store_true", help="print the profile as JSON")
 
 
+def _broker_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    broker = commands.add_parser(
+        "broker",
+        help="run a mosquitto broker for development (foreground, loopback)",
+        description="Run mosquitto in the foreground on 127.0.0.1 with a configuration fit "
+        "for edgesplit (MQTT v5, large packets, no QoS 1 drops). Ctrl-C stops it.",
+    )
+    broker.add_argument("--port", type=int, default=1883, help="default: %(default)s")
+
+
 def _store_parsers(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     status = commands.add_parser(
         "status",
@@ -113,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _plan_parser(commands)
     _profile_parser(commands)
+    _broker_parser(commands)
     _store_parsers(commands)
     return parser
 
@@ -124,6 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_process()
     from split_models.errors import SplitError
     from storage.errors import StoreError
+    from wire.errors import TransportError
 
     try:
         if args.command == "plan":
@@ -134,6 +146,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from coordinator.commands import profile_command
 
             return profile_command(args)
+        if args.command == "broker":
+            return _run_broker(args.port)
         if args.command == "status":
             from coordinator.store_commands import status_command
 
@@ -142,10 +156,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             from coordinator.store_commands import db_upgrade_command
 
             return db_upgrade_command(args)
-    except (SplitError, StoreError) as error:
+    except (SplitError, StoreError, TransportError) as error:
         print(f"edgesplit {args.command}: error: {error}", file=sys.stderr)
         return EXIT_USAGE
     raise AssertionError(f"unhandled command {args.command!r}")
+
+
+def _run_broker(port: int) -> int:
+    from wire.broker import Broker
+
+    broker = Broker(port=port).start()
+    print(
+        f"mosquitto listening on {broker.url} (config {broker.config_path}); Ctrl-C stops it",
+        flush=True,
+    )
+    try:
+        return broker.wait()
+    except KeyboardInterrupt:
+        return EXIT_OK
+    finally:
+        broker.stop()
 
 
 if __name__ == "__main__":

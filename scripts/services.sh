@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Make sure the services the tests need are reachable, starting them when they are not.
+# Make sure the services the tests need are there, installing and starting them when not.
 # Source it: it exports EDGESPLIT_TEST_POSTGRES_URL for the tests.
 #
 # PostgreSQL: use the server at 127.0.0.1:5432 (database "test", user postgres, trust auth) when
@@ -48,6 +48,17 @@ _start_private_postgres() {
     export EDGESPLIT_TEST_POSTGRES_URL="postgresql+psycopg://postgres@127.0.0.1:$port/test"
     echo "services: started a private PostgreSQL on 127.0.0.1:$port" >&2
 }
+
+# mosquitto: the MQTT tests start private brokers on free ports; they only need the binary.
+if ! command -v mosquitto >/dev/null 2>&1 && [ ! -x /usr/sbin/mosquitto ]; then
+    if [ "$(id -u)" -eq 0 ]; then
+        echo "services: installing mosquitto (Debian package mosquitto)" >&2
+        apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive \
+            apt-get install -y -qq mosquitto >/dev/null
+    else
+        echo "services: mosquitto is missing and cannot be installed without root" >&2
+    fi
+fi
 
 if [ -z "${EDGESPLIT_TEST_POSTGRES_URL:-}" ]; then
     if _pg_ready 127.0.0.1 5432; then

@@ -84,6 +84,17 @@ class Broker:
         return f"mqtt://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 10.0) -> Broker:
+        with socket.socket() as probe:
+            # As mosquitto does: connections in TIME_WAIT after a restart do not block the port,
+            # a listening process does.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(("127.0.0.1", self.port))
+            except OSError as error:
+                raise TransportError(
+                    f"port {self.port} on 127.0.0.1 is in use ({error.strerror}); choose "
+                    "another with --port or stop what listens there"
+                ) from error
         self._process = subprocess.Popen(
             [self.executable, "-c", str(self.config_path)],
             stdout=subprocess.DEVNULL,

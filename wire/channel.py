@@ -28,7 +28,7 @@ from wire.transport import Transport
 __all__ = ["Channel", "ChannelStats"]
 
 log = logging.getLogger(__name__)
-DEFAULT_CHUNK_BYTES = 8 * 1024 * 1024
+DEFAULT_CHUNK_BYTES = 32 * 1024 * 1024  # below the broker's max_packet_size (80 MiB)
 _WINDOW = 1 << 16
 
 

@@ -33,7 +33,7 @@ from wire.transport import Transport, Will
 __all__ = ["FlowerNode", "TransportGrid", "node_will"]
 
 log = logging.getLogger(__name__)
-CHUNK_BYTES = 8 * 1024 * 1024
+CHUNK_BYTES = 32 * 1024 * 1024
 MAX_MESSAGE_BYTES = 1024 * 1024 * 1024
 _NODES = f"{topics.PREFIX}/flower/nodes"
 
