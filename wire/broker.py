@@ -103,8 +103,8 @@ class Broker:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
-                error = self._process.stderr.read().decode() if self._process.stderr else ""
-                raise TransportError(f"mosquitto exited at start: {error.strip()}")
+                output = self._process.stderr.read().decode() if self._process.stderr else ""
+                raise TransportError(f"mosquitto exited at start: {output.strip()}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
                     return self
