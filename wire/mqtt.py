@@ -29,6 +29,8 @@ from wire.transport import Handler, Transport, Will, _Mailbox, matches, split_sh
 
 __all__ = ["MqttConfig", "MqttTransport"]
 
+_UNCLAIMED_BYTES = 256 * 1024 * 1024
+
 log = logging.getLogger(__name__)
 
 
@@ -94,6 +96,10 @@ class MqttTransport(Transport):
         self.mailbox = _Mailbox(self.client_id)
         self._closed = False
         self.refused: collections.Counter[str] = collections.Counter()  # PUBACK >= 0x80
+        # Messages of a resumed session can arrive before their handler is registered again:
+        # keep them (bounded) until a matching subscribe() comes.
+        self._unclaimed: collections.deque[tuple[str, bytes]] = collections.deque()
+        self._unclaimed_bytes = 0
         self._client = self._build(will)
         self._connect()
 
@@ -198,6 +204,9 @@ class MqttTransport(Transport):
                     for f, (_, h) in self._handlers.items()
                     if matches(split_shared(f)[1], message.topic)
                 ]
+            if not targets:
+                self._keep_unclaimed(message.topic, bytes(message.payload))
+                return
         for handler in targets:
             self.mailbox.put(handler, message.topic, bytes(message.payload))
 
@@ -234,8 +243,26 @@ class MqttTransport(Transport):
     def flush(self, timeout: float = 30.0) -> None:
         self._wait_until(lambda: not self._outstanding, timeout)
 
+    def _keep_unclaimed(self, topic: str, payload: bytes) -> None:
+        """Hold a message no handler wants yet; beyond the bound, drop the oldest loudly."""
+        self._unclaimed.append((topic, payload))
+        self._unclaimed_bytes += len(payload)
+        while self._unclaimed_bytes > _UNCLAIMED_BYTES and self._unclaimed:
+            dropped_topic, dropped = self._unclaimed.popleft()
+            self._unclaimed_bytes -= len(dropped)
+            log.error("dropped an unclaimed message on %s: no handler subscribed", dropped_topic)
+
     def subscribe(self, topic_filter: str, handler: Handler) -> None:
         with self._lock:
+            plain = split_shared(topic_filter)[1]
+            claimed = [(t, p) for t, p in self._unclaimed if matches(plain, t)]
+            if claimed:
+                self._unclaimed = collections.deque(
+                    (t, p) for t, p in self._unclaimed if not matches(plain, t)
+                )
+                self._unclaimed_bytes = sum(len(p) for _, p in self._unclaimed)
+            for topic, payload in claimed:
+                self.mailbox.put(handler, topic, payload)
             identifier = self._handlers.get(topic_filter, (self._next_id, handler))[0]
             self._next_id = max(self._next_id, identifier + 1)
             self._handlers[topic_filter] = (identifier, handler)

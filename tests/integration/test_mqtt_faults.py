@@ -92,3 +92,35 @@ def test_200_megabyte_payload_is_chunked_and_reassembled(broker: Broker) -> None
     del got
     sender.transport.close()
     receiver_transport.close()
+
+
+def test_subscriber_reconnect_gets_messages_queued_while_offline_exactly_once(
+    broker: Broker,
+) -> None:
+    config = MqttConfig.from_url(broker.url)
+    client_id = f"gpu-{uuid.uuid4().hex[:6]}"
+    topic = topics.activations("r", "seg-q", "pi-01")
+    expect = {"x": TensorSpec("float32", (None, 8))}
+    first = MqttTransport(config, client_id)
+    receiver, counter = Channel(first, "gpu-a"), Counter()
+    receiver.subscribe(topic, counter, expect=expect)
+    producer = MqttTransport(config, f"edge-{uuid.uuid4().hex[:6]}")
+    sender = Channel(producer, "pi-01")
+    time.sleep(0.3)
+    batch = {"x": np.ones((2, 8), dtype=np.float32)}
+    for _ in range(5):
+        sender.send(topic, "activations", "r", tensors=batch)
+    assert len(counter.wait(5)) == 5
+    first.close()  # offline; the session (expiry 1 h) keeps its subscription and queue
+    for _ in range(10):
+        sender.send(topic, "activations", "r", tensors=batch)
+    producer.flush()
+    second = MqttTransport(config, client_id)  # the same identity reconnects
+    receiver.transport = second
+    receiver.subscribe(topic, counter, expect=expect)
+    counter.wait(15, timeout=20)
+    time.sleep(0.5)
+    assert sorted(counter.wait(16, timeout=0.5)) == list(range(15))
+    assert receiver.stats.duplicates == 0
+    second.close()
+    producer.close()

@@ -166,11 +166,32 @@ class TransportContract:
         raw.publish(topic, b"ESW1" + b"\xff" * 20)
         raw.publish(topic, good.replace(b'"activations"', b'"exfiltrate!"'))
         raw.publish(topic, good)  # and a good one still goes through afterwards
+        small = Channel(connect("gpu-small"), "gpu-b", max_message_bytes=4096)
+        oversize = Inbox()
+        small_topic = topics.activations("r", "seg-small", "pi-01")
+        small.subscribe(small_topic, lambda e: None, on_reject=lambda t, e: oversize(e.reason))
+        settle()
+        raw.publish(
+            small_topic,
+            encode(
+                Envelope(
+                    "activations",
+                    "r",
+                    "pi",
+                    9,
+                    0,
+                    {"epoch": "b"},
+                    {"x": np.ones((512, 4), dtype=np.float32)},
+                )
+            ),
+        )
+        assert "oversize" in oversize.wait(1)
         (delivered,) = receiver.wait(1)
         assert isinstance(delivered, Envelope) and delivered.seq == 0
         reasons = rejected.wait(5)
         assert sorted(reasons) == sorted(["framing", "shape", "non_finite", "framing", "kind"])
         assert sum(listener.stats.rejected.values()) == 5
+        assert small.stats.rejected["oversize"] == 1
 
 
 class TestInProcessTransport(TransportContract):
