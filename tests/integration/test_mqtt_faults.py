@@ -116,6 +116,7 @@ def test_subscriber_reconnect_gets_messages_queued_while_offline_exactly_once(
         sender.send(topic, "activations", "r", tensors=batch)
     producer.flush()
     second = MqttTransport(config, client_id)  # the same identity reconnects
+    time.sleep(0.5)  # setup work before subscribing: queued messages arrive meanwhile
     receiver.transport = second
     receiver.subscribe(topic, counter, expect=expect)
     counter.wait(15, timeout=20)
