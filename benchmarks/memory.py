@@ -15,11 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+from _report import Report, machine
 
 from edgesplit.runtime import RUNTIME_ENV, configure_process
 
@@ -101,8 +102,8 @@ def main() -> int:
         "| model | input | blocks | batch | estimate | measured | error | runtime |\n"
         "|---|---|---|---|---|---|---|---|"
     )
-    rows, worst, worst_under = [], 0.0, 0.0
-    print(header)
+    worst, worst_under = 0.0, 0.0
+    report = Report(header)
     for name, shape, segments in CASES:
         for batch in (64,) if args.quick else BATCHES:
             profile = fresh_profile(name, shape, batch)
@@ -126,18 +127,14 @@ def main() -> int:
                     f"| {format_bytes(estimate.total)} | {format_bytes(peak)} "
                     f"| {error:+.1%} | {format_bytes(measured['runtime_bytes'])} |"
                 )  # type: ignore[arg-type]
-                rows.append(row)
-                print(row, flush=True)
+                report.row(row)
     verdict = "PASS" if worst <= 0.15 and worst_under >= -0.10 else "FAIL"
     summary = (
         f"\nworst |error| {worst:.1%}, worst underestimate {worst_under:+.1%} "
         f"(targets 15% / -10%): {verdict}; optimizer {args.optimizer}; "
-        f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
+        f"{machine()}, torch {torch.__version__}"
     )
-    print(summary)
-    if args.out:
-        with args.out.open("a") as handle:
-            handle.write("\n".join([header, *rows]) + "\n" + summary + "\n")
+    report.finish(summary, args.out)
     return 0 if verdict == "PASS" else 1
 
 

@@ -9,13 +9,12 @@ seeded, so every run plans the same instances.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import numpy as np
+from _report import Report, machine
 
 from coordinator.partitioner import PartitionConfig, plan_split
 from split_models.devices import DeviceSpec
@@ -82,8 +81,8 @@ def main() -> int:
         "| edges | blocks | GPU servers | plan time (median) | plan time (max) | distinct splits |"
         "\n|---|---|---|---|---|---|"
     )
-    print(header)
-    rows, worst = [], 0.0
+    report = Report(header)
+    worst = 0.0
     config = PartitionConfig(batch_size=32)
     for edges, blocks, servers in CASES:
         profile, devices = synthetic_profile(blocks), fleet(edges, servers)
@@ -99,17 +98,13 @@ def main() -> int:
             f"| {edges} | {blocks} | {servers} | {statistics.median(times) * 1000:.1f} ms "
             f"| {max(times) * 1000:.1f} ms | {splits} |"
         )
-        rows.append(row)
-        print(row, flush=True)
+        report.row(row)
     verdict = "PASS" if worst < TARGET_SECONDS else "FAIL"
     summary = (
         f"\n1,000 edges x 100 blocks: worst {worst:.3f} s (target < {TARGET_SECONDS} s): "
-        f"{verdict}; {platform.machine()}, {os.cpu_count()} cores"
+        f"{verdict}; {machine()}"
     )
-    print(summary)
-    if args.out:
-        with args.out.open("a") as handle:
-            handle.write("\n".join([header, *rows]) + "\n" + summary + "\n")
+    report.finish(summary, args.out)
     return 0 if verdict == "PASS" else 1
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -18,6 +17,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from _report import Report, machine
 
 # This file is named like the package it measures; run as a script, its own folder comes first
 # on sys.path and would shadow the package.
@@ -99,8 +99,7 @@ def main() -> int:
         "| backend | 100 results (median) | commit 50 MB (median) | commit (max) "
         "| commit MB/s |\n|---|---|---|---|---|"
     )
-    print(header)
-    rows = []
+    report = Report(header)
     with tempfile.TemporaryDirectory() as scratch:
         backends = [("SQLite file", str(Path(scratch) / "bench.db"))]
         reason = _postgres_available(args.postgres)
@@ -119,16 +118,11 @@ def main() -> int:
                 f"{median * 1000:.0f} ms | {max(commits) * 1000:.0f} ms | "
                 f"{CHECKPOINT_BYTES / median / 1e6:.0f} |"
             )
-            rows.append(row)
-            print(row, flush=True)
-    note = (
-        f"\n{args.rounds} rounds each; checkpoint files fsynced on the same disk; "
-        f"{platform.machine()}, {os.cpu_count()} cores"
+            report.row(row)
+    report.finish(
+        f"\n{args.rounds} rounds each; checkpoint files fsynced on the same disk; {machine()}",
+        args.out,
     )
-    print(note)
-    if args.out:
-        with args.out.open("a") as handle:
-            handle.write("\n".join([header, *rows]) + "\n" + note + "\n")
     return 0
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import threading
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import paho.mqtt.client as mqtt
+from _report import Report, machine
 from paho.mqtt.enums import CallbackAPIVersion
 
 from wire.broker import Broker
@@ -119,8 +119,8 @@ def main() -> int:
         "fp16 activation / wire MB/s | int8 activation / wire MB/s |\n"
         "|---|---|---|---|---|---|"
     )
-    print(header)
-    rows, verdicts = [], []
+    report = Report(header)
+    verdicts = []
     with Broker() as broker:
         for label, size in SIZES.items():
             count = max(8, args.total_mb * 1024 * 1024 // size)
@@ -141,18 +141,14 @@ def main() -> int:
                 f"{medians['fp16'][0]:.0f} / {medians['fp16'][1]:.0f} | "
                 f"{medians['int8'][0]:.0f} / {medians['int8'][1]:.0f} |"
             )
-            rows.append(row)
-            print(row, flush=True)
+            report.row(row)
     verdict = "PASS" if all(verdicts) else "FAIL"
     summary = (
         f"\ntarget: edgesplit fp32 >= {TARGET:.0%} of raw paho at 1 MiB and 8 MiB: "
         f"{verdict}; median of {args.repeat} runs of {args.total_mb} MB each; mosquitto "
-        f"on loopback; {platform.machine()}, {os.cpu_count()} cores"
+        f"on loopback; {machine()}"
     )
-    print(summary)
-    if args.out:
-        with args.out.open("a") as handle:
-            handle.write("\n".join([header, *rows]) + "\n" + summary + "\n")
+    report.finish(summary, args.out)
     return 0 if verdict == "PASS" else 1
 
 

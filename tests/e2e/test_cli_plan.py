@@ -3,26 +3,16 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.e2e.cli import ROOT
+from tests.e2e.cli import run_cli as run
+
 pytestmark = pytest.mark.e2e
 
-ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "coordinator" / "examples" / "devices.yaml"
-
-
-def run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "edgesplit", *args],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,
-    )
 
 
 def test_plan_json_has_the_contract_fields() -> None:

@@ -3,28 +3,15 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from storage import DeviceResult, open_store
+from tests.e2e.cli import run_cli as run
 
 pytestmark = pytest.mark.e2e
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "edgesplit", *args],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=120,
-    )
 
 
 def _populate(url: str, checkpoints: Path) -> None:

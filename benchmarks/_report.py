@@ -1,0 +1,29 @@
+"""Shared output of the benchmarks: a markdown table on stdout, optionally appended to a file."""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+
+def machine() -> str:
+    return f"{platform.machine()}, {os.cpu_count()} cores"
+
+
+class Report:
+    """Prints the header at once and each row as it is measured (long runs show progress)."""
+
+    def __init__(self, header: str) -> None:
+        self.header, self.rows = header, []
+        print(header, flush=True)
+
+    def row(self, text: str) -> None:
+        self.rows.append(text)
+        print(text, flush=True)
+
+    def finish(self, summary: str, out: Path | None) -> None:
+        print(summary)
+        if out is not None:
+            with out.open("a") as handle:
+                handle.write("\n".join([self.header, *self.rows]) + "\n" + summary + "\n")
