@@ -30,6 +30,8 @@ __all__ = ["Channel", "ChannelStats"]
 log = logging.getLogger(__name__)
 DEFAULT_CHUNK_BYTES = 32 * 1024 * 1024  # below the broker's max_packet_size (80 MiB)
 _WINDOW = 1 << 16
+_FRAME_HEADROOM = 512  # chunk frame header (~150 bytes) with room to spare
+_MIN_CHUNK = 1024
 
 
 @dataclass
@@ -72,7 +74,12 @@ class Channel:
         reassembly_timeout: float = 120.0,
     ) -> None:
         self.transport, self.sender = transport, sender
-        self.chunk_bytes = min(chunk_bytes, transport.max_payload - 4096)
+        self.chunk_bytes = min(chunk_bytes, transport.max_payload - _FRAME_HEADROOM)
+        if self.chunk_bytes < _MIN_CHUNK:
+            raise ValueError(
+                f"the transport's max_payload ({transport.max_payload} bytes) leaves chunks of "
+                f"{self.chunk_bytes} bytes; it must allow at least {_MIN_CHUNK + _FRAME_HEADROOM}"
+            )
         self.max_message_bytes = max_message_bytes
         self.epoch = uuid.uuid4().hex[:16]
         self.stats = ChannelStats()

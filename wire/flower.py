@@ -48,7 +48,7 @@ class _Frames:
 
     def __init__(self, transport: Transport) -> None:
         self.transport = transport
-        self.chunk_bytes = min(CHUNK_BYTES, transport.max_payload - 4096)
+        self.chunk_bytes = min(CHUNK_BYTES, transport.max_payload - 512)
         self.reassembler = Reassembler(MAX_MESSAGE_BYTES)
         self.rejected = 0
         self._lock = threading.Lock()

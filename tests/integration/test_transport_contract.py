@@ -14,6 +14,7 @@ from wire import topics
 from wire.broker import Broker
 from wire.channel import Channel
 from wire.codec import Envelope, TensorSpec, encode
+from wire.errors import TransportError
 from wire.mqtt import MqttConfig, MqttTransport
 from wire.transport import InProcessHub, InProcessTransport, Transport, Will
 
@@ -225,3 +226,19 @@ class TestMqttTransport(TransportContract):
         yield factory
         for transport in made:
             transport.close()
+
+
+@pytest.mark.unit
+def test_transport_refuses_payloads_above_its_limit() -> None:
+    hub = InProcessHub()
+    transport = hub.connect("edge")
+    transport.max_payload = 4096
+    with pytest.raises(TransportError, match="exceeds the transport's limit"):
+        transport.publish("edgesplit/v1/x", b"x" * 8192)
+    channel = Channel(transport, "pi-01", chunk_bytes=1024)  # a Channel chunks instead
+    inbox = Inbox()
+    Channel(hub.connect("gpu"), "gpu-a").subscribe("edgesplit/v1/x", inbox)
+    channel.send("edgesplit/v1/x", "metrics", "r", tensors={"v": np.zeros(2000, np.float32)})
+    (envelope,) = inbox.wait(1)
+    assert isinstance(envelope, Envelope) and envelope.tensors["v"].shape == (2000,)
+    transport.close()
