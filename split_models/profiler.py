@@ -228,12 +228,16 @@ def _training_pass(
     small, large = _probe_batches(shape, out_shape, batch)
     target = batch or large
     first, repeat = passes.first_and_repeat(target)
+    # Setup made per input shape recurs for every new shape; one-time runtime initialisation
+    # does not. Of two unseen shapes, the smaller first-minus-repeat is the per-shape part.
+    other_first, other_repeat = passes.first_and_repeat(target + 1)
+    setup = max(0, min(first - repeat, other_first - other_repeat))
     at = {target: repeat}
     for size in (small, large):
         if size not in at:
             at[size] = passes.first_and_repeat(size)[1]
     slope = (at[large] - at[small]) // (large - small)
-    return max(0, slope - saved_bytes), max(0, at[small] - slope * small), max(0, first - repeat)
+    return max(0, slope - saved_bytes), max(0, at[small] - slope * small), setup
 
 
 def _summary(module: nn.Module) -> str:

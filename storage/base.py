@@ -92,6 +92,14 @@ class RunStore(abc.ABC):
     def record_result(self, run_id: str, number: int, result: DeviceResult) -> None:
         """Record (or replace) one device's result for an open round."""
 
+    def record_results(self, run_id: str, number: int, results: Sequence[DeviceResult]) -> None:
+        """Record many devices' results at once; a batch with an invalid result changes
+        nothing (one transaction where the backend allows)."""
+        for result in results:
+            validate_result(result)
+        for result in results:
+            self.record_result(run_id, number, result)
+
     def set_round_state(self, run_id: str, number: int, state: str) -> None:
         _check(state, ROUND_STATES, "state")
         if state == "committed":

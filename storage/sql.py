@@ -261,25 +261,32 @@ class SqlRunStore(RunStore):
             return _round(row)
 
     def record_result(self, run_id: str, number: int, result: DeviceResult) -> None:
-        validate_result(result)
+        self.record_results(run_id, number, [result])
+
+    def record_results(self, run_id: str, number: int, results: Sequence[DeviceResult]) -> None:
+        for result in results:
+            validate_result(result)
         with self._session() as session:
             row = self._uncommitted(session, run_id, number)
+            replaced = {r.device for r in results}
             for existing in list(row.results):
-                if existing.device == result.device:
+                if existing.device in replaced:
                     row.results.remove(existing)
             session.flush()
-            row.results.append(
+            latest = {r.device: r for r in results}  # the last result of a device wins
+            row.results.extend(
                 DeviceResultRow(
-                    device=result.device,
-                    examples=result.examples,
-                    loss=result.loss,
-                    accuracy=result.accuracy,
-                    bytes_sent=result.bytes_sent,
-                    bytes_received=result.bytes_received,
-                    wall_seconds=result.wall_seconds,
-                    peak_memory_bytes=result.peak_memory_bytes,
-                    failure=result.failure,
+                    device=r.device,
+                    examples=r.examples,
+                    loss=r.loss,
+                    accuracy=r.accuracy,
+                    bytes_sent=r.bytes_sent,
+                    bytes_received=r.bytes_received,
+                    wall_seconds=r.wall_seconds,
+                    peak_memory_bytes=r.peak_memory_bytes,
+                    failure=r.failure,
                 )
+                for r in latest.values()
             )
 
     def _set_round_state(self, run_id: str, number: int, state: str) -> None:

@@ -135,6 +135,17 @@ class StoreContract:
         assert [r.number for r in store.list_rounds("r")] == [1, 2]
         assert store.resume("r").round.number == 1  # type: ignore[union-attr]
 
+    def test_record_results_in_one_call(self, store: RunStore) -> None:
+        store.create_run("r", CONFIG, seed=0)
+        store.open_round("r", 1, [f"d{i}" for i in range(50)])
+        store.record_result("r", 1, DeviceResult("d3", examples=1))
+        store.record_results("r", 1, [DeviceResult(f"d{i}", examples=i) for i in range(50)])
+        results = store.get_round("r", 1).results
+        assert len(results) == 50 and {r.device: r.examples for r in results}["d3"] == 3
+        with pytest.raises(ValueError, match="counts"):
+            store.record_results("r", 1, [DeviceResult("ok"), DeviceResult("bad", examples=-1)])
+        assert len(store.get_round("r", 1).results) == 50, "a rejected batch changes nothing"
+
     def test_bad_results_are_rejected(self, store: RunStore) -> None:
         store.create_run("r", CONFIG, seed=0)
         store.open_round("r", 1, ["a"])
