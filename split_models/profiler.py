@@ -237,7 +237,9 @@ def _training_pass(
         if size not in at:
             at[size] = passes.first_and_repeat(size)[1]
     slope = (at[large] - at[small]) // (large - small)
-    return max(0, slope - saved_bytes), max(0, at[small] - slope * small), setup
+    # Anchor the line at the planned batch, where the pass was measured directly: buffers of
+    # BLAS kernels do not grow linearly, so extrapolating from the probe sizes would drift.
+    return max(0, slope - saved_bytes), max(0, at[target] - slope * target), setup
 
 
 def _summary(module: nn.Module) -> str:
