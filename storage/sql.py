@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from storage.base import RunStore, validate_result
 from storage.checkpoints import CheckpointFiles
-from storage.errors import CheckpointError, NotFoundError, StateError
+from storage.errors import NotFoundError, StateError
 from storage.records import (
     CheckpointRef,
     DeviceRecord,
@@ -448,10 +448,3 @@ class SqlRunStore(RunStore):
         with self._session() as session:
             referenced = set(session.scalars(select(CheckpointRow.sha256)))
         return self.files.collect_garbage(referenced, older_than_seconds)
-
-
-def verify_checkpoint(store: SqlRunStore, ref: CheckpointRef) -> None:
-    """Raise :class:`CheckpointError` if the file of ``ref`` is not intact."""
-    problem = store.files.check(ref.sha256, ref.size_bytes, deep=True)
-    if problem:
-        raise CheckpointError(problem)

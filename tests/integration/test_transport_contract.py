@@ -81,14 +81,16 @@ class TransportContract:
         assert late.wait(1) == [(topics.presence(device), b"offline")]
 
     def test_shared_subscription_splits_the_stream(self, connect: Factory) -> None:
-        stream = f"edgesplit/v1/r/act/{uuid.uuid4().hex[:8]}"
+        run = f"run-{uuid.uuid4().hex[:6]}"
+        stream = topics.activations_filter(run, "seg-0")  # every edge's stream into seg-0
         first, second = Inbox(), Inbox()
         connect("gpu-a").subscribe(topics.shared("gpus", stream), first)
         connect("gpu-b").subscribe(topics.shared("gpus", stream), second)
         settle()
-        producer = connect("edge")
+        edges = [connect(f"edge-{i}") for i in range(2)]
         for index in range(40):
-            producer.publish(stream, str(index).encode())
+            device = f"pi-0{index % 2}"
+            edges[index % 2].publish(topics.activations(run, "seg-0", device), str(index).encode())
         deadline = time.monotonic() + 10
         while len(first.items) + len(second.items) < 40 and time.monotonic() < deadline:
             time.sleep(0.05)
