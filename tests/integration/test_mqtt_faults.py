@@ -69,7 +69,9 @@ def test_messages_survive_a_broker_restart_exactly_once() -> None:
         time.sleep(0.5)
         seqs = counter.wait(41, timeout=1)
         assert sorted(seqs) == list(range(40)), "every batch processed exactly once"
-        assert receiver.stats.duplicates == 1
+        # At least the injected copy was dropped; a restart under load may redeliver more
+        # (QoS 1 is at-least-once), and those must be dropped too, as the line above shows.
+        assert receiver.stats.duplicates >= 1
         consumer.close()
         producer.close()
 
