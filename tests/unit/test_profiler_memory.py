@@ -74,7 +74,12 @@ def test_estimate_components(cnn_profile: ModelProfile) -> None:
     assert adam.optimizer_state == 2 * params + largest
     assert sgd.input == 32 * (1 * 28 * 28 * 4 + 8)
     assert sgd.total == (
-        sgd.weights + sgd.optimizer_state + sgd.input + sgd.kernel_setup + sgd.step_peak
+        sgd.weights
+        + sgd.optimizer_state
+        + sgd.input
+        + sgd.kernel_setup
+        + sgd.bookkeeping
+        + sgd.step_peak
     )
 
 
