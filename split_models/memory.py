@@ -4,7 +4,8 @@ For blocks ``[start, end)`` plus the loss head, trained at ``batch_size`` with a
 memory that lives through the whole step:
 
 - weights: parameters and buffers of the blocks and the head;
-- optimizer state: none (SGD), one copy (momentum), two copies plus a per-tensor temporary (Adam);
+- optimizer state: none (SGD), one copy (momentum), two copies plus two temporaries the size of
+  the largest parameter (Adam's step);
 - input: the batch and its int64 labels;
 - kernel setup: what the first step at this batch size leaves resident (generated kernels,
   primitive caches), measured per block;
@@ -146,7 +147,9 @@ class _Chain:
             saved += self.batch * tail.output_bytes  # the output handed on (or the logits)
         return MemoryEstimate(
             weights=params + buffers,
-            optimizer_state=self.copies * params + (largest_param if self.adam else 0),
+            # Adam's step computes (exp_avg_sq.sqrt() / c).add_(eps): two temporaries the size
+            # of the parameter being updated are alive at once.
+            optimizer_state=self.copies * params + (2 * largest_param if self.adam else 0),
             input=self.batch * (self.first.input_bytes + _LABEL_BYTES),
             kernel_setup=setup,
             bookkeeping=STEP_BOOKKEEPING_BYTES,
