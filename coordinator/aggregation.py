@@ -1,0 +1,184 @@
+"""Aggregation across heterogeneous splits, as a Flower strategy chosen by name.
+
+Edges with different split points send different subsets of the model's tensors (keys such as
+``block3.0.weight`` or ``head2.net.1.weight``). Each tensor is aggregated over exactly the
+replicas that trained it in this round; a local-loss head is keyed by its cut, so heads are
+averaged among the devices sharing that cut; a tensor nobody trained keeps its current value.
+
+Flower's strategies expect every reply to carry the same keys, so the configured strategy is
+applied in one of three ways:
+
+- ``fedavg``, ``fedprox``: the example-weighted mean per tensor (:func:`split_weighted_mean`);
+- ``fedadam``, ``fedyogi``, ``fedadagrad``, ``fedavgm`` (server-side optimizers): that mean,
+  completed with the current values, is handed to the strategy as one reply, so its own
+  server update runs unchanged;
+- ``fedmedian``, ``fedtrimmedavg``, ``krum``, ``multikrum``, ``bulyan`` (robust rules): the
+  strategy aggregates each group of tensors held by the same set of replicas.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import (
+    Bulyan,
+    FedAdagrad,
+    FedAdam,
+    FedAvg,
+    FedAvgM,
+    FedMedian,
+    FedProx,
+    FedTrimmedAvg,
+    FedYogi,
+    Krum,
+    MultiKrum,
+)
+
+from split_models.errors import ConfigError
+
+__all__ = ["STRATEGIES", "array_record", "build_strategy", "key_groups", "split_weighted_mean"]
+
+_MEAN: dict[str, type[FedAvg]] = {"fedavg": FedAvg, "fedprox": FedProx}
+_SERVER_STEP: dict[str, type[FedAvg]] = {
+    "fedadam": FedAdam,
+    "fedyogi": FedYogi,
+    "fedadagrad": FedAdagrad,
+    "fedavgm": FedAvgM,
+}
+_PER_GROUP: dict[str, type[FedAvg]] = {
+    "fedmedian": FedMedian,
+    "fedtrimmedavg": FedTrimmedAvg,
+    "krum": Krum,
+    "multikrum": MultiKrum,
+    "bulyan": Bulyan,
+}
+STRATEGIES = (*_MEAN, *_SERVER_STEP, *_PER_GROUP)
+WEIGHT_KEY = "num-examples"
+
+
+def split_weighted_mean(
+    replicas: Sequence[Mapping[str, np.ndarray]],
+    weights: Sequence[float],
+    current: Mapping[str, np.ndarray],
+) -> dict[str, np.ndarray]:
+    """Per tensor, the ``weights``-weighted mean over the replicas that hold it.
+
+    Tensors in ``current`` that no replica holds keep their current value. A replica may not
+    send a tensor the model does not have, nor one of another shape.
+    """
+    if len(replicas) != len(weights):
+        raise ValueError("one weight per replica is needed")
+    totals: dict[str, np.ndarray] = {}
+    mass: dict[str, float] = {}
+    for replica, weight in zip(replicas, weights, strict=True):
+        if weight < 0 or not np.isfinite(weight):
+            raise ValueError(f"replica weights must be finite and >= 0, got {weight}")
+        for key, array in replica.items():
+            if key not in current:
+                raise ValueError(f"a replica sent {key!r}, which the model does not have")
+            if array.shape != current[key].shape:
+                raise ValueError(
+                    f"{key!r} has shape {array.shape}, the model has {current[key].shape}"
+                )
+            contribution = array.astype(np.float64) * weight
+            totals[key] = totals[key] + contribution if key in totals else contribution
+            mass[key] = mass.get(key, 0.0) + weight
+    result = {}
+    for key, value in current.items():
+        if mass.get(key, 0.0) > 0:
+            result[key] = (totals[key] / mass[key]).astype(value.dtype)
+        else:
+            result[key] = np.array(value, copy=True)
+    return result
+
+
+def key_groups(replicas: Sequence[Mapping[str, object]]) -> dict[tuple[int, ...], list[str]]:
+    """Tensor keys grouped by the (sorted) indices of the replicas that hold them."""
+    holders: dict[str, list[int]] = {}
+    for index, replica in enumerate(replicas):
+        for key in replica:
+            holders.setdefault(key, []).append(index)
+    groups: dict[tuple[int, ...], list[str]] = {}
+    for key, indices in holders.items():
+        groups.setdefault(tuple(indices), []).append(key)
+    return groups
+
+
+def array_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
+    """A Flower ``ArrayRecord`` keeping the tensor names."""
+    return ArrayRecord({key: Array(np.asarray(value)) for key, value in arrays.items()})
+
+
+def _arrays(message: Message) -> dict[str, np.ndarray]:
+    (record,) = message.content.array_records.values()
+    return {key: value.numpy() for key, value in record.items()}
+
+
+def _weight(message: Message) -> float:
+    (metrics,) = message.content.metric_records.values()
+    return float(metrics[WEIGHT_KEY])  # type: ignore[arg-type]
+
+
+def _reply_like(template: Message, arrays: Mapping[str, np.ndarray]) -> Message:
+    """A reply with ``template``'s metadata and metrics and the given arrays."""
+    (metrics,) = template.content.metric_records.values()
+    content = RecordDict({"arrays": array_record(arrays), "metrics": metrics})
+    reply = Message(content=content, reply_to=template)
+    reply.metadata.__dict__["_src_node_id"] = template.metadata.src_node_id
+    return reply
+
+
+def _split_aware(base: type[FedAvg], mode: str) -> type[FedAvg]:
+    class SplitAware(base):  # type: ignore[valid-type, misc]
+        """``base`` with aggregation over exactly the replicas that trained each tensor."""
+
+        _current: dict[str, np.ndarray] | None = None
+
+        def configure_train(
+            self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+        ) -> Iterable[Message]:
+            self._current = {key: value.numpy() for key, value in arrays.items()}
+            return super().configure_train(server_round, arrays, config, grid)  # type: ignore[no-any-return]
+
+        def aggregate_train(
+            self, server_round: int, replies: Iterable[Message]
+        ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+            valid = [m for m in replies if not m.has_error()]
+            if not valid or self._current is None:
+                return super().aggregate_train(server_round, valid)  # type: ignore[no-any-return]
+            replicas = [_arrays(m) for m in valid]
+            metrics = self.train_metrics_aggr_fn([m.content for m in valid], WEIGHT_KEY)
+            if mode == "per_group":
+                merged = {k: np.array(v, copy=True) for k, v in self._current.items()}
+                for indices, keys in key_groups(replicas).items():
+                    group = [
+                        _reply_like(valid[i], {k: replicas[i][k] for k in keys}) for i in indices
+                    ]
+                    arrays, _ = super().aggregate_train(server_round, group)
+                    if arrays is not None:
+                        merged.update({k: v.numpy() for k, v in arrays.items()})
+                return array_record(merged), metrics
+            mean = split_weighted_mean(replicas, [_weight(m) for m in valid], self._current)
+            if mode == "mean":
+                return array_record(mean), metrics
+            arrays, _ = super().aggregate_train(server_round, [_reply_like(valid[0], mean)])
+            return arrays, metrics
+
+    SplitAware.__name__ = SplitAware.__qualname__ = f"SplitAware{base.__name__}"
+    return SplitAware
+
+
+def build_strategy(name: str, **options: Any) -> FedAvg:
+    """A split-aware Flower strategy by name, e.g. ``build_strategy("fedadam", eta=0.01)``."""
+    key = name.lower()
+    for mode, table in (("mean", _MEAN), ("server_step", _SERVER_STEP), ("per_group", _PER_GROUP)):
+        if key in table:
+            try:
+                return _split_aware(table[key], mode)(**options)
+            except TypeError as error:
+                raise ConfigError(f"strategy {name!r}: bad option: {error}") from error
+    raise ConfigError(f"strategy.name: unknown {name!r}; use one of {list(STRATEGIES)}")

@@ -1,0 +1,147 @@
+"""Aggregation across heterogeneous splits against NumPy oracles, through real Flower rounds."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+from flwr.app import Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.serverapp.strategy import FedAdam
+
+from coordinator.aggregation import array_record, build_strategy, key_groups, split_weighted_mean
+from split_models.errors import ConfigError
+from wire.flower import FlowerNode, TransportGrid, node_will
+from wire.transport import InProcessHub
+
+pytestmark = pytest.mark.unit
+
+RNG = np.random.default_rng(0)
+MODEL = {
+    "block0.w": RNG.standard_normal((3, 2)).astype(np.float32),
+    "block1.w": RNG.standard_normal(4).astype(np.float32),
+    "block2.w": RNG.standard_normal(2).astype(np.float32),  # held by the GPU server only
+    "head1.w": RNG.standard_normal(5).astype(np.float32),
+    "head2.w": RNG.standard_normal(5).astype(np.float32),
+}
+# Node 1 splits after block 0, nodes 2 and 3 after block 1: different keys, different heads.
+HOLDINGS = {
+    1: ["block0.w", "head1.w"],
+    2: ["block0.w", "block1.w", "head2.w"],
+    3: ["block0.w", "block1.w", "head2.w"],
+}
+EXAMPLES = {1: 10, 2: 30, 3: 60}
+
+
+def trained(node: int, key: str, current: np.ndarray) -> np.ndarray:
+    return current + node * (1 + np.arange(current.size, dtype=np.float32).reshape(current.shape))
+
+
+def oracle(reduce: str) -> dict[str, np.ndarray]:
+    result = {}
+    for key, value in MODEL.items():
+        holders = [n for n, keys in HOLDINGS.items() if key in keys]
+        if not holders:
+            result[key] = value
+            continue
+        stack = np.stack([trained(n, key, value) for n in holders])
+        weights = np.array([EXAMPLES[n] for n in holders], dtype=np.float64)
+        if reduce == "mean":
+            result[key] = (np.tensordot(weights, stack, axes=1) / weights.sum()).astype(np.float32)
+        else:
+            result[key] = np.median(stack, axis=0).astype(np.float32)
+    return result
+
+
+app = ClientApp()
+
+
+@app.train()
+def train(message: Message, context: Context) -> Message:
+    current = {k: v.numpy() for k, v in message.content["arrays"].items()}
+    node = context.node_id
+    mine = {k: trained(node, k, current[k]) for k in HOLDINGS[node]}
+    return Message(
+        RecordDict(
+            {
+                "arrays": array_record(mine),
+                "metrics": MetricRecord({"num-examples": EXAMPLES[node]}),
+            }
+        ),
+        reply_to=message,
+    )
+
+
+def federate(name: str, **options: object) -> dict[str, np.ndarray]:
+    logging.getLogger("flwr").setLevel(logging.WARNING)
+    hub = InProcessHub()
+    grid = TransportGrid(hub.connect("coordinator"))
+    nodes = [FlowerNode(hub.connect(f"n{n}", node_will(n)), n, app) for n in HOLDINGS]
+    assert grid.wait_for_nodes(3, timeout=10) == [1, 2, 3]
+    strategy = build_strategy(
+        name, fraction_evaluate=0.0, min_available_nodes=3, min_train_nodes=3, **options
+    )
+    result = strategy.start(grid=grid, initial_arrays=array_record(MODEL), num_rounds=1, timeout=30)
+    for node in nodes:
+        node.transport.close()
+    return {k: v.numpy() for k, v in result.arrays.items()}
+
+
+def test_weighted_mean_over_exactly_the_holders() -> None:
+    got = federate("fedavg")
+    expected = oracle("mean")
+    for key in MODEL:
+        np.testing.assert_allclose(got[key], expected[key], rtol=1e-6)
+    assert np.array_equal(got["block2.w"], MODEL["block2.w"]), "untrained tensors keep values"
+    assert np.array_equal(got["head1.w"], trained(1, "head1.w", MODEL["head1.w"])), (
+        "a head is averaged only among the devices sharing its cut"
+    )
+
+
+def test_robust_rule_per_group_of_holders() -> None:
+    got = federate("fedmedian")
+    for key, value in oracle("median").items():
+        np.testing.assert_allclose(got[key], value, rtol=1e-6)
+
+
+def test_server_optimizer_runs_on_the_split_aware_mean() -> None:
+    got = federate("fedadam", eta=0.1)
+    reference = FedAdam(eta=0.1)
+    reference.current_arrays = {k: v.copy() for k, v in MODEL.items()}
+    mean = oracle("mean")
+    template = Message(RecordDict(), dst_node_id=1, message_type="train")
+    reply = Message(
+        RecordDict({"arrays": array_record(mean), "metrics": MetricRecord({"num-examples": 1})}),
+        reply_to=template,
+    )
+    expected, _ = reference.aggregate_train(1, [reply])
+    assert expected is not None
+    for key, value in expected.items():
+        np.testing.assert_allclose(got[key], value.numpy(), rtol=1e-6)
+    assert not np.allclose(got["block0.w"], MODEL["block0.w"])
+    assert np.array_equal(got["block2.w"], MODEL["block2.w"])
+
+
+def test_numpy_core_and_key_groups() -> None:
+    current = {"a": np.zeros(2, np.float32), "b": np.ones(2, np.float32)}
+    replicas = [
+        {"a": np.array([1.0, 2.0], np.float32)},
+        {"a": np.array([3.0, 6.0], np.float32), "b": np.array([5.0, 5.0], np.float32)},
+    ]
+    mean = split_weighted_mean(replicas, [1.0, 3.0], current)
+    np.testing.assert_allclose(mean["a"], [2.5, 5.0])
+    np.testing.assert_allclose(mean["b"], [5.0, 5.0])
+    assert mean["a"].dtype == np.float32
+    assert key_groups(replicas) == {(0, 1): ["a"], (1,): ["b"]}
+    with pytest.raises(ValueError, match="does not have"):
+        split_weighted_mean([{"c": np.zeros(2)}], [1.0], current)
+    with pytest.raises(ValueError, match="shape"):
+        split_weighted_mean([{"a": np.zeros(3)}], [1.0], current)
+
+
+def test_unknown_strategy_and_bad_options_are_config_errors() -> None:
+    with pytest.raises(ConfigError, match="unknown 'fedmagic'"):
+        build_strategy("fedmagic")
+    with pytest.raises(ConfigError, match="bad option"):
+        build_strategy("fedavg", learning_rate_of_doom=3)
