@@ -1,0 +1,97 @@
+"""RUN.yaml: the issue's example parses; every bad key or value is rejected by name."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from coordinator.config import RunConfig, load_run_config, parse_duration
+from split_models.errors import ConfigError
+
+pytestmark = pytest.mark.unit
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "coordinator" / "examples" / "run.yaml"
+
+
+def example() -> dict[str, object]:
+    return yaml.safe_load(EXAMPLE.read_text())  # type: ignore[no-any-return]
+
+
+def test_the_example_parses_with_every_field() -> None:
+    config = load_run_config(EXAMPLE)
+    assert (config.run_id, config.model, config.input_shape, config.num_classes) == (
+        "demo-1",
+        "cnn",
+        (1, 28, 28),
+        10,
+    )
+    assert config.devices.edge_count == 3 and config.devices.gpu_servers == 1
+    assert config.devices.wait_seconds == 120.0 and config.round_deadline_seconds == 300.0
+    assert (config.rounds, config.local_epochs, config.batch_size, config.seed) == (3, 1, 32, 0)
+    assert config.optimizer.name == "sgd-momentum" and config.optimizer.lr == 0.05
+    assert (config.local_loss, config.mode, config.compression) == ("linear", "local-loss", "fp16")
+    assert config.strategy == "fedavg" and config.eval_data == "npz:path/to/test.npz"
+    stored = json.loads(json.dumps(config.to_dict()))  # what the run store keeps
+    assert stored["input_shape"] == [1, 28, 28] and stored["devices"]["edges"] == 3
+    assert stored["optimizer"]["lr"] == 0.05 and stored["round_deadline_seconds"] == 300.0
+
+
+def test_minimal_config_gets_defaults_and_named_edges() -> None:
+    config = RunConfig.parse(
+        {
+            "run_id": "r",
+            "model": "mlp",
+            "input_shape": [1, 8, 8],
+            "num_classes": 10,
+            "devices": {"edges": ["pi-01", "pi-02"]},
+            "rounds": 2,
+            "strategy": {"name": "FedAdam", "eta": 0.01},
+        }
+    )
+    assert config.devices.edges == ("pi-01", "pi-02") and config.devices.edge_count == 2
+    assert config.strategy == "fedadam" and config.strategy_options == {"eta": 0.01}
+    assert config.mode == "local-loss" and config.batch_size == 32
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"colour": "blue"}, r"unknown key\(s\) \['colour'\]"),
+        ({"devices": {"edges": 3, "gpus": 1}}, r"devices: unknown key\(s\) \['gpus'\]"),
+        ({"optimizer": {"name": "sgd", "lr": 0.1, "beta": 2}}, r"optimizer: unknown key"),
+        ({"mode": "telepathy"}, r"mode: 'telepathy' is not one of"),
+        ({"compression": "fp8"}, r"compression: 'fp8'"),
+        ({"local_loss": "hinge"}, r"local_loss: 'hinge'"),
+        ({"strategy": {"name": "fedmagic"}}, r"strategy: 'fedmagic'"),
+        ({"rounds": 0}, r"rounds: expected an integer >= 1"),
+        ({"batch_size": "32"}, r"batch_size: expected an integer"),
+        ({"input_shape": [1, 0, 28]}, r"input_shape"),
+        ({"run_id": "a/b"}, r"run_id: 'a/b' cannot be used in a topic"),
+        ({"round_deadline": "soon"}, r"round_deadline: expected a duration"),
+        ({"devices": {"edges": ["pi", "pi"]}}, r"devices.edges: expected unique"),
+        ({"optimizer": {"name": "sgd", "lr": -1}}, r"optimizer.lr"),
+    ],
+)
+def test_bad_configs_name_the_key(change: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        RunConfig.parse(example() | change)
+
+
+def test_missing_required_keys_and_files() -> None:
+    data = example()
+    del data["rounds"]
+    with pytest.raises(ConfigError, match=r"missing key\(s\) \['rounds'\]"):
+        RunConfig.parse(data)
+    with pytest.raises(ConfigError, match="cannot be read"):
+        load_run_config("no/such/run.yaml")
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("120s", 120), ("5m", 300), ("1h", 3600), ("500ms", 0.5), (42, 42), ("7", 7)],
+)
+def test_durations(text: object, seconds: float) -> None:
+    assert parse_duration(text, "wait") == seconds
