@@ -1,0 +1,216 @@
+"""Datasets as numpy arrays and their partitions across clients.
+
+Specs: ``npz:PATH`` (arrays ``x`` and ``y``; uint8 images are scaled to [0, 1] and given a
+channel axis), ``digits`` (scikit-learn's bundled 8x8 digits, if scikit-learn is installed),
+``folder:PATH`` (one sub-folder per class of image files, if Pillow is installed) and
+``torchvision:NAME:ROOT`` (a torchvision dataset already on disk, if torchvision is installed).
+Nothing is downloaded. Partitions: IID, Dirichlet(alpha) label skew, or label shards.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from split_models.errors import ConfigError
+
+__all__ = ["PARTITIONS", "Dataset", "load_dataset", "partition"]
+
+PARTITIONS = ("iid", "dirichlet", "shards")
+_IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif"}
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """``x``: float32 [N, ...] features, ``y``: int64 [N] labels in ``[0, num_classes)``."""
+
+    x: np.ndarray
+    y: np.ndarray
+    num_classes: int
+
+    def __post_init__(self) -> None:
+        if len(self.x) != len(self.y):
+            raise ConfigError(f"data: {len(self.x)} samples but {len(self.y)} labels")
+        if len(self.y) and (self.y.min() < 0 or self.y.max() >= self.num_classes):
+            raise ConfigError(
+                f"data: labels must be in [0, {self.num_classes}), found "
+                f"{int(self.y.min())}..{int(self.y.max())}"
+            )
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return tuple(self.x.shape[1:])
+
+    def subset(self, indices: np.ndarray) -> Dataset:
+        return Dataset(self.x[indices], self.y[indices], self.num_classes)
+
+    def split(self, test_fraction: float, seed: int = 0) -> tuple[Dataset, Dataset]:
+        """A shuffled (train, test) split."""
+        if not 0 < test_fraction < 1:
+            raise ConfigError(f"test_fraction: must be in (0, 1), got {test_fraction}")
+        order = np.random.default_rng(seed).permutation(len(self))
+        cut = len(self) - max(1, round(len(self) * test_fraction))
+        return self.subset(order[:cut]), self.subset(order[cut:])
+
+
+def _images(x: np.ndarray) -> np.ndarray:
+    values = x.astype(np.float32)
+    if x.dtype == np.uint8:
+        values /= 255.0
+    if values.ndim == 3:  # [N, H, W] grayscale
+        values = values[:, None, :, :]
+    return values
+
+
+def _from_arrays(x: np.ndarray, y: np.ndarray, where: str) -> Dataset:
+    if x.ndim < 2 or y.ndim != 1:
+        raise ConfigError(f"{where}: expected x [N, ...] and y [N], got {x.shape} and {y.shape}")
+    if not np.issubdtype(y.dtype, np.integer):
+        raise ConfigError(f"{where}: labels must be integers, got {y.dtype}")
+    features = _images(x)
+    if not np.all(np.isfinite(features)):
+        raise ConfigError(f"{where}: x contains NaN or infinity")
+    labels = y.astype(np.int64)
+    return Dataset(features, labels, int(labels.max()) + 1 if len(labels) else 0)
+
+
+def _npz(path: str) -> Dataset:
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            if "x" not in archive or "y" not in archive:
+                raise ConfigError(
+                    f"npz:{path}: expected arrays 'x' and 'y', found {sorted(archive.files)}"
+                )
+            return _from_arrays(archive["x"], archive["y"], f"npz:{path}")
+    except (OSError, ValueError) as error:
+        if isinstance(error, ConfigError):
+            raise
+        raise ConfigError(f"npz:{path}: cannot be read: {error}") from error
+
+
+def _optional(module: str, purpose: str) -> object:
+    try:
+        return importlib.import_module(module)
+    except ImportError as error:
+        raise ConfigError(
+            f"{purpose} needs the package {module.split('.')[0]!r}; install it or use npz:PATH"
+        ) from error
+
+
+def _digits() -> Dataset:
+    datasets = _optional("sklearn.datasets", "the 'digits' dataset")
+    bunch = datasets.load_digits()  # type: ignore[attr-defined]
+    x = (bunch.images / 16.0).astype(np.float32)[:, None, :, :]
+    return Dataset(x, bunch.target.astype(np.int64), 10)
+
+
+def _folder(path: str) -> Dataset:
+    image = _optional("PIL.Image", "folder:PATH")
+    root = Path(path)
+    classes = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+    if not classes:
+        raise ConfigError(f"folder:{path}: expected one sub-folder per class")
+    xs, ys = [], []
+    for label, name in enumerate(classes):
+        for file in sorted((root / name).iterdir()):
+            if file.suffix.lower() in _IMAGE_SUFFIXES:
+                with image.open(file) as picture:  # type: ignore[attr-defined]
+                    xs.append(np.asarray(picture))
+                ys.append(label)
+    shapes = {x.shape for x in xs}
+    if len(shapes) != 1:
+        raise ConfigError(f"folder:{path}: images differ in size {sorted(shapes)}; resize them")
+    stacked = np.stack(xs)
+    if stacked.ndim == 4:  # [N, H, W, C] -> [N, C, H, W]
+        stacked = stacked.transpose(0, 3, 1, 2)
+    return Dataset(_images(stacked), np.array(ys, dtype=np.int64), len(classes))
+
+
+def _torchvision(spec: str) -> Dataset:
+    name, _, root = spec.partition(":")
+    datasets = _optional("torchvision.datasets", "torchvision:NAME:ROOT")
+    factory = getattr(datasets, name, None)
+    if factory is None:
+        raise ConfigError(f"torchvision:{spec}: torchvision has no dataset {name!r}")
+    data = factory(root or ".", download=False)
+    x = np.asarray(data.data)
+    y = np.asarray(data.targets)
+    return _from_arrays(x if x.ndim != 4 else x.transpose(0, 3, 1, 2), y, f"torchvision:{spec}")
+
+
+def load_dataset(spec: str) -> Dataset:
+    """Load a dataset from a spec such as ``npz:data/train.npz`` or ``digits``."""
+    kind, _, rest = spec.partition(":")
+    if kind == "npz" and rest:
+        return _npz(rest)
+    if spec == "digits":
+        return _digits()
+    if kind == "folder" and rest:
+        return _folder(rest)
+    if kind == "torchvision" and rest:
+        return _torchvision(rest)
+    raise ConfigError(
+        f"data: unknown dataset spec {spec!r}; use npz:PATH, digits, "
+        "folder:PATH or torchvision:NAME:ROOT"
+    )
+
+
+def partition(
+    labels: np.ndarray,
+    clients: int,
+    kind: str = "iid",
+    *,
+    alpha: float = 0.5,
+    per_client: int = 2,
+    seed: int = 0,
+) -> list[np.ndarray]:
+    """Indices of each client's samples: disjoint, covering every sample, none empty."""
+    if clients < 1 or clients > len(labels):
+        raise ConfigError(
+            f"clients: need 1..{len(labels)} clients for {len(labels)} samples, got {clients}"
+        )
+    rng = np.random.default_rng(seed)
+    if kind == "iid":
+        parts = np.array_split(rng.permutation(len(labels)), clients)
+    elif kind == "dirichlet":
+        if not alpha > 0:
+            raise ConfigError(f"partition.alpha: must be > 0, got {alpha}")
+        parts = _dirichlet(labels, clients, alpha, rng)
+    elif kind == "shards":
+        if per_client < 1:
+            raise ConfigError(f"partition.per_client: must be >= 1, got {per_client}")
+        order = np.argsort(labels, kind="stable")
+        # At most one shard per sample, so none is empty; still >= clients shards.
+        shards = np.array_split(order, min(clients * per_client, len(labels)))
+        assignment = rng.permutation(len(shards))
+        parts = [
+            np.concatenate([shards[s] for s in assignment[c::clients]]) for c in range(clients)
+        ]
+    else:
+        raise ConfigError(f"partition.kind: {kind!r} is not one of {PARTITIONS}")
+    return [np.sort(p) for p in parts]
+
+
+def _dirichlet(
+    labels: np.ndarray, clients: int, alpha: float, rng: np.random.Generator
+) -> list[np.ndarray]:
+    """Each class spread over clients by Dirichlet(alpha) shares; empty clients get one sample
+    from the largest, so every client can train."""
+    buckets: list[list[int]] = [[] for _ in range(clients)]
+    for label in np.unique(labels):
+        members = rng.permutation(np.flatnonzero(labels == label))
+        shares = rng.dirichlet(np.full(clients, alpha))
+        cuts = (np.cumsum(shares)[:-1] * len(members)).astype(int)
+        for client, chunk in enumerate(np.split(members, cuts)):
+            buckets[client].extend(chunk.tolist())
+    for client in range(clients):
+        if not buckets[client]:
+            donor = max(range(clients), key=lambda c: len(buckets[c]))
+            buckets[client].append(buckets[donor].pop())
+    return [np.array(b, dtype=np.int64) for b in buckets]

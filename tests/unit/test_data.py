@@ -1,0 +1,95 @@
+"""Dataset loading and client partitions."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from split_models.data import load_dataset, partition
+from split_models.errors import ConfigError
+
+pytestmark = pytest.mark.unit
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "tiny_mnist.npz"
+SHARED = Path(__file__).resolve().parents[3] / "shared" / "data" / "mnist8k.npz"
+
+
+def test_npz_images_get_a_channel_axis_and_unit_range() -> None:
+    data = load_dataset(f"npz:{FIXTURE}")
+    assert data.x.shape == (240, 1, 28, 28) and data.x.dtype == np.float32
+    assert data.x.min() >= 0.0 and data.x.max() <= 1.0 and data.x.max() > 0.9
+    assert data.y.dtype == np.int64 and data.num_classes == 10 and data.input_shape == (1, 28, 28)
+    train, test = data.split(0.25, seed=1)
+    assert (len(train), len(test)) == (180, 60)
+
+
+@pytest.mark.skipif(not SHARED.exists(), reason="../shared/data/mnist8k.npz is not present")
+def test_the_shared_mnist_sample_loads() -> None:
+    data = load_dataset(f"npz:{SHARED}")
+    assert len(data) == 8000 and data.num_classes == 10
+
+
+def test_bad_npz_files_are_rejected(tmp_path: Path) -> None:
+    np.savez(tmp_path / "no_y.npz", x=np.zeros((3, 4)))
+    with pytest.raises(ConfigError, match="expected arrays 'x' and 'y'"):
+        load_dataset(f"npz:{tmp_path / 'no_y.npz'}")
+    np.savez(tmp_path / "objects.npz", x=np.array([{"a": 1}], dtype=object), y=np.zeros(1, int))
+    with pytest.raises(ConfigError, match="cannot be read"):  # no pickle, ever
+        load_dataset(f"npz:{tmp_path / 'objects.npz'}")
+    np.savez(tmp_path / "float_labels.npz", x=np.zeros((3, 4)), y=np.zeros(3))
+    with pytest.raises(ConfigError, match="labels must be integers"):
+        load_dataset(f"npz:{tmp_path / 'float_labels.npz'}")
+    with pytest.raises(ConfigError, match="cannot be read"):
+        load_dataset(f"npz:{tmp_path / 'missing.npz'}")
+    with pytest.raises(ConfigError, match="unknown dataset spec"):
+        load_dataset("imagenet")
+
+
+@pytest.mark.parametrize(
+    ("spec", "module"),
+    [("digits", "sklearn"), ("folder:x", "PIL"), ("torchvision:MNIST:x", "torchvision")],
+)
+def test_optional_sources_say_what_to_install(spec: str, module: str) -> None:
+    if importlib.util.find_spec(module) is not None:
+        pytest.skip(f"{module} is installed here")
+    with pytest.raises(ConfigError, match=f"needs the package '{module}'"):
+        load_dataset(spec)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    samples=st.integers(10, 300),
+    clients=st.integers(1, 10),
+    kind=st.sampled_from(["iid", "dirichlet", "shards"]),
+    seed=st.integers(0, 5),
+)
+def test_partitions_are_disjoint_complete_and_never_empty(
+    samples: int, clients: int, kind: str, seed: int
+) -> None:
+    labels = np.random.default_rng(seed).integers(0, 10, samples)
+    parts = partition(labels, clients, kind, alpha=0.3, per_client=2, seed=seed)
+    joined = np.concatenate(parts)
+    assert len(parts) == clients and all(len(p) > 0 for p in parts)
+    assert sorted(joined.tolist()) == list(range(samples))
+
+
+def test_label_skew_grows_as_alpha_shrinks_and_shards_limit_classes() -> None:
+    labels = load_dataset(f"npz:{FIXTURE}").y
+
+    def classes(parts: list[np.ndarray]) -> float:
+        return float(np.mean([len(np.unique(labels[p])) for p in parts]))
+
+    iid = classes(partition(labels, 8, "iid"))
+    skewed = classes(partition(labels, 8, "dirichlet", alpha=0.05))
+    shards = partition(labels, 8, "shards", per_client=2)
+    assert skewed < iid
+    assert max(len(np.unique(labels[p])) for p in shards) <= 4
+    with pytest.raises(ConfigError, match=r"partition\.kind"):
+        partition(labels, 2, "by-colour")
+    with pytest.raises(ConfigError, match="clients"):
+        partition(labels, 0)
