@@ -1,0 +1,5 @@
+"""The GPU server role: trains the back blocks of the model on the edges' activation streams."""
+
+from gpu_server.trainer import BackStats, BackTrainer
+
+__all__ = ["BackStats", "BackTrainer"]

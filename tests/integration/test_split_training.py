@@ -1,0 +1,131 @@
+"""Decoupled split training on real data: two edges with different cuts stream to one GPU
+server, over the in-process transport and over a real mosquitto."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edge_client import EdgeRoundReport, EdgeTrainer, EdgeTrainerConfig
+from gpu_server import BackTrainer
+from split_models import OptimizerConfig, Segment, build_model, load_dataset, partition
+from wire.broker import Broker
+from wire.channel import Channel
+from wire.codec import Envelope, encode
+from wire.flow import CreditGate
+from wire.mqtt import MqttConfig, MqttTransport
+from wire.transport import InProcessHub, Transport
+
+pytestmark = pytest.mark.integration
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "tiny_mnist.npz"
+CUTS = {"pi-01": 1, "pi-02": 2}
+ROUNDS = 3
+
+
+def train_split(connect: Callable[[str], Transport]) -> None:
+    run = f"run-{uuid.uuid4().hex[:6]}"
+    data = load_dataset(f"npz:{FIXTURE}")
+    parts = partition(data.y, len(CUTS), "iid", seed=0)
+    optimizer = OptimizerConfig("sgd-momentum", lr=0.05)
+    published: list[str] = []
+    connect("spy").subscribe("edgesplit/v1/#", lambda topic, _p: published.append(topic))
+    back = BackTrainer(
+        Channel(connect("gpu-a"), "gpu-a"),
+        build_model("cnn", (1, 28, 28), 10, seed=0),
+        start=min(CUTS.values()),
+        run=run,
+        segment="seg-0",
+        optimizer=optimizer,
+        window=2,
+    )
+    trainers = {}
+    for (device, cut), indices in zip(CUTS.items(), parts, strict=True):
+        channel = Channel(connect(device), device)
+        gate = CreditGate(channel, run, device)
+        model = build_model("cnn", (1, 28, 28), 10, seed=0)
+        trainers[device] = EdgeTrainer(
+            channel,
+            gate,
+            Segment.from_model(model, 0, cut, "linear", optimizer),
+            data.subset(indices),
+            EdgeTrainerConfig(run, device, "seg-0", batch_size=16),
+        )
+    time.sleep(0.3)
+    reports: dict[str, list[EdgeRoundReport]] = {d: [] for d in CUTS}
+
+    def run_edge(device: str) -> None:
+        back.open(device)
+        for round_number in range(1, ROUNDS + 1):
+            reports[device].append(trainers[device].train_round(round_number))
+
+    threads = [threading.Thread(target=run_edge, args=(d,)) for d in CUTS]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    sent = sum(r.examples for rs in reports.values() for r in rs)
+    deadline = time.monotonic() + 30
+    while back.stats.examples < sent and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+    assert all(len(rs) == ROUNDS for rs in reports.values())
+    assert back.stats.examples == sent == ROUNDS * len(data), "every batch trained once"
+    for device, rs in reports.items():
+        assert back.stats.per_device[device] == sum(r.examples for r in rs)
+        assert rs[-1].mean_loss < rs[0].mean_loss, f"{device}'s local loss falls"
+    losses = back.stats.losses
+    assert np.mean(losses[-8:]) < np.mean(losses[:8]), "the server's task loss falls"
+    assert not [t for t in published if "/grad/" in t], "no gradient crosses back"
+
+    # A malformed batch (wrong shape for its cut) is rejected and its credit returned.
+    rogue = Channel(connect("rogue"), "pi-01")
+    before = trainers["pi-01"].gate.available
+    rogue.transport.publish(
+        trainers["pi-01"].topic,
+        encode(
+            Envelope(
+                "activations",
+                run,
+                "pi-01",
+                0,
+                9,
+                {"epoch": "rogue", "cut": 1},
+                {"x": np.zeros((4, 3), np.float32), "y": np.zeros(4, np.int64)},
+            )
+        ),
+    )
+    deadline = time.monotonic() + 10
+    while not back.stats.rejected and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert back.stats.rejected["shape"] == 1
+    deadline = time.monotonic() + 10
+    while trainers["pi-01"].gate.available == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert trainers["pi-01"].gate.available == before + 1
+
+
+def test_split_training_in_process() -> None:
+    hub = InProcessHub()
+    train_split(lambda name: hub.connect(name))
+
+
+def test_split_training_over_mqtt(broker: Broker) -> None:
+    config = MqttConfig.from_url(broker.url)
+    made: list[MqttTransport] = []
+
+    def connect(name: str) -> Transport:
+        made.append(MqttTransport(config, f"{name}-{uuid.uuid4().hex[:6]}"))
+        return made[-1]
+
+    try:
+        train_split(connect)
+    finally:
+        for transport in made:
+            transport.close()
