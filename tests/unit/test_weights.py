@@ -1,0 +1,51 @@
+"""Global tensor names: the same layer has the same key on every device."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from split_models import ModelError, Segment, build_model
+from split_models.weights import load_segment_state, segment_state
+
+pytestmark = pytest.mark.unit
+
+
+def test_replicas_of_a_block_share_keys_and_heads_are_keyed_by_cut() -> None:
+    model = build_model("resnet8", (3, 8, 8), 10, seed=0)
+    shallow = segment_state(Segment.from_model(model, 0, 1, "linear"))
+    deep = segment_state(Segment.from_model(model, 0, 3, "mlp"))
+    back = segment_state(Segment.from_model(model, 1, model.num_blocks))
+    assert {k for k in shallow if k.startswith("block0.")} <= set(deep)
+    assert any(k.startswith("head1.") for k in shallow) and any(
+        k.startswith("head3.") for k in deep
+    )
+    assert not any(k.startswith("head") for k in back), "the last segment has the task loss"
+    assert {k for k in deep if k.startswith("block1.")} <= set(back)
+    assert "block0.1.running_mean" in shallow, "buffers (BatchNorm statistics) travel too"
+
+
+def test_load_round_trips_and_touches_only_the_segment() -> None:
+    source = Segment.from_model(build_model("cnn", (1, 8, 8), 10, seed=1), 0, 2, "linear")
+    target_model = build_model("cnn", (1, 8, 8), 10, seed=2)
+    target = Segment.from_model(target_model, 0, 2, "linear")
+    untouched = target_model.blocks[3][0].weight.detach().clone()
+    arrays = segment_state(source) | {"block5.0.weight": np.zeros((10, 128), np.float32)}
+    load_segment_state(target, arrays)
+    for key, value in segment_state(target).items():
+        assert np.array_equal(value, arrays[key])
+    assert torch.equal(target_model.blocks[3][0].weight, untouched)
+    x = torch.randn(4, 1, 8, 8)
+    assert torch.equal(source.forward(x), target.forward(x))
+
+
+def test_missing_or_misshaped_tensors_are_refused() -> None:
+    segment = Segment.from_model(build_model("mlp", (1, 8, 8), 10, seed=0), 0, 2, "linear")
+    state = segment_state(segment)
+    with pytest.raises(ModelError, match="lack"):
+        load_segment_state(segment, {k: v for k, v in state.items() if not k.startswith("head")})
+    wrong = dict(state)
+    wrong["block0.1.weight"] = np.zeros((3, 3), np.float32)
+    with pytest.raises(ModelError, match=r"block0\.1\.weight: shape"):
+        load_segment_state(segment, wrong)
