@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import (
     Bulyan,
@@ -39,8 +39,9 @@ from flwr.serverapp.strategy import (
 )
 
 from split_models.errors import ConfigError
+from wire.flower import array_record
 
-__all__ = ["STRATEGIES", "array_record", "build_strategy", "key_groups", "split_weighted_mean"]
+__all__ = ["STRATEGIES", "build_strategy", "key_groups", "split_weighted_mean"]
 
 _MEAN: dict[str, type[FedAvg]] = {"fedavg": FedAvg, "fedprox": FedProx}
 _SERVER_STEP: dict[str, type[FedAvg]] = {
@@ -106,11 +107,6 @@ def key_groups(replicas: Sequence[Mapping[str, object]]) -> dict[tuple[int, ...]
     for key, indices in holders.items():
         groups.setdefault(tuple(indices), []).append(key)
     return groups
-
-
-def array_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
-    """A Flower ``ArrayRecord`` keeping the tensor names."""
-    return ArrayRecord({key: Array(np.asarray(value)) for key, value in arrays.items()})
 
 
 def _arrays(message: Message) -> dict[str, np.ndarray]:

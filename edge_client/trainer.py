@@ -66,28 +66,33 @@ class EdgeTrainer:
         generator = np.random.default_rng(seed + round_number)
         losses: list[float] = []
         examples = 0
-        for _ in range(self.config.local_epochs):
-            order = generator.permutation(len(self.data))
-            for begin in range(0, len(order), self.config.batch_size):
-                batch = order[begin : begin + self.config.batch_size]
-                if not self.gate.acquire(self.config.credit_timeout):
-                    raise TimeoutError(
-                        f"no credit from the GPU servers within {self.config.credit_timeout:.0f} s"
-                    )
-                inputs = torch.from_numpy(self.data.x[batch])
-                labels = torch.from_numpy(self.data.y[batch])
-                result = self.segment.train_step(inputs, labels)
-                self.channel.send(
-                    self.topic,
-                    "activations",
-                    self.config.run,
-                    round=round_number,
-                    tensors={"x": result.output.numpy(), "y": labels.numpy()},
-                    meta={"cut": self.segment.end},
-                    encoding=self.config.encoding,
+        self.gate.start_round(round_number)
+        batches = [
+            order[begin : begin + self.config.batch_size]
+            for order in (
+                generator.permutation(len(self.data)) for _ in range(self.config.local_epochs)
+            )
+            for begin in range(0, len(order), self.config.batch_size)
+        ]
+        for number, batch in enumerate(batches):
+            if not self.gate.acquire(self.config.credit_timeout):
+                raise TimeoutError(
+                    f"no credit from the GPU servers within {self.config.credit_timeout:.0f} s"
                 )
-                losses.append(result.loss)
-                examples += len(batch)
+            inputs = torch.from_numpy(self.data.x[batch])
+            labels = torch.from_numpy(self.data.y[batch])
+            result = self.segment.train_step(inputs, labels)
+            self.channel.send(
+                self.topic,
+                "activations",
+                self.config.run,
+                round=round_number,
+                tensors={"x": result.output.numpy(), "y": labels.numpy()},
+                meta={"cut": self.segment.end, "last": number == len(batches) - 1},
+                encoding=self.config.encoding,
+            )
+            losses.append(result.loss)
+            examples += len(batch)
         return EdgeRoundReport(
             examples=examples,
             batches=len(losses),

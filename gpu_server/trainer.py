@@ -12,13 +12,16 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from split_models.segment import OptimizerConfig
+from split_models.segment import OptimizerConfig, Segment
+from split_models.weights import load_segment_state, segment_state
 from split_models.zoo import SplittableModel
 from wire import topics
 from wire.channel import Channel
@@ -60,12 +63,16 @@ class BackTrainer:
                 f"with 0 < start < {model.num_blocks}, got {start}"
             )
         self.model, self.start = model, start
-        self.blocks = nn.ModuleList(model.blocks[start:])
-        self.optimizer = (optimizer or OptimizerConfig()).build(list(self.blocks.parameters()))
+        self.segment = Segment.from_model(model, start, model.num_blocks, optimizer=optimizer)
         self.granter = CreditGranter(channel, run, window)
         self.stats = BackStats()
         self._cut_specs = self._specs(model, start)
         self._lock = threading.Lock()
+        self._round_done = threading.Condition(self._lock)
+        self._round = 0
+        self._round_examples = 0
+        self._round_losses: list[float] = []
+        self._finished: set[str] = set()
         channel.subscribe(
             topics.shared(group, topics.activations_filter(run, segment)),
             self._on_batch,
@@ -86,8 +93,43 @@ class BackTrainer:
         return specs
 
     def open(self, device: str) -> None:
-        """Let ``device`` start streaming (grants its credit window)."""
-        self.granter.open(device)
+        """Let ``device`` start streaming in the current round (grants its credit window)."""
+        self.granter.open(device, self._round)
+
+    def begin_round(
+        self,
+        round_number: int,
+        devices: Iterable[str],
+        weights: Mapping[str, np.ndarray] | None = None,
+    ) -> None:
+        """Load the round's weights, then open every device's credit window for the round.
+
+        Credits are granted only after the weights are in place, so no batch of the round is
+        trained on the previous round's weights.
+        """
+        with self._lock:
+            if weights is not None:
+                load_segment_state(self.segment, weights)
+            self._round, self._round_examples = round_number, 0
+            self._round_losses, self._finished = [], set()
+        for device in devices:
+            self.granter.open(device, round_number)
+
+    def wait_round(self, devices: Iterable[str], timeout: float) -> tuple[int, float]:
+        """Block until every device sent its last batch of the round (or the timeout passes);
+        return the examples trained in the round and their mean loss."""
+        wanted = set(devices)
+        deadline = time.monotonic() + timeout
+        with self._round_done:
+            while not wanted <= self._finished and time.monotonic() < deadline:
+                self._round_done.wait(0.1)
+            losses = self._round_losses
+            return self._round_examples, float(np.mean(losses)) if losses else float("nan")
+
+    def state(self) -> dict[str, np.ndarray]:
+        """The back segment's tensors under their global names."""
+        with self._lock:
+            return segment_state(self.segment)
 
     def _validate(self, envelope: Envelope) -> tuple[int, torch.Tensor, torch.Tensor]:
         cut = envelope.meta.get("cut")
@@ -111,18 +153,34 @@ class BackTrainer:
         except WireError as error:
             self.stats.rejected[error.reason] += 1
             log.warning("rejected activations from %s: %s", envelope.sender, error)
-            self.granter.processed(envelope.sender)
+            self.granter.processed(envelope.sender, envelope.round)
             return
         with self._lock:
-            self.optimizer.zero_grad(set_to_none=True)
-            output = inputs
-            for block in self.blocks[cut - self.start :]:
-                output = block(output)
-            loss = F.cross_entropy(output, labels)
-            loss.backward()  # type: ignore[no-untyped-call]
-            self.optimizer.step()
-            self.stats.batches += 1
-            self.stats.examples += len(labels)
-            self.stats.losses.append(float(loss.detach()))
-            self.stats.per_device[envelope.sender] += len(labels)
-        self.granter.processed(envelope.sender)
+            if envelope.round != self._round:
+                self.stats.rejected["stale_round"] += 1  # its weights have been replaced
+            else:
+                self._train(cut, inputs, labels, envelope)
+        self.granter.processed(envelope.sender, envelope.round)
+
+    def _train(
+        self, cut: int, inputs: torch.Tensor, labels: torch.Tensor, envelope: Envelope
+    ) -> None:
+        optimizer = self.segment.optimizer
+        optimizer.zero_grad(set_to_none=True)
+        output = inputs
+        blocks = list(self.segment.module.children())
+        for block in blocks[cut - self.start :]:
+            output = block(output)
+        loss = F.cross_entropy(output, labels)
+        loss.backward()  # type: ignore[no-untyped-call]
+        optimizer.step()
+        value = float(loss.detach())
+        self.stats.batches += 1
+        self.stats.examples += len(labels)
+        self.stats.losses.append(value)
+        self.stats.per_device[envelope.sender] += len(labels)
+        self._round_examples += len(labels)
+        self._round_losses.append(value)
+        if envelope.meta.get("last") is True:
+            self._finished.add(envelope.sender)
+            self._round_done.notify_all()

@@ -27,6 +27,8 @@ class CreditGate:
         self, channel: Channel, run: str, device: str, clock: Callable[[], float] = time.monotonic
     ) -> None:
         self._credits = 0
+        self._round = 0
+        self._ahead: dict[int, int] = {}  # credits granted for rounds not started here yet
         self._condition = threading.Condition()
         self._clock = clock
         self.waited_seconds = 0.0
@@ -35,7 +37,22 @@ class CreditGate:
     def _on_credit(self, envelope: Envelope) -> None:
         granted = envelope.meta.get("credits")
         if isinstance(granted, int) and 0 < granted <= 1_000_000:
+            with self._condition:
+                if envelope.round < self._round:
+                    return  # a credit of a past round: the server's weights have moved on
+                if envelope.round > self._round:
+                    self._ahead[envelope.round] = self._ahead.get(envelope.round, 0) + granted
+                    return
             self.grant(granted)
+
+    def start_round(self, round_number: int) -> None:
+        """Forget unused credits: in the new round the server grants a fresh window, after
+        loading the round's weights, so no batch reaches it early."""
+        with self._condition:
+            self._round = round_number
+            self._credits = self._ahead.pop(round_number, 0)
+            self._ahead = {r: c for r, c in self._ahead.items() if r > round_number}
+            self._condition.notify_all()
 
     def grant(self, credits: int) -> None:
         with self._condition:
@@ -73,20 +90,24 @@ class CreditGranter:
         self._outstanding: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def open(self, device: str) -> None:
-        """Grant the initial window to ``device``."""
+    def open(self, device: str, round_number: int = 0) -> None:
+        """Grant the initial window of ``round_number`` to ``device``."""
         with self._lock:
             self._outstanding[device] = self._outstanding.get(device, 0) + self.window
-        self._send(device, self.window)
+        self._send(device, self.window, round_number)
 
-    def processed(self, device: str) -> None:
-        """One batch of ``device`` is done: return its credit."""
+    def processed(self, device: str, round_number: int = 0) -> None:
+        """One batch of ``device`` in ``round_number`` is done: return its credit."""
         with self._lock:
             if device not in self._outstanding:
                 return
-        self._send(device, 1)
+        self._send(device, 1, round_number)
 
-    def _send(self, device: str, credits: int) -> None:
+    def _send(self, device: str, credits: int, round_number: int) -> None:
         self.channel.send(
-            topics.credit(self.run, device), "credit", self.run, meta={"credits": credits}
+            topics.credit(self.run, device),
+            "credit",
+            self.run,
+            round=round_number,
+            meta={"credits": credits},
         )

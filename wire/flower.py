@@ -13,10 +13,11 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-from flwr.app import Context, Error, Message, RecordDict
+import numpy as np
+from flwr.app import Array, ArrayRecord, Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.common.serde import message_from_proto, message_to_proto
@@ -30,12 +31,17 @@ from wire.chunks import Reassembler, split
 from wire.errors import WireError
 from wire.transport import Transport, Will
 
-__all__ = ["FlowerNode", "TransportGrid", "node_will"]
+__all__ = ["FlowerNode", "TransportGrid", "array_record", "node_will"]
 
 log = logging.getLogger(__name__)
 CHUNK_BYTES = 32 * 1024 * 1024
 MAX_MESSAGE_BYTES = 1024 * 1024 * 1024
 _NODES = f"{topics.PREFIX}/flower/nodes"
+
+
+def array_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
+    """A Flower ``ArrayRecord`` of numpy arrays, keeping their names."""
+    return ArrayRecord({key: Array(np.asarray(value)) for key, value in arrays.items()})
 
 
 def node_will(node_id: int) -> Will:

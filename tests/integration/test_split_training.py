@@ -59,24 +59,26 @@ def train_split(connect: Callable[[str], Transport]) -> None:
         )
     time.sleep(0.3)
     reports: dict[str, list[EdgeRoundReport]] = {d: [] for d in CUTS}
-
-    def run_edge(device: str) -> None:
-        back.open(device)
-        for round_number in range(1, ROUNDS + 1):
-            reports[device].append(trainers[device].train_round(round_number))
-
-    threads = [threading.Thread(target=run_edge, args=(d,)) for d in CUTS]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
+    round_examples = []
+    for round_number in range(1, ROUNDS + 1):  # what the coordinator does each round
+        back.begin_round(round_number, CUTS)
+        threads = [
+            threading.Thread(
+                target=lambda d=d, r=round_number: reports[d].append(trainers[d].train_round(r))
+            )
+            for d in CUTS
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        examples, _ = back.wait_round(CUTS, timeout=30)
+        round_examples.append(examples)
     sent = sum(r.examples for rs in reports.values() for r in rs)
-    deadline = time.monotonic() + 30
-    while back.stats.examples < sent and time.monotonic() < deadline:
-        time.sleep(0.05)
 
     assert all(len(rs) == ROUNDS for rs in reports.values())
     assert back.stats.examples == sent == ROUNDS * len(data), "every batch trained once"
+    assert round_examples == [len(data)] * ROUNDS, "each round waits for every last batch"
     for device, rs in reports.items():
         assert back.stats.per_device[device] == sum(r.examples for r in rs)
         assert rs[-1].mean_loss < rs[0].mean_loss, f"{device}'s local loss falls"
@@ -95,7 +97,7 @@ def train_split(connect: Callable[[str], Transport]) -> None:
                 run,
                 "pi-01",
                 0,
-                9,
+                ROUNDS,
                 {"epoch": "rogue", "cut": 1},
                 {"x": np.zeros((4, 3), np.float32), "y": np.zeros(4, np.int64)},
             )

@@ -10,9 +10,9 @@ from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import FedAdam
 
-from coordinator.aggregation import array_record, build_strategy, key_groups, split_weighted_mean
+from coordinator.aggregation import build_strategy, key_groups, split_weighted_mean
 from split_models.errors import ConfigError
-from wire.flower import FlowerNode, TransportGrid, node_will
+from wire.flower import FlowerNode, TransportGrid, array_record, node_will
 from wire.transport import InProcessHub
 
 pytestmark = pytest.mark.unit
