@@ -31,7 +31,7 @@ from wire.chunks import Reassembler, split
 from wire.errors import WireError
 from wire.transport import Transport, Will
 
-__all__ = ["FlowerNode", "TransportGrid", "array_record", "node_will"]
+__all__ = ["FlowerNode", "TransportGrid", "array_record", "node_will", "numpy_arrays"]
 
 log = logging.getLogger(__name__)
 CHUNK_BYTES = 32 * 1024 * 1024
@@ -42,6 +42,11 @@ _NODES = f"{topics.PREFIX}/flower/nodes"
 def array_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
     """A Flower ``ArrayRecord`` of numpy arrays, keeping their names."""
     return ArrayRecord({key: Array(np.asarray(value)) for key, value in arrays.items()})
+
+
+def numpy_arrays(message: Message, key: str = "arrays") -> dict[str, np.ndarray]:
+    """The named arrays of ``message``'s ArrayRecord ``key``."""
+    return {name: value.numpy() for name, value in message.content.array_records[key].items()}
 
 
 def node_will(node_id: int) -> Will:

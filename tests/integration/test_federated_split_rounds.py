@@ -1,0 +1,123 @@
+"""Federated split rounds end to end in one process: a Flower strategy drives two edges with
+different cuts and a GPU server; the assembled model is evaluated after every round."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import ArrayRecord, MetricRecord
+
+from coordinator.aggregation import build_strategy
+from edge_client import EdgeTrainer, EdgeTrainerConfig
+from edge_client.app import edge_app
+from gpu_server import BackTrainer
+from gpu_server.app import gpu_app
+from split_models import OptimizerConfig, Segment, build_model, load_dataset, partition
+from split_models.weights import load_segment_state, segment_state
+from wire.channel import Channel
+from wire.flow import CreditGate
+from wire.flower import FlowerNode, TransportGrid, array_record, node_will
+from wire.transport import InProcessHub
+
+pytestmark = pytest.mark.integration
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "tiny_mnist.npz"
+SHARED = Path(__file__).resolve().parents[3] / "shared" / "data" / "mnist8k.npz"
+EDGES = {"pi-01": (1, 1), "pi-02": (2, 2)}  # device -> (Flower node id, cut)
+GPU_NODE, RUN, ROUNDS = 3, "fed-1", 3
+OPTIMIZER = OptimizerConfig("sgd-momentum", lr=0.05)
+
+
+def run_rounds(
+    spec: str, samples: int
+) -> tuple[dict[int, float], dict[str, np.ndarray], dict[str, np.ndarray], int, int]:
+    """(accuracy by round, initial weights, final weights, GPU examples, training samples)."""
+    logging.getLogger("flwr").setLevel(logging.WARNING)
+    data = load_dataset(spec)
+    data = data.subset(np.arange(min(len(data), samples)))
+    train, test = data.split(0.2, seed=0)
+    hub = InProcessHub()
+
+    back = BackTrainer(
+        Channel(hub.connect("gpu-data"), "gpu-a"),
+        build_model("cnn", (1, 28, 28), 10, seed=0),
+        start=min(c for _, c in EDGES.values()),
+        run=RUN,
+        segment="seg-0",
+        optimizer=OPTIMIZER,
+        window=4,
+    )
+    nodes = [
+        FlowerNode(
+            hub.connect("gpu-flower", node_will(GPU_NODE)),
+            GPU_NODE,
+            gpu_app(back, list(EDGES), round_timeout=120),
+        )
+    ]
+    initial = back.state()
+    for (device, (node, cut)), indices in zip(
+        EDGES.items(), partition(train.y, 2, seed=0), strict=True
+    ):
+        channel = Channel(hub.connect(f"{device}-data"), device)
+        segment = Segment.from_model(
+            build_model("cnn", (1, 28, 28), 10, seed=0), 0, cut, "linear", OPTIMIZER
+        )
+        initial |= segment_state(segment)
+        trainer = EdgeTrainer(
+            channel,
+            CreditGate(channel, RUN, device),
+            segment,
+            train.subset(indices),
+            EdgeTrainerConfig(RUN, device, "seg-0"),
+        )
+        nodes.append(
+            FlowerNode(hub.connect(f"{device}-flower", node_will(node)), node, edge_app(trainer))
+        )
+
+    def evaluate(_round: int, arrays: ArrayRecord) -> MetricRecord:
+        model = build_model("cnn", (1, 28, 28), 10, seed=0)
+        whole = Segment.from_model(model, 0, model.num_blocks)
+        load_segment_state(whole, {k: v.numpy() for k, v in arrays.items()})
+        with torch.no_grad():
+            logits = whole.forward(torch.from_numpy(test.x))
+        accuracy = float((logits.argmax(1).numpy() == test.y).mean())
+        return MetricRecord({"accuracy": accuracy})
+
+    grid = TransportGrid(hub.connect("coordinator"))
+    assert grid.wait_for_nodes(3, timeout=10) == [1, 2, 3]
+    strategy = build_strategy(
+        "fedavg", fraction_evaluate=0.0, min_available_nodes=3, min_train_nodes=3
+    )
+    result = strategy.start(
+        grid=grid,
+        initial_arrays=array_record(initial),
+        num_rounds=ROUNDS,
+        timeout=300,
+        evaluate_fn=evaluate,
+    )
+
+    accuracy = {r: float(m["accuracy"]) for r, m in result.evaluate_metrics_serverapp.items()}
+    for node in nodes:
+        node.transport.close()
+    final = {k: v.numpy() for k, v in result.arrays.items()}
+    return accuracy, initial, final, back.stats.examples, len(train)
+
+
+def test_rounds_train_every_block_of_every_device() -> None:
+    accuracy, initial, final, gpu_examples, samples = run_rounds(f"npz:{FIXTURE}", 240)
+    assert sorted(accuracy) == list(range(ROUNDS + 1)), "evaluated before and after each round"
+    assert gpu_examples == ROUNDS * samples, "the GPU trained every batch of every edge"
+    assert {"head1.net.1.weight", "head2.net.1.weight"} <= set(final)
+    for key in ("block0.0.weight", "block1.0.weight", "block5.0.weight"):
+        assert not np.array_equal(final[key], initial[key]), f"{key} was trained"
+
+
+@pytest.mark.skipif(not SHARED.exists(), reason="needs ../shared/data/mnist8k.npz")
+def test_accuracy_rises_over_rounds_on_real_digits() -> None:
+    accuracy, *_ = run_rounds(f"npz:{SHARED}", 2400)
+    print(f"accuracy by round: {accuracy}")
+    assert accuracy[ROUNDS] > accuracy[0] + 0.5, accuracy
