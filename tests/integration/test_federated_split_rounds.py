@@ -4,6 +4,8 @@ different cuts and a GPU server; the assembled model is evaluated after every ro
 from __future__ import annotations
 
 import logging
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -18,10 +20,14 @@ from gpu_server import BackTrainer
 from gpu_server.app import gpu_app
 from split_models import OptimizerConfig, Segment, build_model, load_dataset, partition
 from split_models.weights import load_segment_state, segment_state
+from wire.broker import Broker
 from wire.channel import Channel
 from wire.flow import CreditGate
 from wire.flower import FlowerNode, TransportGrid, array_record, node_will
-from wire.transport import InProcessHub
+from wire.mqtt import MqttConfig, MqttTransport
+from wire.transport import InProcessHub, Transport, Will
+
+Connect = Callable[..., Transport]
 
 pytestmark = pytest.mark.integration
 
@@ -33,17 +39,18 @@ OPTIMIZER = OptimizerConfig("sgd-momentum", lr=0.05)
 
 
 def run_rounds(
-    spec: str, samples: int
+    spec: str, samples: int, connect: Connect | None = None
 ) -> tuple[dict[int, float], dict[str, np.ndarray], dict[str, np.ndarray], int, int]:
     """(accuracy by round, initial weights, final weights, GPU examples, training samples)."""
     logging.getLogger("flwr").setLevel(logging.WARNING)
     data = load_dataset(spec)
     data = data.subset(np.arange(min(len(data), samples)))
     train, test = data.split(0.2, seed=0)
-    hub = InProcessHub()
+    if connect is None:
+        connect = InProcessHub().connect
 
     back = BackTrainer(
-        Channel(hub.connect("gpu-data"), "gpu-a"),
+        Channel(connect("gpu-data"), "gpu-a"),
         build_model("cnn", (1, 28, 28), 10, seed=0),
         start=min(c for _, c in EDGES.values()),
         run=RUN,
@@ -53,7 +60,7 @@ def run_rounds(
     )
     nodes = [
         FlowerNode(
-            hub.connect("gpu-flower", node_will(GPU_NODE)),
+            connect("gpu-flower", node_will(GPU_NODE)),
             GPU_NODE,
             gpu_app(back, list(EDGES), round_timeout=120),
         )
@@ -62,7 +69,7 @@ def run_rounds(
     for (device, (node, cut)), indices in zip(
         EDGES.items(), partition(train.y, 2, seed=0), strict=True
     ):
-        channel = Channel(hub.connect(f"{device}-data"), device)
+        channel = Channel(connect(f"{device}-data"), device)
         segment = Segment.from_model(
             build_model("cnn", (1, 28, 28), 10, seed=0), 0, cut, "linear", OPTIMIZER
         )
@@ -75,7 +82,7 @@ def run_rounds(
             EdgeTrainerConfig(RUN, device, "seg-0"),
         )
         nodes.append(
-            FlowerNode(hub.connect(f"{device}-flower", node_will(node)), node, edge_app(trainer))
+            FlowerNode(connect(f"{device}-flower", node_will(node)), node, edge_app(trainer))
         )
 
     def evaluate(_round: int, arrays: ArrayRecord) -> MetricRecord:
@@ -87,7 +94,7 @@ def run_rounds(
         accuracy = float((logits.argmax(1).numpy() == test.y).mean())
         return MetricRecord({"accuracy": accuracy})
 
-    grid = TransportGrid(hub.connect("coordinator"))
+    grid = TransportGrid(connect("coordinator"))
     assert grid.wait_for_nodes(3, timeout=10) == [1, 2, 3]
     strategy = build_strategy(
         "fedavg", fraction_evaluate=0.0, min_available_nodes=3, min_train_nodes=3
@@ -114,6 +121,24 @@ def test_rounds_train_every_block_of_every_device() -> None:
     assert {"head1.net.1.weight", "head2.net.1.weight"} <= set(final)
     for key in ("block0.0.weight", "block1.0.weight", "block5.0.weight"):
         assert not np.array_equal(final[key], initial[key]), f"{key} was trained"
+
+
+def test_rounds_over_mqtt(broker: Broker) -> None:
+    config = MqttConfig.from_url(broker.url)
+    made: list[MqttTransport] = []
+
+    def connect(name: str, will: Will | None = None) -> Transport:
+        made.append(MqttTransport(config, f"{name}-{uuid.uuid4().hex[:6]}", will))
+        return made[-1]
+
+    try:
+        accuracy, initial, final, gpu_examples, samples = run_rounds(f"npz:{FIXTURE}", 240, connect)
+    finally:
+        for transport in made:
+            transport.close()
+    assert sorted(accuracy) == list(range(ROUNDS + 1))
+    assert gpu_examples == ROUNDS * samples
+    assert not np.array_equal(final["block0.0.weight"], initial["block0.0.weight"])
 
 
 @pytest.mark.skipif(not SHARED.exists(), reason="needs ../shared/data/mnist8k.npz")
