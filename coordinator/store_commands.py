@@ -11,7 +11,7 @@ from split_models.errors import ConfigError
 from storage import RunStore, normalise_url, open_store
 from storage.report import run_status, runs_overview
 
-__all__ = ["db_upgrade_command", "status_command"]
+__all__ = ["db_upgrade_command", "export_command", "status_command"]
 
 
 def _open_existing(url: str) -> RunStore:
@@ -104,3 +104,18 @@ def db_upgrade_command(args: argparse.Namespace) -> int:
         runs = len(store.list_runs())
     print(f"database {args.db} is at the current schema ({runs} runs)")
     return 0
+
+
+def export_command(args: argparse.Namespace) -> int:
+    """Export a run's model (and device segments) to ONNX and check each file."""
+    from coordinator.export import TOLERANCE, export_run
+
+    with _open_existing(args.db) as store:
+        results = export_run(store, args.run, Path(args.out), args.round, args.per_device)
+    for result in results:
+        verdict = "ok" if result.ok else f"FAILS (> {TOLERANCE:g})"
+        print(
+            f"{result.path}  blocks [{result.blocks[0]}, {result.blocks[1]})  "
+            f"max |onnx - torch| = {result.max_abs_diff:.2e}  {verdict}"
+        )
+    return 0 if all(r.ok for r in results) else 1

@@ -95,6 +95,24 @@ def _broker_parser(commands: argparse._SubParsersAction) -> None:  # type: ignor
     broker.add_argument("--port", type=int, default=1883, help="default: %(default)s")
 
 
+def _export_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    export = commands.add_parser(
+        "export",
+        help="export a run's trained model (and device segments) to checked ONNX",
+        description="Write the model of a committed round as ONNX with a dynamic batch, run "
+        "each file through onnxruntime against torch, and fail above 1e-4.",
+    )
+    export.add_argument("--db", required=True, help="database URL or SQLite file")
+    export.add_argument("--run", required=True, help="run id")
+    export.add_argument("--round", type=int, help="round to export (default: the last committed)")
+    export.add_argument("--out", required=True, help="output directory")
+    export.add_argument(
+        "--per-device",
+        action="store_true",
+        help="also export each edge device's segment (heads removed)",
+    )
+
+
 def _store_parsers(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     status = commands.add_parser(
         "status",
@@ -124,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     _plan_parser(commands)
     _profile_parser(commands)
     _broker_parser(commands)
+    _export_parser(commands)
     _store_parsers(commands)
     return parser
 
@@ -148,6 +167,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return profile_command(args)
         if args.command == "broker":
             return _run_broker(args.port)
+        if args.command == "export":
+            from coordinator.store_commands import export_command
+
+            return export_command(args)
         if args.command == "status":
             from coordinator.store_commands import status_command
 

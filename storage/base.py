@@ -128,8 +128,14 @@ class RunStore(abc.ABC):
     def list_rounds(self, run_id: str) -> list[RoundRecord]: ...
 
     @abc.abstractmethod
+    def checkpoint(self, run_id: str, number: int) -> ResumeState:
+        """A committed round with its weights and optimizer states (``NotFoundError`` if the
+        round does not exist, ``StateError`` if it is not committed)."""
+
     def resume(self, run_id: str) -> ResumeState | None:
         """The last committed round with its weights and optimizer states, or None."""
+        current = self.get_run(run_id).current_round
+        return None if current is None else self.checkpoint(run_id, current)
 
     # ---------------------------------------------------------------- metrics and events
     @abc.abstractmethod

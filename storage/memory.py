@@ -164,16 +164,14 @@ class InMemoryRunStore(RunStore):
                 (r for (rid, _), r in self._rounds.items() if rid == run_id), key=lambda r: r.number
             )
 
-    def resume(self, run_id: str) -> ResumeState | None:
+    def checkpoint(self, run_id: str, number: int) -> ResumeState:
         with self._lock:
-            run = self.get_run(run_id)
-            if run.current_round is None:
-                return None
-            weights, states = self._weights[(run_id, run.current_round)]
+            record = self.get_round(run_id, number)
+            if record.state != "committed":
+                raise StateError(f"round {number} of run {run_id!r} is not committed")
+            weights, states = self._weights[(run_id, number)]
             refs = tuple(CheckpointRef(s, "weights", "", 0) for s in weights)
-            return ResumeState(
-                run, self.get_round(run_id, run.current_round), _copy(weights), _copy(states), refs
-            )
+            return ResumeState(self.get_run(run_id), record, _copy(weights), _copy(states), refs)
 
     def add_metrics(self, run_id: str, points: Iterable[MetricPoint]) -> None:
         with self._lock:

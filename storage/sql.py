@@ -347,12 +347,12 @@ class SqlRunStore(RunStore):
             )
             return [_round(r) for r in rows]
 
-    def resume(self, run_id: str) -> ResumeState | None:
+    def checkpoint(self, run_id: str, number: int) -> ResumeState:
         with self._session() as session:
             run = self._run_row(session, run_id)
-            if run.current_round is None:
-                return None
-            row = self._round_row(session, run_id, run.current_round)
+            row = self._round_row(session, run_id, number)
+            if row.state != "committed":
+                raise StateError(f"round {number} of run {run_id!r} is not committed")
             refs = tuple(
                 CheckpointRef(c.segment, c.kind, c.sha256, c.size_bytes) for c in row.checkpoints
             )

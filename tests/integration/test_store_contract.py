@@ -146,6 +146,20 @@ class StoreContract:
             store.record_results("r", 1, [DeviceResult("ok"), DeviceResult("bad", examples=-1)])
         assert len(store.get_round("r", 1).results) == 50, "a rejected batch changes nothing"
 
+    def test_checkpoint_of_any_committed_round(self, store: RunStore) -> None:
+        store.create_run("r", CONFIG, seed=0)
+        for number in (1, 2):
+            store.open_round("r", number, ["a"])
+            store.commit_round("r", number, weights_for(number))
+        store.open_round("r", 3, ["a"])
+        first = store.checkpoint("r", 1)
+        assert np.all(first.weights["edge-0-2"]["0.weight"] == 1)
+        assert store.resume("r").round.number == 2  # type: ignore[union-attr]
+        with pytest.raises(StateError, match="not committed"):
+            store.checkpoint("r", 3)
+        with pytest.raises(NotFoundError):
+            store.checkpoint("r", 9)
+
     def test_bad_results_are_rejected(self, store: RunStore) -> None:
         store.create_run("r", CONFIG, seed=0)
         store.open_round("r", 1, ["a"])

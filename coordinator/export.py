@@ -1,0 +1,96 @@
+"""``edgesplit export``: a run's trained model, and each device's segment, as checked ONNX.
+
+The weights come from a committed round of the run store: every segment of its checkpoint
+carries tensors under their global names (``block<k>.*``, ``head<cut>.*``), which are merged and
+loaded into the model built from the run's configuration. Local-loss heads are not exported.
+Each file is run through onnxruntime against torch on a sample batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from split_models.errors import ConfigError
+from split_models.onnx_export import check_onnx, export_onnx
+from split_models.segment import Segment
+from split_models.weights import load_segment_state
+from split_models.zoo import build_model
+from storage.base import RunStore
+
+__all__ = ["TOLERANCE", "ExportResult", "export_run"]
+
+TOLERANCE = 1e-4
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    name: str
+    blocks: tuple[int, int]
+    path: Path
+    max_abs_diff: float
+
+    @property
+    def ok(self) -> bool:
+        return self.max_abs_diff <= TOLERANCE
+
+
+def _model_config(config: dict[str, Any]) -> tuple[str, tuple[int, ...], int]:
+    try:
+        return (
+            str(config["model"]),
+            tuple(int(d) for d in config["input_shape"]),
+            int(config["num_classes"]),
+        )
+    except (KeyError, TypeError, ValueError) as error:
+        raise ConfigError(
+            f"the run's stored configuration lacks model/input_shape/num_classes: {error}"
+        ) from error
+
+
+def _export(segment: Segment, name: str, input_shape: tuple[int, ...], out: Path) -> ExportResult:
+    path = export_onnx(segment.module, input_shape, out / f"{name}.onnx")
+    check = check_onnx(path, segment.module, input_shape)
+    return ExportResult(name, (segment.start, segment.end), path, check.max_abs_diff)
+
+
+def export_run(
+    store: RunStore,
+    run_id: str,
+    out: Path,
+    round_number: int | None = None,
+    per_device: bool = False,
+) -> list[ExportResult]:
+    """Export the model of ``round_number`` (default: the last committed) into ``out``."""
+    run = store.get_run(run_id)
+    number = run.current_round if round_number is None else round_number
+    if number is None:
+        raise ConfigError(f"run {run_id!r} has no committed round to export")
+    state = store.checkpoint(run_id, number)
+    weights: dict[str, np.ndarray] = {}
+    for tensors in state.weights.values():
+        weights.update(tensors)
+    name, input_shape, num_classes = _model_config(run.config)
+    model = build_model(name, input_shape, num_classes, seed=0)
+    whole = Segment.from_model(model, 0, model.num_blocks)
+    load_segment_state(whole, weights)
+    out.mkdir(parents=True, exist_ok=True)
+    results = [_export(whole, f"{run_id}-round{number}-model", input_shape, out)]
+    if per_device:
+        edges = (run.plan or {}).get("edges", [])
+        if not edges:
+            raise ConfigError(f"run {run_id!r} has no stored plan, so no device segments")
+        for edge in edges:
+            cut = int(edge["blocks"][1])
+            results.append(
+                _export(
+                    Segment.from_model(model, 0, cut),
+                    f"{run_id}-round{number}-{edge['name']}",
+                    input_shape,
+                    out,
+                )
+            )
+    return results
