@@ -12,7 +12,7 @@ from flwr.clientapp import ClientApp
 
 from edge_client.trainer import EdgeTrainer
 from split_models.weights import load_segment_state, segment_state
-from wire.flower import array_record, numpy_arrays
+from wire.flower import array_record, numpy_arrays, round_of
 
 __all__ = ["edge_app"]
 
@@ -25,7 +25,7 @@ def edge_app(trainer: EdgeTrainer) -> ClientApp:
     def train(message: Message, _context: Context) -> Message:
         weights = numpy_arrays(message)
         load_segment_state(trainer.segment, weights)
-        round_number = int(message.content.config_records["config"]["server-round"])  # type: ignore[arg-type]
+        round_number = round_of(message)
         report = trainer.train_round(round_number)
         metrics = MetricRecord({"num-examples": report.examples, "loss": report.mean_loss})
         content = RecordDict(

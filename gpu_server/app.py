@@ -9,7 +9,7 @@ from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from gpu_server.trainer import BackTrainer
-from wire.flower import array_record, numpy_arrays
+from wire.flower import array_record, numpy_arrays, round_of
 
 __all__ = ["gpu_app"]
 
@@ -21,7 +21,7 @@ def gpu_app(back: BackTrainer, devices: Sequence[str], round_timeout: float) -> 
     @app.train()
     def train(message: Message, _context: Context) -> Message:
         weights = numpy_arrays(message)
-        round_number = int(message.content.config_records["config"]["server-round"])  # type: ignore[arg-type]
+        round_number = round_of(message)
         back.begin_round(round_number, devices, weights)
         examples, loss = back.wait_round(devices, round_timeout)
         metrics = MetricRecord({"num-examples": examples, "loss": loss})

@@ -31,7 +31,7 @@ from wire.chunks import Reassembler, split
 from wire.errors import WireError
 from wire.transport import Transport, Will
 
-__all__ = ["FlowerNode", "TransportGrid", "array_record", "node_will", "numpy_arrays"]
+__all__ = ["FlowerNode", "TransportGrid", "array_record", "node_will", "numpy_arrays", "round_of"]
 
 log = logging.getLogger(__name__)
 CHUNK_BYTES = 32 * 1024 * 1024
@@ -47,6 +47,13 @@ def array_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
 def numpy_arrays(message: Message, key: str = "arrays") -> dict[str, np.ndarray]:
     """The named arrays of ``message``'s ArrayRecord ``key``."""
     return {name: value.numpy() for name, value in message.content.array_records[key].items()}
+
+
+def round_of(message: Message) -> int:
+    """The run's round number of a ``train`` message: Flower's ``server-round`` plus the
+    ``round-offset`` a resumed coordinator sends (rounds it had committed before)."""
+    config = message.content.config_records["config"]
+    return int(config["server-round"]) + int(config.get("round-offset", 0))  # type: ignore[arg-type]
 
 
 def node_will(node_id: int) -> Will:
