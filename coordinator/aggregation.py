@@ -39,7 +39,7 @@ from flwr.serverapp.strategy import (
 )
 
 from split_models.errors import ConfigError
-from wire.flower import array_record
+from wire.flower import array_record, numpy_arrays
 
 __all__ = ["STRATEGIES", "build_strategy", "key_groups", "split_weighted_mean"]
 
@@ -109,11 +109,6 @@ def key_groups(replicas: Sequence[Mapping[str, object]]) -> dict[tuple[int, ...]
     return groups
 
 
-def _arrays(message: Message) -> dict[str, np.ndarray]:
-    (record,) = message.content.array_records.values()
-    return {key: value.numpy() for key, value in record.items()}
-
-
 def _weight(message: Message) -> float:
     (metrics,) = message.content.metric_records.values()
     return float(metrics[WEIGHT_KEY])  # type: ignore[arg-type]
@@ -146,7 +141,7 @@ def _split_aware(base: type[FedAvg], mode: str) -> type[FedAvg]:
             valid = [m for m in replies if not m.has_error()]
             if not valid or self._current is None:
                 return super().aggregate_train(server_round, valid)  # type: ignore[no-any-return]
-            replicas = [_arrays(m) for m in valid]
+            replicas = [numpy_arrays(m, key=None) for m in valid]
             metrics = self.train_metrics_aggr_fn([m.content for m in valid], WEIGHT_KEY)
             if mode == "per_group":
                 merged = {k: np.array(v, copy=True) for k, v in self._current.items()}

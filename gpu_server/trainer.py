@@ -92,10 +92,6 @@ class BackTrainer:
                     specs[index + 1] = TensorSpec("float32", (None, *probe.shape[1:]))
         return specs
 
-    def open(self, device: str) -> None:
-        """Let ``device`` start streaming in the current round (grants its credit window)."""
-        self.granter.open(device, self._round)
-
     def begin_round(
         self,
         round_number: int,

@@ -87,19 +87,19 @@ class CreditGranter:
         if window < 1:
             raise ValueError(f"window: must be >= 1, got {window}")
         self.channel, self.run, self.window = channel, run, window
-        self._outstanding: dict[str, int] = {}
+        self._opened: set[str] = set()  # devices with a window; credits go only to them
         self._lock = threading.Lock()
 
     def open(self, device: str, round_number: int = 0) -> None:
         """Grant the initial window of ``round_number`` to ``device``."""
         with self._lock:
-            self._outstanding[device] = self._outstanding.get(device, 0) + self.window
+            self._opened.add(device)
         self._send(device, self.window, round_number)
 
     def processed(self, device: str, round_number: int = 0) -> None:
         """One batch of ``device`` in ``round_number`` is done: return its credit."""
         with self._lock:
-            if device not in self._outstanding:
+            if device not in self._opened:
                 return
         self._send(device, 1, round_number)
 

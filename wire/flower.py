@@ -44,9 +44,14 @@ def array_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
     return ArrayRecord({key: Array(np.asarray(value)) for key, value in arrays.items()})
 
 
-def numpy_arrays(message: Message, key: str = "arrays") -> dict[str, np.ndarray]:
-    """The named arrays of ``message``'s ArrayRecord ``key``."""
-    return {name: value.numpy() for name, value in message.content.array_records[key].items()}
+def numpy_arrays(message: Message, key: str | None = "arrays") -> dict[str, np.ndarray]:
+    """The named arrays of ``message``'s ArrayRecord ``key`` (``None``: its only one)."""
+    records = message.content.array_records
+    if key is None:
+        (record,) = records.values()
+    else:
+        record = records[key]
+    return {name: value.numpy() for name, value in record.items()}
 
 
 def round_of(message: Message) -> int:
