@@ -5,37 +5,25 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from flwr.app import ArrayRecord, MetricRecord
 
 from coordinator.aggregation import build_strategy
-from edge_client import EdgeTrainer, EdgeTrainerConfig
-from edge_client.app import edge_app
-from gpu_server import BackTrainer
-from gpu_server.app import gpu_app
-from split_models import OptimizerConfig, Segment, build_model, load_dataset, partition
-from split_models.weights import load_segment_state, segment_state
+from split_models import load_dataset
+from tests.integration.split_fleet import Connect, accuracy, start_fleet
 from wire.broker import Broker
-from wire.channel import Channel
-from wire.flow import CreditGate
-from wire.flower import FlowerNode, TransportGrid, array_record, node_will
+from wire.flower import TransportGrid, array_record
 from wire.mqtt import MqttConfig, MqttTransport
 from wire.transport import InProcessHub, Transport, Will
-
-Connect = Callable[..., Transport]
 
 pytestmark = pytest.mark.integration
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "tiny_mnist.npz"
 SHARED = Path(__file__).resolve().parents[3] / "shared" / "data" / "mnist8k.npz"
-EDGES = {"pi-01": (1, 1), "pi-02": (2, 2)}  # device -> (Flower node id, cut)
-GPU_NODE, RUN, ROUNDS = 3, "fed-1", 3
-OPTIMIZER = OptimizerConfig("sgd-momentum", lr=0.05)
+RUN, ROUNDS = "fed-1", 3
 
 
 def run_rounds(
@@ -49,50 +37,10 @@ def run_rounds(
     if connect is None:
         connect = InProcessHub().connect
 
-    back = BackTrainer(
-        Channel(connect("gpu-data"), "gpu-a"),
-        build_model("cnn", (1, 28, 28), 10, seed=0),
-        start=min(c for _, c in EDGES.values()),
-        run=RUN,
-        segment="seg-0",
-        optimizer=OPTIMIZER,
-        window=4,
-    )
-    nodes = [
-        FlowerNode(
-            connect("gpu-flower", node_will(GPU_NODE)),
-            GPU_NODE,
-            gpu_app(back, list(EDGES), round_timeout=120),
-        )
-    ]
-    initial = back.state()
-    for (device, (node, cut)), indices in zip(
-        EDGES.items(), partition(train.y, 2, seed=0), strict=True
-    ):
-        channel = Channel(connect(f"{device}-data"), device)
-        segment = Segment.from_model(
-            build_model("cnn", (1, 28, 28), 10, seed=0), 0, cut, "linear", OPTIMIZER
-        )
-        initial |= segment_state(segment)
-        trainer = EdgeTrainer(
-            channel,
-            CreditGate(channel, RUN, device),
-            segment,
-            train.subset(indices),
-            EdgeTrainerConfig(RUN, device, "seg-0"),
-        )
-        nodes.append(
-            FlowerNode(connect(f"{device}-flower", node_will(node)), node, edge_app(trainer))
-        )
+    fleet = start_fleet(connect, train, RUN)
 
     def evaluate(_round: int, arrays: ArrayRecord) -> MetricRecord:
-        model = build_model("cnn", (1, 28, 28), 10, seed=0)
-        whole = Segment.from_model(model, 0, model.num_blocks)
-        load_segment_state(whole, {k: v.numpy() for k, v in arrays.items()})
-        with torch.no_grad():
-            logits = whole.forward(torch.from_numpy(test.x))
-        accuracy = float((logits.argmax(1).numpy() == test.y).mean())
-        return MetricRecord({"accuracy": accuracy})
+        return MetricRecord({"accuracy": accuracy({k: v.numpy() for k, v in arrays.items()}, test)})
 
     grid = TransportGrid(connect("coordinator"))
     assert grid.wait_for_nodes(3, timeout=10) == [1, 2, 3]
@@ -101,17 +49,17 @@ def run_rounds(
     )
     result = strategy.start(
         grid=grid,
-        initial_arrays=array_record(initial),
+        initial_arrays=array_record(fleet.initial),
         num_rounds=ROUNDS,
         timeout=300,
         evaluate_fn=evaluate,
     )
 
-    accuracy = {r: float(m["accuracy"]) for r, m in result.evaluate_metrics_serverapp.items()}
-    for node in nodes:
+    by_round = {r: float(m["accuracy"]) for r, m in result.evaluate_metrics_serverapp.items()}
+    for node in fleet.nodes:
         node.transport.close()
     final = {k: v.numpy() for k, v in result.arrays.items()}
-    return accuracy, initial, final, back.stats.examples, len(train)
+    return by_round, fleet.initial, final, fleet.back.stats.examples, len(train)
 
 
 def test_rounds_train_every_block_of_every_device() -> None:
