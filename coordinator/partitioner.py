@@ -338,7 +338,7 @@ def plan_split(
         )
     times = _edge_times(problem, edges)
     choice = _sweep(times, allowed, problem.server_flops, _server_rate(problem, servers))
-    return _assemble(problem, profile, config, edges, servers, packing, choice, lowest)
+    return _assemble(problem, profile, config, edges, servers, packing, times, choice, lowest)
 
 
 def _assemble(
@@ -348,13 +348,13 @@ def _assemble(
     edges: Sequence[DeviceSpec],
     servers: Sequence[DeviceSpec],
     full_finish: dict[int, np.ndarray],
+    times: np.ndarray,
     choice: list[int],
     lowest: int,
 ) -> Plan:
     shallowest = min(choice)
     host_from = shallowest if full_finish[(1 << len(servers)) - 1][shallowest] else lowest
     pieces = _place_servers(problem, servers, full_finish, host_from)
-    times = _edge_times(problem, edges)
     batch = problem.batch_size
     edge_rows = tuple(
         EdgeAssignment(
