@@ -25,6 +25,7 @@ def edge_app(trainer: EdgeTrainer) -> ClientApp:
     def train(message: Message, _context: Context) -> Message:
         weights = numpy_arrays(message)
         load_segment_state(trainer.segment, weights)
+        trainer.segment.reset_optimizer()
         round_number = round_of(message)
         report = trainer.train_round(round_number)
         metrics = MetricRecord({"num-examples": report.examples, "loss": report.mean_loss})

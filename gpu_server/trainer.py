@@ -106,6 +106,7 @@ class BackTrainer:
         with self._lock:
             if weights is not None:
                 load_segment_state(self.segment, weights)
+                self.segment.reset_optimizer()
             self._round, self._round_examples = round_number, 0
             self._round_losses, self._finished = [], set()
         for device in devices:

@@ -98,6 +98,15 @@ class Segment:
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [*self.module.parameters(), *self.head.parameters()]
 
+    def reset_optimizer(self) -> None:
+        """Drop the optimizer's state (momentum, Adam moments).
+
+        Called when a round replaces the weights with the aggregate: state accumulated on the
+        previous round's local weights points the wrong way for the new ones, and carrying it
+        over makes federated rounds unstable.
+        """
+        self.optimizer.state.clear()
+
     def state_tensors(self) -> list[torch.Tensor]:
         """Parameters and buffers of the blocks and the head."""
         modules = (self.module, self.head)

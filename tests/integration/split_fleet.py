@@ -22,7 +22,7 @@ from wire.transport import Transport
 
 EDGES = {"pi-01": (1, 1), "pi-02": (2, 2)}  # device -> (Flower node id, cut)
 GPU_NODE = 3
-OPTIMIZER = OptimizerConfig("sgd-momentum", lr=0.05)
+OPTIMIZER = OptimizerConfig("sgd-momentum", lr=0.02)
 Connect = Callable[..., Transport]
 
 

@@ -10,7 +10,9 @@ import sys
 import pytest
 
 from edgesplit.runtime import RUNTIME_ENV
-from split_models import build_model, estimate_segment_memory, profile_model
+from split_models import estimate_segment_memory
+from split_models.errors import ConfigError
+from split_models.isolated import profile_in_fresh_process
 from split_models.measure import peak_supported
 
 pytestmark = [
@@ -21,8 +23,8 @@ pytestmark = [
 
 @pytest.mark.parametrize(("start", "end", "batch"), [(0, 2, 32), (2, 6, 64)])
 def test_estimate_is_within_15_percent_of_measured_peak(start: int, end: int, batch: int) -> None:
-    model = build_model("cnn", (1, 28, 28), 10)
-    profile = profile_model(model, local_losses=("linear",), batch_size=batch)
+    # profiled in a fresh process: this one's heap holds whatever earlier tests freed
+    profile = profile_in_fresh_process("cnn", (1, 28, 28), 10, ("linear",), batch)
     estimate = estimate_segment_memory(profile, start, end, batch, "sgd-momentum").total
     env = {**os.environ, **RUNTIME_ENV, "MALLOC_MMAP_THRESHOLD_": "65536"}
     done = subprocess.run(
@@ -48,3 +50,8 @@ def test_estimate_is_within_15_percent_of_measured_peak(start: int, end: int, ba
     measured = json.loads(done.stdout)["peak_bytes"]
     error = (estimate - measured) / measured
     assert -0.10 <= error <= 0.15, f"estimate {estimate} vs measured {measured}: {error:+.1%}"
+
+
+def test_fresh_process_profile_reports_a_bad_model_as_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="nonexistent"):
+        profile_in_fresh_process("nonexistent", (1, 28, 28), 10)

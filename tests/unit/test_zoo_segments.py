@@ -115,6 +115,31 @@ def test_last_segment_uses_task_loss_and_next_segment_trains_on_detached_output(
     )
 
 
+def test_reset_optimizer_drops_momentum_so_a_step_after_new_weights_starts_fresh() -> None:
+    x, y = torch.randn(16, 1, 8, 8), torch.arange(16) % 4
+
+    def step_change(reset: bool) -> torch.Tensor:
+        model = build_model("cnn", (1, 8, 8), 4, seed=0)
+        segment = Segment.from_model(model, 0, 2, "linear", OptimizerConfig("sgd-momentum"))
+        segment.train_step(x, y)
+        assert segment.optimizer.state, "momentum buffers exist after a step"
+        if reset:
+            segment.reset_optimizer()
+            assert not segment.optimizer.state
+        before = segment.trainable_parameters()[0].detach().clone()
+        segment.train_step(x, y)
+        return segment.trainable_parameters()[0].detach() - before
+
+    fresh = build_model("cnn", (1, 8, 8), 4, seed=0)
+    first = Segment.from_model(fresh, 0, 2, "linear", OptimizerConfig("sgd-momentum"))
+    before = first.trainable_parameters()[0].detach().clone()
+    first.train_step(x, y)
+    first_change = first.trainable_parameters()[0].detach() - before
+    # without momentum a step is -lr * grad; with stale momentum it is larger
+    assert step_change(reset=True).norm() < step_change(reset=False).norm()
+    assert step_change(reset=True).norm() == pytest.approx(first_change.norm().item(), rel=0.5)
+
+
 def test_supcon_loss_prefers_clustered_embeddings() -> None:
     labels = torch.tensor([0, 0, 1, 1])
     clustered = torch.nn.functional.normalize(

@@ -1,0 +1,96 @@
+"""Profiling in a fresh process.
+
+The training-pass working set is measured from the process's resident high-water mark, so it is
+only true in a process whose heap holds nothing from earlier work: in a long-running process,
+memory freed by earlier work is reused without raising the high-water mark and the estimate
+comes out low (by a third after a few federated rounds, measured). Long-running roles (the
+coordinator service, test sessions) therefore profile in a child process started for the
+purpose, with ``MALLOC_MMAP_THRESHOLD_`` set so tensor memory leaves the resident set when freed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterable, Sequence
+
+from split_models.errors import ConfigError, SplitError
+from split_models.profiler import ModelProfile
+
+__all__ = ["profile_in_fresh_process"]
+
+_ERROR_EXIT = 3
+
+
+def profile_in_fresh_process(
+    model: str,
+    input_shape: Sequence[int],
+    num_classes: int,
+    local_losses: Iterable[str] = ("linear",),
+    batch_size: int | None = None,
+    timeout: float = 900.0,
+) -> ModelProfile:
+    """:func:`~split_models.profiler.profile_model` of ``build_model(model, ...)`` in a child
+    process; a bad model or shape raises :class:`ConfigError` with the child's message."""
+    from edgesplit.runtime import RUNTIME_ENV
+
+    command = [
+        sys.executable,
+        "-m",
+        "split_models.isolated",
+        "--model",
+        model,
+        "--input-shape",
+        ",".join(str(int(d)) for d in input_shape),
+        "--num-classes",
+        str(num_classes),
+        *(f"--local-loss={kind}" for kind in local_losses),
+    ]
+    if batch_size is not None:
+        command += ["--batch-size", str(batch_size)]
+    path = os.pathsep.join(p for p in (os.getcwd(), *sys.path) if p)
+    env = {**os.environ, **RUNTIME_ENV, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": path}
+    try:
+        done = subprocess.run(
+            command, env=env, capture_output=True, text=True, timeout=timeout, check=False
+        )
+    except subprocess.TimeoutExpired as error:
+        raise ConfigError(f"profiling {model} took longer than {timeout:.0f} s") from error
+    if done.returncode == _ERROR_EXIT:
+        raise ConfigError(done.stderr.strip().splitlines()[-1])
+    if done.returncode != 0:
+        tail = "\n".join(done.stderr.strip().splitlines()[-5:])
+        raise RuntimeError(f"profiling {model} failed (exit {done.returncode}):\n{tail}")
+    return ModelProfile.from_dict(json.loads(done.stdout))
+
+
+def main(argv: list[str] | None = None) -> int:
+    from edgesplit.runtime import configure_process
+
+    configure_process()
+    from split_models.profiler import profile_model
+    from split_models.zoo import build_model
+
+    parser = argparse.ArgumentParser(prog="python -m split_models.isolated")
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--input-shape", required=True)
+    parser.add_argument("--num-classes", type=int, required=True)
+    parser.add_argument("--local-loss", action="append", default=[])
+    parser.add_argument("--batch-size", type=int)
+    args = parser.parse_args(argv)
+    try:
+        shape = tuple(int(d) for d in args.input_shape.split(","))
+        model = build_model(args.model, shape, args.num_classes, seed=0)
+        profile = profile_model(model, args.local_loss or ("linear",), args.batch_size)
+    except (SplitError, ValueError) as error:
+        print(f"{type(error).__name__}: {error}", file=sys.stderr)
+        return _ERROR_EXIT
+    print(json.dumps(profile.to_dict()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
