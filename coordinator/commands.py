@@ -13,7 +13,7 @@ from split_models.profiler import profile_model
 from split_models.units import format_bytes
 from split_models.zoo import build_model
 
-__all__ = ["parse_shape", "plan_command", "profile_command"]
+__all__ = ["coordinator_command", "parse_shape", "plan_command", "profile_command"]
 
 
 def parse_shape(text: str, field: str = "--input-shape") -> tuple[int, ...]:
@@ -64,4 +64,28 @@ def profile_command(args: argparse.Namespace) -> int:
             f"{shape:>16} {format_bytes(block.saved_bytes):>13} "
             f"{format_bytes(block.backward_bytes):>12} {block.flops / 1e6:>13.2f}"
         )
+    return 0
+
+
+def coordinator_command(args: argparse.Namespace) -> int:
+    """``edgesplit coordinator``: run (or resume) one run to its last round."""
+    from coordinator.config import load_run_config
+    from coordinator.service import Coordinator, CoordinatorError
+    from edgesplit.agents import configure_logging
+    from storage import open_store
+    from wire.mqtt import MqttConfig, MqttTransport
+
+    configure_logging(args.verbose)
+    config = load_run_config(args.config)
+    store = open_store(args.db)
+    transport = MqttTransport(MqttConfig.from_url(args.broker), f"coordinator-{config.run_id}")
+    try:
+        ran = Coordinator(config, store, transport, max_attempts=args.max_attempts).run()
+    except CoordinatorError as error:
+        print(f"edgesplit coordinator: {error}", file=sys.stderr)
+        return 1
+    finally:
+        transport.close()
+        store.close()
+    print(f"run {config.run_id}: finished ({ran} round(s) now, {config.rounds} in all)")
     return 0

@@ -95,6 +95,54 @@ def _broker_parser(commands: argparse._SubParsersAction) -> None:  # type: ignor
     broker.add_argument("--port", type=int, default=1883, help="default: %(default)s")
 
 
+def _role_parsers(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    broker_help = "MQTT broker URL, mqtt://[user:pass@]host:port or mqtts://... (TLS)"
+    coordinator = commands.add_parser(
+        "coordinator",
+        help="run or resume a training run over MQTT",
+        description="Create the run (or resume it from its last committed round), wait for "
+        "the declared devices, plan, train every round and commit it to the store.",
+    )
+    coordinator.add_argument("--config", required=True, help="run configuration (RUN.yaml)")
+    coordinator.add_argument(
+        "--db", default="edgesplit.db", help="database URL or SQLite file (default: %(default)s)"
+    )
+    coordinator.add_argument(
+        "--broker", default="mqtt://127.0.0.1:1883", help=f"{broker_help} (default: %(default)s)"
+    )
+    coordinator.add_argument(
+        "--max-attempts", type=int, default=3, help="tries per round (default: %(default)s)"
+    )
+    coordinator.add_argument("-v", "--verbose", action="store_true")
+    edge = commands.add_parser(
+        "edge",
+        help="run an edge agent: train assigned front blocks on local data",
+        description="Announce this device's capabilities and train the blocks each round "
+        "assigns, streaming the cut activations to the GPU servers. Runs until stopped.",
+    )
+    edge.add_argument("--id", required=True, help="device name (stable across restarts)")
+    edge.add_argument("--broker", default="mqtt://127.0.0.1:1883", help=broker_help)
+    edge.add_argument("--data", required=True, help="local training data, e.g. npz:PATH")
+    edge.add_argument(
+        "--memory", default="512MiB", help="memory for training (default: %(default)s)"
+    )
+    edge.add_argument("--flops", default="2e9", help="sustained FLOP/s (default: %(default)s)")
+    edge.add_argument("--uplink", default="20Mbit", help="uplink bandwidth (default: %(default)s)")
+    edge.add_argument("-v", "--verbose", action="store_true")
+    gpu = commands.add_parser(
+        "gpu-server",
+        help="run a GPU server agent: train the back blocks on the edges' streams",
+        description="Announce this server and train the back blocks of each round on the "
+        "activation streams of the edges. Runs until stopped.",
+    )
+    gpu.add_argument("--id", required=True, help="server name (stable across restarts)")
+    gpu.add_argument("--broker", default="mqtt://127.0.0.1:1883", help=broker_help)
+    gpu.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    gpu.add_argument("--memory", default="80GiB", help="memory for training (default: %(default)s)")
+    gpu.add_argument("--flops", default="1e13", help="sustained FLOP/s (default: %(default)s)")
+    gpu.add_argument("-v", "--verbose", action="store_true")
+
+
 def _export_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     export = commands.add_parser(
         "export",
@@ -142,6 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     _plan_parser(commands)
     _profile_parser(commands)
     _broker_parser(commands)
+    _role_parsers(commands)
     _export_parser(commands)
     _store_parsers(commands)
     return parser
@@ -167,6 +216,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             return profile_command(args)
         if args.command == "broker":
             return _run_broker(args.port)
+        if args.command == "coordinator":
+            from coordinator.commands import coordinator_command
+
+            return coordinator_command(args)
+        if args.command == "edge":
+            from edge_client.command import edge_command
+
+            return edge_command(args)
+        if args.command == "gpu-server":
+            from gpu_server.command import gpu_server_command
+
+            return gpu_server_command(args)
         if args.command == "export":
             from coordinator.store_commands import export_command
 

@@ -56,6 +56,7 @@ class BackTrainer:
         optimizer: OptimizerConfig | None = None,
         window: int = 4,
         group: str = "gpus",
+        device: str = "cpu",
     ) -> None:
         if not 0 < start < model.num_blocks:
             raise ValueError(
@@ -63,7 +64,9 @@ class BackTrainer:
                 f"with 0 < start < {model.num_blocks}, got {start}"
             )
         self.model, self.start = model, start
+        self.device = torch.device(device)
         self.segment = Segment.from_model(model, start, model.num_blocks, optimizer=optimizer)
+        self.segment.module.to(self.device)  # in place: the optimizer keeps its parameters
         self.granter = CreditGranter(channel, run, window)
         self.stats = BackStats()
         self._cut_specs = self._specs(model, start)
@@ -123,6 +126,12 @@ class BackTrainer:
             losses = self._round_losses
             return self._round_examples, float(np.mean(losses)) if losses else float("nan")
 
+    @property
+    def finished(self) -> set[str]:
+        """The devices whose last batch of the current round has been trained."""
+        with self._lock:
+            return set(self._finished)
+
     def state(self) -> dict[str, np.ndarray]:
         """The back segment's tensors under their global names."""
         with self._lock:
@@ -164,7 +173,7 @@ class BackTrainer:
     ) -> None:
         optimizer = self.segment.optimizer
         optimizer.zero_grad(set_to_none=True)
-        output = inputs
+        output, labels = inputs.to(self.device), labels.to(self.device)
         blocks = list(self.segment.module.children())
         for block in blocks[cut - self.start :]:
             output = block(output)

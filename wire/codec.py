@@ -123,8 +123,12 @@ def _from_int8(quantised: np.ndarray, scale: np.ndarray) -> np.ndarray:
 
 
 def _wire_arrays(name: str, array: np.ndarray, encoding: str) -> dict[str, np.ndarray]:
+    # Row-major first: safetensors writes the buffer in memory order under the logical shape,
+    # and ``astype`` keeps the source's layout (a channels-last activation would arrive
+    # scrambled, with every value present but in the wrong place).
+    array = np.ascontiguousarray(array)
     if encoding == "fp32" or array.dtype.kind != "f":
-        return {name: np.ascontiguousarray(array)}
+        return {name: array}
     if encoding == "fp16":
         return {name: array.astype(np.float16)}
     if encoding == "bf16":

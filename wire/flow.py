@@ -24,17 +24,28 @@ class CreditGate:
     """Edge side: ``acquire()`` before sending a batch; credits arrive from the server."""
 
     def __init__(
-        self, channel: Channel, run: str, device: str, clock: Callable[[], float] = time.monotonic
+        self,
+        channel: Channel,
+        run: str,
+        device: str,
+        clock: Callable[[], float] = time.monotonic,
+        subscribe: bool = True,
     ) -> None:
+        """With ``subscribe=False`` the owner delivers credits through :meth:`on_credit` (an
+        edge agent subscribes once for every run, so no credit sent before it learns of a
+        run is lost)."""
         self._credits = 0
         self._round = 0
         self._ahead: dict[int, int] = {}  # credits granted for rounds not started here yet
         self._condition = threading.Condition()
         self._clock = clock
         self.waited_seconds = 0.0
-        channel.subscribe(topics.credit(run, device), self._on_credit, kinds=frozenset({"credit"}))
+        if subscribe:
+            channel.subscribe(
+                topics.credit(run, device), self.on_credit, kinds=frozenset({"credit"})
+            )
 
-    def _on_credit(self, envelope: Envelope) -> None:
+    def on_credit(self, envelope: Envelope) -> None:
         granted = envelope.meta.get("credits")
         if isinstance(granted, int) and 0 < granted <= 1_000_000:
             with self._condition:

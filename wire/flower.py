@@ -186,6 +186,13 @@ class TransportGrid(Grid):
         with self._condition:
             return [self._replies.pop(i) for i in list(message_ids) if i in self._replies]
 
+    def abandon(self, message_ids: Iterable[str]) -> None:
+        """Stop waiting for replies to ``message_ids``; late replies to them are dropped."""
+        with self._condition:
+            self._sent -= set(message_ids)
+            for identifier in message_ids:
+                self._replies.pop(identifier, None)
+
     def send_and_receive(
         self, messages: Iterable[Message], *, timeout: float | None = None
     ) -> Iterable[Message]:

@@ -14,6 +14,7 @@ __all__ = [
     "capabilities",
     "check_name",
     "credit",
+    "credit_filter",
     "flower_in",
     "flower_out",
     "presence",
@@ -58,6 +59,11 @@ def activations_filter(run: str, segment: str) -> str:
 
 def credit(run: str, device: str) -> str:
     return run_topic(run, "credit", device)
+
+
+def credit_filter(device: str) -> str:
+    """``device``'s credits of every run."""
+    return f"{PREFIX}/+/credit/{check_name(device, 'device')}"
 
 
 def flower_in(node_id: int) -> str:

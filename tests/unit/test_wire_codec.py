@@ -52,6 +52,15 @@ def test_round_trip_restores_dtype_and_values(encoding: str) -> None:
     assert np.max(np.abs(back.tensors["x"] - X)) <= TOLERANCE[encoding] * np.max(np.abs(X))
 
 
+@pytest.mark.parametrize("encoding", ENCODINGS)
+def test_channels_last_activations_keep_their_logical_order(encoding: str) -> None:
+    # conv outputs are often channels-last in memory; the wire carries the logical order
+    channels_last = np.ascontiguousarray(X.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
+    assert not channels_last.flags["C_CONTIGUOUS"]
+    back = decode(encode(envelope(tensors={"x": channels_last, "y": Y}), encoding), EXPECT)
+    assert np.max(np.abs(back.tensors["x"] - X)) <= TOLERANCE[encoding] * np.max(np.abs(X))
+
+
 def test_compression_shrinks_the_payload() -> None:
     sizes = {e: len(encode(envelope(tensors={"x": X}), e)) for e in ENCODINGS}
     assert sizes["fp16"] < 0.55 * sizes["fp32"] and sizes["int8"] < 0.3 * sizes["fp32"]

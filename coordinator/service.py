@@ -1,0 +1,627 @@
+"""The coordinator service: one run from device discovery to the last committed round.
+
+1. Create the run in the store, or resume it (same run id, committed rounds): its last
+   committed weights become the starting point and only the remaining rounds run.
+2. Wait for the declared devices: each announces its capabilities (retained) and keeps a Flower
+   node online; after ``devices.wait`` the coordinator stops with a message naming who is missing.
+3. Plan: profile the model in a fresh process, split it over the devices' memory and speed
+   (:func:`coordinator.partitioner.plan_split`), ask every edge whether it accepts its blocks and
+   plan again without the ones that refuse (their reasons are logged and stored). A resumed run
+   keeps its stored plan while all its devices are online.
+4. Rounds: the Flower strategy samples the edges; each edge and the GPU server get a ``train``
+   message with their blocks' weights and their :class:`~wire.roles.Task`. Replies are awaited
+   until the round's deadline (or until every missing device is offline). The round commits
+   with the edges that finished if the GPU server answered and at least ``min_train_nodes``
+   edges did (default 1); otherwise it is retried, up to ``max_attempts`` times. Aggregation is
+   the strategy's; the assembled model is evaluated on ``eval_data``; weights, evaluation and
+   every device's result (or failure reason) are committed in one transaction.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.serverapp import Grid
+
+from coordinator.aggregation import build_strategy
+from coordinator.config import RunConfig
+from coordinator.partitioner import PartitionConfig, plan_split
+from split_models.data import Dataset, load_dataset
+from split_models.devices import DeviceSpec
+from split_models.errors import ConfigError, InfeasiblePlanError
+from split_models.isolated import profile_in_fresh_process
+from split_models.memory import estimate_segment_memory
+from split_models.plan import Plan
+from split_models.profiler import ModelProfile
+from split_models.segment import Segment
+from split_models.units import format_bytes
+from split_models.weights import load_segment_state, segment_state
+from split_models.zoo import build_model
+from storage.base import RunStore
+from storage.errors import NotFoundError
+from storage.records import DeviceRecord, DeviceResult, Event, MetricPoint
+from wire import topics
+from wire.errors import WireError
+from wire.flower import TransportGrid, array_record
+from wire.roles import Announcement, Task, node_id_for
+from wire.transport import Transport
+
+__all__ = ["Coordinator", "CoordinatorError", "evaluate_weights", "initial_weights"]
+
+log = logging.getLogger(__name__)
+WEIGHTS_SEGMENT = "global"
+_POLL = 0.1
+
+
+class CoordinatorError(RuntimeError):
+    """The run cannot go on (devices missing, every attempt of a round failed...)."""
+
+
+def initial_weights(
+    model_name: str,
+    input_shape: tuple[int, ...],
+    num_classes: int,
+    local_loss: str,
+    cuts: Sequence[int],
+    seed: int,
+) -> dict[str, np.ndarray]:
+    """The model's blocks and a local head for every cut, all from ``seed``."""
+    model = build_model(model_name, input_shape, num_classes, seed=seed)
+    weights = segment_state(Segment.from_model(model, 0, model.num_blocks))
+    for cut in sorted(set(cuts)):
+        torch.manual_seed(seed * 1000 + cut)
+        weights |= {
+            k: v
+            for k, v in segment_state(Segment.from_model(model, 0, cut, local_loss)).items()
+            if k.startswith("head")
+        }
+    return weights
+
+
+def evaluate_weights(
+    model_name: str,
+    input_shape: tuple[int, ...],
+    num_classes: int,
+    weights: Mapping[str, np.ndarray],
+    data: Dataset,
+    batch: int = 512,
+) -> dict[str, float]:
+    """Accuracy and mean cross-entropy of the assembled model on ``data``."""
+    model = build_model(model_name, input_shape, num_classes, seed=0)
+    whole = Segment.from_model(model, 0, model.num_blocks)
+    load_segment_state(whole, weights)
+    correct, loss = 0, 0.0
+    for begin in range(0, len(data), batch):
+        x = torch.from_numpy(data.x[begin : begin + batch])
+        y = torch.from_numpy(data.y[begin : begin + batch])
+        logits = whole.forward(x)
+        correct += int((logits.argmax(1) == y).sum())
+        loss += float(F.cross_entropy(logits, y, reduction="sum"))
+    count = max(1, len(data))
+    return {"accuracy": correct / count, "loss": loss / count}
+
+
+def _keys_for(
+    weights: Mapping[str, np.ndarray], start: int, end: int, head: int | None
+) -> dict[str, np.ndarray]:
+    prefixes = tuple(f"block{b}." for b in range(start, end))
+    chosen = {k: v for k, v in weights.items() if k.startswith(prefixes)}
+    if head is not None:
+        chosen |= {k: v for k, v in weights.items() if k.startswith(f"head{head}.")}
+    return chosen
+
+
+@dataclass(frozen=True)
+class _Assignment:
+    device: str
+    start: int
+    end: int
+    estimate: int
+    role: str
+
+    @property
+    def node(self) -> int:
+        return node_id_for(self.device)
+
+
+class _EdgeView(Grid):
+    """The grid as the strategy's sampler sees it: only the online, assigned edges."""
+
+    def __init__(self, grid: TransportGrid, nodes: Callable[[], list[int]]) -> None:
+        self._grid, self._nodes = grid, nodes
+
+    def get_node_ids(self) -> list[int]:
+        return self._nodes()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._grid, name)
+
+    # Grid's abstract methods, delegated
+    def set_run(self, run: Any) -> None:
+        self._grid.set_run(run)
+
+    @property
+    def run(self) -> Any:
+        return self._grid.run
+
+    def create_message(self, *args: Any, **kwargs: Any) -> Message:
+        return self._grid.create_message(*args, **kwargs)
+
+    def push_messages(self, messages: Any) -> Any:
+        return self._grid.push_messages(messages)
+
+    def pull_messages(self, message_ids: Any) -> Any:
+        return self._grid.pull_messages(message_ids)
+
+    def send_and_receive(self, messages: Any, *, timeout: float | None = None) -> Any:
+        return self._grid.send_and_receive(messages, timeout=timeout)
+
+
+class Coordinator:
+    """Runs ``config`` against the devices reachable through ``transport``."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        store: RunStore,
+        transport: Transport,
+        max_attempts: int = 3,
+        profile: Callable[[RunConfig], ModelProfile] | None = None,
+    ) -> None:
+        self.config, self.store, self.transport = config, store, transport
+        self.max_attempts = max_attempts
+        self.grid = TransportGrid(transport)
+        self._profile = profile or _profile_fresh
+        self._announcements: dict[str, Announcement] = {}
+        self._lock = threading.Lock()
+        self.refusals: dict[str, str] = {}
+        options = dict(config.strategy_options)
+        self.min_edges = int(options.pop("min_train_nodes", 1))
+        options.pop("min_available_nodes", None)
+        options.setdefault("fraction_evaluate", 0.0)
+        self.strategy = build_strategy(
+            config.strategy, min_available_nodes=1, min_train_nodes=1, **options
+        )
+        self.eval_data = load_dataset(config.eval_data) if config.eval_data else None
+        transport.subscribe(f"{topics.PREFIX}/capabilities/+", self._on_announcement)
+
+    # ---------------------------------------------------------------- devices
+    def _on_announcement(self, _topic: str, payload: bytes) -> None:
+        if not payload:
+            return  # a cleared retained message
+        try:
+            announcement = Announcement.parse(payload)
+        except WireError as error:
+            log.warning("ignored a bad device announcement: %s", error)
+            return
+        with self._lock:
+            self._announcements[announcement.device] = announcement
+
+    def online(self, role: str | None = None) -> dict[str, Announcement]:
+        """Announced devices whose Flower node is online."""
+        nodes = set(self.grid.get_node_ids())
+        with self._lock:
+            return {
+                name: a
+                for name, a in sorted(self._announcements.items())
+                if a.node_id in nodes and (role is None or a.role == role)
+            }
+
+    def _missing(self) -> list[str]:
+        declared = self.config.devices
+        online_edges = self.online("edge")
+        problems = []
+        if isinstance(declared.edges, tuple):
+            with self._lock:
+                known = set(self._announcements)
+            for name in declared.edges:
+                if name not in online_edges:
+                    problems.append(f"{name} ({'offline' if name in known else 'never announced'})")
+        elif len(online_edges) < declared.edges:
+            problems.append(
+                f"{declared.edges - len(online_edges)} more edge(s); online: "
+                f"{', '.join(online_edges) or 'none'}"
+            )
+        servers = self.online("gpu")
+        if len(servers) < declared.gpu_servers:
+            problems.append(
+                f"{declared.gpu_servers - len(servers)} more GPU server(s); online: "
+                f"{', '.join(servers) or 'none'}"
+            )
+        return problems
+
+    def wait_for_devices(self) -> tuple[list[Announcement], list[Announcement]]:
+        """The edges and GPU servers to plan with, once all declared ones are online."""
+        wait = self.config.devices.wait_seconds
+        deadline = time.monotonic() + wait
+        told = 0.0
+        while missing := self._missing():
+            now = time.monotonic()
+            if now >= deadline:
+                raise CoordinatorError(
+                    f"waited {wait:.0f} s for the devices; missing: {'; '.join(missing)}"
+                )
+            if now - told > 10:
+                log.info("waiting for devices: %s", "; ".join(missing))
+                told = now
+            time.sleep(_POLL)
+        edges = self.online("edge")
+        if isinstance(self.config.devices.edges, tuple):
+            chosen = [edges[n] for n in self.config.devices.edges]
+        else:
+            chosen = list(edges.values())[: self.config.devices.edges]
+        servers = list(self.online("gpu").values())[: self.config.devices.gpu_servers]
+        for device in [*chosen, *servers]:
+            self.store.upsert_device(
+                DeviceRecord(
+                    device.device,
+                    device.role,
+                    device.memory,
+                    device.flops,
+                    device.uplink,
+                    status="online",
+                )
+            )
+        return chosen, servers
+
+    # ---------------------------------------------------------------- planning
+    def _task(self, assignment: _Assignment, edges: Sequence[str] = ()) -> Task:
+        config = self.config
+        return Task(
+            run=config.run_id,
+            model=config.model,
+            input_shape=config.input_shape,
+            num_classes=config.num_classes,
+            start=assignment.start,
+            end=assignment.end,
+            batch_size=config.batch_size,
+            local_epochs=config.local_epochs,
+            optimizer={
+                "name": config.optimizer.name,
+                "lr": config.optimizer.lr,
+                "momentum": config.optimizer.momentum,
+                "weight_decay": config.optimizer.weight_decay,
+            },
+            local_loss=config.local_loss,
+            mode=config.mode,
+            compression=config.compression,
+            seed=config.seed,
+            deadline_seconds=config.round_deadline_seconds,
+            estimated_peak_bytes=assignment.estimate,
+            edges=tuple(edges),
+        )
+
+    def _message(
+        self,
+        assignment: _Assignment,
+        arrays: ArrayRecord,
+        task: Task,
+        kind: str,
+        number: int = 0,
+    ) -> Message:
+        config = ConfigRecord({"task": task.to_json(), "server-round": number})
+        content = RecordDict({"arrays": arrays, "config": config})
+        return self.grid.create_message(content, kind, assignment.node, "edgesplit")
+
+    def _ask(self, edges: list[_Assignment]) -> dict[str, str]:
+        """Offer each edge its blocks; return the refusals (device -> reason)."""
+        messages = [self._message(a, ArrayRecord(), self._task(a), "query") for a in edges]
+        replies = self.grid.send_and_receive(messages, timeout=60.0)
+        answered: dict[int, Message] = {m.metadata.src_node_id: m for m in replies}
+        refusals = {}
+        for assignment in edges:
+            reply = answered.get(assignment.node)
+            if reply is None:
+                refusals[assignment.device] = "did not answer the assignment within 60 s"
+            elif reply.has_error():
+                refusals[assignment.device] = f"failed on the assignment: {reply.error.reason}"
+            elif not reply.content.metric_records["metrics"]["accepted"]:
+                refusals[assignment.device] = str(reply.content.config_records["answer"]["reason"])
+        return refusals
+
+    def plan(
+        self, edges: list[Announcement], servers: list[Announcement]
+    ) -> tuple[Plan | None, list[_Assignment], _Assignment]:
+        """Plan, ask the edges, plan again around refusals; the edges' and server's blocks."""
+        config = self.config
+        partition = PartitionConfig(
+            batch_size=config.batch_size,
+            optimizer=config.optimizer.name,
+            local_loss=config.local_loss,
+            compression=config.compression,
+        )
+        log.info("profiling %s at batch %d (fresh process)", config.model, config.batch_size)
+        profile = self._profile(config)
+        candidates = list(edges)
+        while True:
+            specs = [
+                DeviceSpec(a.device, "edge", a.memory, a.flops, a.uplink or 1e9) for a in candidates
+            ] + [DeviceSpec(s.device, "gpu", s.memory, s.flops) for s in servers]
+            plan = plan_split(profile, specs, partition)
+            assigned = [
+                _Assignment(e.name, 0, e.blocks[1], e.estimated_peak_bytes, "edge")
+                for e in plan.edges
+            ]
+            refusals = self._ask(assigned)
+            if not refusals:
+                break
+            for device, reason in refusals.items():
+                log.warning("edge %s refused its blocks: %s; planning without it", device, reason)
+                self.refusals[device] = reason
+                self.store.add_event(config.run_id, Event("assignment-refused", reason, device))
+            candidates = [a for a in candidates if a.device not in refusals]
+            if len(candidates) < max(1, self.min_edges):
+                raise CoordinatorError(
+                    "too few edges accepted their blocks: "
+                    + "; ".join(f"{d}: {r}" for d, r in self.refusals.items())
+                )
+        shallowest = min(a.end for a in assigned)
+        server = self._server(profile, servers, shallowest)
+        return plan, assigned, server
+
+    def _server(
+        self, profile: ModelProfile, servers: list[Announcement], start: int
+    ) -> _Assignment:
+        """The GPU server that holds the back from ``start``: the one with the most memory
+        (the others stand by; see the note on sharing in ARCHITECTURE.md)."""
+        config = self.config
+        need = estimate_segment_memory(
+            profile, start, profile.num_blocks, config.batch_size, config.optimizer.name
+        ).total
+        best = max(servers, key=lambda s: s.memory)
+        if best.memory < need:
+            raise InfeasiblePlanError(
+                f"the back blocks [{start}, {profile.num_blocks}) need {format_bytes(need)}; "
+                f"the largest GPU server {best.device!r} has {format_bytes(best.memory)}"
+            )
+        return _Assignment(best.device, start, profile.num_blocks, need, "gpu")
+
+    # ---------------------------------------------------------------- rounds
+    def run(self) -> int:
+        """Train the run to its configured rounds; return the number of rounds run now."""
+        config, store = self.config, self.store
+        try:
+            run = store.get_run(config.run_id)
+            for key in ("model", "input_shape", "num_classes"):
+                if run.config.get(key) != config.to_dict()[key]:
+                    raise ConfigError(
+                        f"run {config.run_id!r} exists with {key} {run.config.get(key)!r}; "
+                        f"this config has {config.to_dict()[key]!r} (use a new run_id)"
+                    )
+            log.info("resuming run %s after round %s", config.run_id, run.current_round or 0)
+        except NotFoundError:
+            store.create_run(config.run_id, config.to_dict(), config.seed)
+        resumed = store.resume(config.run_id)
+        done = 0 if resumed is None else resumed.round.number
+        if done >= config.rounds:
+            store.set_run_status(config.run_id, "finished")
+            log.info("run %s already has all %d rounds", config.run_id, config.rounds)
+            return 0
+        store.set_run_status(config.run_id, "planning")
+        edges, servers = self.wait_for_devices()
+        plan, assigned, server = self.plan(edges, servers)
+        if plan is not None:
+            stored = plan.to_dict()
+            stored["servers"] = [
+                {
+                    "name": server.device,
+                    "blocks": [server.start, server.end],
+                    "estimated_peak_bytes": server.estimate,
+                }
+            ]
+            store.set_plan(config.run_id, stored)
+            log.info("plan:\n%s", plan)
+        cuts = [a.end for a in assigned]
+        weights = initial_weights(
+            config.model,
+            config.input_shape,
+            config.num_classes,
+            config.local_loss,
+            cuts,
+            config.seed,
+        )
+        if resumed is not None:
+            weights |= resumed.weights[WEIGHTS_SEGMENT]
+        store.set_run_status(config.run_id, "training")
+        for number in range(done + 1, config.rounds + 1):
+            weights = self._round(number, weights, assigned, server)
+        store.set_run_status(config.run_id, "finished")
+        return config.rounds - done
+
+    def _selected(
+        self, number: int, assigned: list[_Assignment], weights: dict[str, np.ndarray]
+    ) -> list[_Assignment]:
+        by_node = {a.node: a for a in assigned}
+        online = set(self.grid.get_node_ids())
+        view = _EdgeView(self.grid, lambda: sorted(n for n in by_node if n in online))
+        if not view.get_node_ids():
+            return []
+        random.seed(self.config.seed * 100_003 + number)
+        sampled = self.strategy.configure_train(number, array_record(weights), ConfigRecord(), view)
+        return [by_node[m.metadata.dst_node_id] for m in sampled]
+
+    def _round(
+        self,
+        number: int,
+        weights: dict[str, np.ndarray],
+        assigned: list[_Assignment],
+        server: _Assignment,
+    ) -> dict[str, np.ndarray]:
+        config, store = self.config, self.store
+        for attempt in range(1, self.max_attempts + 1):
+            started = time.monotonic()
+            selected = self._selected(number, assigned, weights)
+            names = [a.device for a in selected]
+            store.open_round(config.run_id, number, [*names, server.device])
+            if len(selected) < self.min_edges or server.node not in self.grid.get_node_ids():
+                reason = (
+                    f"GPU server {server.device} is offline"
+                    if server.node not in self.grid.get_node_ids()
+                    else f"{len(selected)} edge(s) online, {self.min_edges} needed"
+                )
+                self._attempt_failed(number, attempt, reason)
+                time.sleep(min(10.0, config.round_deadline_seconds / 10))
+                continue
+            messages = {
+                a.device: self._message(
+                    a,
+                    array_record(_keys_for(weights, 0, a.end, a.end)),
+                    self._task(a),
+                    "train",
+                    number,
+                )
+                for a in selected
+            }
+            messages[server.device] = self._message(
+                server,
+                array_record(_keys_for(weights, server.start, server.end, None)),
+                self._task(server, names),
+                "train",
+                number,
+            )
+            replies = self._collect(messages, config.round_deadline_seconds)
+            results, ok = self._results(messages, replies, started)
+            edges_ok = [d for d in ok if d != server.device]
+            if server.device in ok and len(edges_ok) >= self.min_edges:
+                arrays, _ = self.strategy.aggregate_train(number, [replies[d] for d in sorted(ok)])
+                if arrays is None:
+                    self._attempt_failed(number, attempt, "the strategy aggregated nothing")
+                    continue
+                merged = {k: v.numpy() for k, v in arrays.items()}
+                evaluation = (
+                    evaluate_weights(
+                        config.model,
+                        config.input_shape,
+                        config.num_classes,
+                        merged,
+                        self.eval_data,
+                    )
+                    if self.eval_data is not None
+                    else {}
+                )
+                self._commit(number, merged, results, evaluation, started, server.device)
+                return merged
+            store.record_results(config.run_id, number, results)
+            failed = [f"{r.device}: {r.failure}" for r in results if r.failure]
+            self._attempt_failed(number, attempt, "; ".join(failed) or "not enough replies")
+        store.set_run_status(config.run_id, "failed")
+        raise CoordinatorError(
+            f"round {number} failed {self.max_attempts} times; see `edgesplit status --run "
+            f"{config.run_id}` and the run's events"
+        )
+
+    def _attempt_failed(self, number: int, attempt: int, reason: str) -> None:
+        log.warning("round %d attempt %d/%d failed: %s", number, attempt, self.max_attempts, reason)
+        self.store.add_event(self.config.run_id, Event("round-failed", reason, round=number))
+
+    def _collect(self, messages: dict[str, Message], deadline: float) -> dict[str, Message]:
+        """Replies by device, until all came, the deadline passed, or every device still
+        missing is offline (its last will arrived)."""
+        ids = dict(zip(self.grid.push_messages(messages.values()), messages, strict=True))
+        nodes = {device: node_id_for(device) for device in messages}
+        replies: dict[str, Message] = {}
+        until = time.monotonic() + deadline
+        while len(replies) < len(messages) and time.monotonic() < until:
+            for reply in self.grid.pull_messages([i for i, d in ids.items() if d not in replies]):
+                replies[ids[reply.metadata.reply_to_message_id]] = reply
+            waiting = [d for d in messages if d not in replies]
+            online = set(self.grid.get_node_ids())
+            if waiting and not any(nodes[d] in online for d in waiting):
+                break
+            time.sleep(_POLL)
+        self.grid.abandon([i for i, d in ids.items() if d not in replies])
+        return replies
+
+    def _results(
+        self, messages: dict[str, Message], replies: dict[str, Message], started: float
+    ) -> tuple[list[DeviceResult], list[str]]:
+        online = set(self.grid.get_node_ids())
+        results, ok = [], []
+        for device in messages:
+            reply = replies.get(device)
+            if reply is None:
+                why = "no reply before the deadline" if node_id_for(device) in online else "offline"
+                results.append(DeviceResult(device, failure=why))
+                continue
+            if reply.has_error():
+                results.append(DeviceResult(device, failure=(reply.error.reason or "failed")[:500]))
+                continue
+            metrics = reply.content.metric_records["metrics"]
+            peak = int(metrics.get("peak-memory", -1))  # type: ignore[arg-type]
+            loss = float(metrics.get("loss", math.nan))  # type: ignore[arg-type]
+            results.append(
+                DeviceResult(
+                    device,
+                    examples=int(metrics["num-examples"]),  # type: ignore[arg-type]
+                    loss=loss if math.isfinite(loss) else None,
+                    bytes_sent=int(metrics.get("bytes-sent", 0)),  # type: ignore[arg-type]
+                    bytes_received=int(metrics.get("bytes-received", 0)),  # type: ignore[arg-type]
+                    wall_seconds=float(metrics.get("wall-seconds", time.monotonic() - started)),  # type: ignore[arg-type]
+                    peak_memory_bytes=peak if peak >= 0 else None,
+                )
+            )
+            ok.append(device)
+        return results, ok
+
+    def _commit(
+        self,
+        number: int,
+        weights: dict[str, np.ndarray],
+        results: list[DeviceResult],
+        evaluation: dict[str, float],
+        started: float,
+        server: str,
+    ) -> None:
+        config, store = self.config, self.store
+        store.record_results(config.run_id, number, results)
+        trained = [r for r in results if not r.failure]
+        metrics = {
+            "wall_seconds": time.monotonic() - started,
+            "participants_ok": float(len(trained)),
+            "examples": float(sum(r.examples for r in trained if r.device != server)),
+        }
+        points = [
+            MetricPoint("peak_memory_bytes", float(r.peak_memory_bytes), number, r.device)
+            for r in results
+            if r.peak_memory_bytes is not None
+        ]
+        if points:
+            store.add_metrics(config.run_id, points)
+        store.commit_round(
+            config.run_id,
+            number,
+            {WEIGHTS_SEGMENT: weights},
+            metrics=metrics,
+            evaluation=evaluation,
+        )
+        failed = ", ".join(f"{r.device} ({r.failure})" for r in results if r.failure)
+        log.info(
+            "round %d/%d committed: %s, %d device(s) trained%s, %.1f s",
+            number,
+            config.rounds,
+            ", ".join(f"{k} {v:.4f}" for k, v in evaluation.items()) or "no eval data",
+            len(trained),
+            f", without {failed}" if failed else "",
+            metrics["wall_seconds"],
+        )
+
+
+def _profile_fresh(config: RunConfig) -> ModelProfile:
+    return profile_in_fresh_process(
+        config.model,
+        config.input_shape,
+        config.num_classes,
+        (config.local_loss,),
+        config.batch_size,
+    )

@@ -1,0 +1,191 @@
+"""The edge agent: a device that announces itself and trains whatever prefix a round assigns.
+
+The agent keeps no assignment state: every ``train`` message carries its :class:`~wire.roles.Task`
+(model, blocks, optimizer, deadline), so an agent restarted mid-run serves the next round it is
+sent. A task whose memory estimate exceeds the agent's budget is refused with the reason; the
+coordinator asks first (a ``query`` message) and plans around a refusal. Each round the agent
+measures the real peak memory of its training (resident high-water mark above the level at the
+round's start) and reports it with the estimate.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from edge_client.trainer import EdgeTrainer, EdgeTrainerConfig
+from split_models.data import Dataset
+from split_models.measure import PeakMeter, peak_supported
+from split_models.segment import OptimizerConfig, Segment
+from split_models.units import format_bytes
+from split_models.weights import load_segment_state, segment_state
+from split_models.zoo import build_model
+from wire import topics
+from wire.channel import Channel
+from wire.flow import CreditGate
+from wire.flower import FlowerNode, array_record, numpy_arrays, round_of
+from wire.roles import Announcement, Task
+from wire.transport import Transport
+
+__all__ = ["AssignmentRefused", "EdgeAgent"]
+
+log = logging.getLogger(__name__)
+
+
+class AssignmentRefused(RuntimeError):
+    """The task does not fit this device; the message says why."""
+
+
+@dataclass
+class _Built:
+    key: str
+    trainer: EdgeTrainer
+
+
+class EdgeAgent:
+    """Serves Flower ``query`` (assignment check) and ``train`` (one round) messages."""
+
+    def __init__(
+        self,
+        announcement: Announcement,
+        data: Dataset,
+        control: Transport,
+        stream: Transport,
+    ) -> None:
+        if announcement.role != "edge":
+            raise ValueError("an edge agent announces the role 'edge'")
+        self.announcement, self.data = announcement, data
+        self.device = announcement.device
+        self.channel = Channel(stream, self.device)
+        self._gates: dict[str, CreditGate] = {}
+        self._gates_lock = threading.Lock()
+        self._built: _Built | None = None
+        self.rounds = 0
+        # One subscription for every run, made before the node goes online: a server may
+        # grant credits before this agent has seen its task.
+        self.channel.subscribe(
+            topics.credit_filter(self.device),
+            lambda envelope: self._gate(envelope.run).on_credit(envelope),
+            kinds=frozenset({"credit"}),
+        )
+        self.node = FlowerNode(control, announcement.node_id, self.client_app())
+        control.publish(topics.capabilities(self.device), announcement.to_json(), retain=True)
+
+    def _gate(self, run: str) -> CreditGate:
+        with self._gates_lock:
+            if run not in self._gates:
+                self._gates[run] = CreditGate(self.channel, run, self.device, subscribe=False)
+            return self._gates[run]
+
+    # ---------------------------------------------------------------- decisions
+    def check(self, task: Task) -> None:
+        """Raise :class:`AssignmentRefused` unless ``task`` fits this device and its data."""
+        if tuple(self.data.x.shape[1:]) != task.input_shape:
+            raise AssignmentRefused(
+                f"{self.device}: local data has samples of shape {list(self.data.x.shape[1:])}, "
+                f"the model expects {list(task.input_shape)}"
+            )
+        if int(self.data.y.max()) >= task.num_classes:
+            raise AssignmentRefused(
+                f"{self.device}: local labels reach {int(self.data.y.max())}, "
+                f"the model has {task.num_classes} classes"
+            )
+        budget = self.announcement.memory
+        if task.estimated_peak_bytes > budget:
+            raise AssignmentRefused(
+                f"{self.device}: blocks [{task.start}, {task.end}) need an estimated "
+                f"{format_bytes(task.estimated_peak_bytes)}, the budget is {format_bytes(budget)}"
+            )
+
+    def _trainer(self, task: Task) -> EdgeTrainer:
+        key = Task(**{**task.__dict__, "deadline_seconds": 1.0, "estimated_peak_bytes": 0})
+        key_text = key.to_json()
+        if self._built is None or self._built.key != key_text:
+            model = build_model(task.model, task.input_shape, task.num_classes, seed=task.seed)
+            segment = Segment.from_model(
+                model, task.start, task.end, task.local_loss, OptimizerConfig(**task.optimizer)
+            )
+            config = EdgeTrainerConfig(
+                task.run,
+                self.device,
+                task.segment,
+                batch_size=task.batch_size,
+                local_epochs=task.local_epochs,
+                encoding=task.compression,
+                credit_timeout=task.deadline_seconds,
+            )
+            trainer = EdgeTrainer(self.channel, self._gate(task.run), segment, self.data, config)
+            self._built = _Built(key_text, trainer)
+        return self._built.trainer
+
+    # ---------------------------------------------------------------- Flower
+    def client_app(self) -> ClientApp:
+        app = ClientApp()
+
+        @app.query()
+        def query(message: Message, _context: Context) -> Message:
+            task = Task.parse(str(message.content.config_records["config"]["task"]))
+            try:
+                self.check(task)
+                accepted, reason = 1, ""
+            except AssignmentRefused as refusal:
+                accepted, reason = 0, str(refusal)
+                log.warning("refused an assignment: %s", refusal)
+            content = RecordDict(
+                {
+                    "metrics": MetricRecord(
+                        {"accepted": accepted, "budget": self.announcement.memory}
+                    ),
+                    "answer": ConfigRecord({"reason": reason}),
+                }
+            )
+            return Message(content, reply_to=message)
+
+        @app.train()
+        def train(message: Message, _context: Context) -> Message:
+            started = time.perf_counter()
+            task = Task.parse(str(message.content.config_records["config"]["task"]))
+            self.check(task)
+            trainer = self._trainer(task)
+            weights = numpy_arrays(message)
+            received = sum(w.nbytes for w in weights.values())
+            load_segment_state(trainer.segment, weights)
+            trainer.segment.reset_optimizer()
+            meter = PeakMeter().start() if peak_supported() else None
+            report = trainer.train_round(round_of(message), seed=task.seed)
+            peak = meter.peak() if meter is not None else -1
+            arrays = segment_state(trainer.segment)
+            sent = report.bytes_sent + sum(a.nbytes for a in arrays.values())
+            self.rounds += 1
+            log.info(
+                "round %d: %d examples, loss %.4f, peak %s (estimate %s, budget %s)",
+                round_of(message),
+                report.examples,
+                report.mean_loss,
+                format_bytes(max(peak, 0)),
+                format_bytes(task.estimated_peak_bytes),
+                format_bytes(self.announcement.memory),
+            )
+            metrics = MetricRecord(
+                {
+                    "num-examples": report.examples,
+                    "loss": report.mean_loss,
+                    "bytes-sent": sent,
+                    "bytes-received": received,
+                    "cut-bytes-sent": report.bytes_sent,
+                    "peak-memory": peak,
+                    "estimated-peak": task.estimated_peak_bytes,
+                    "budget": self.announcement.memory,
+                    "credit-wait-seconds": report.credit_wait_seconds,
+                    "wall-seconds": time.perf_counter() - started,
+                }
+            )
+            content = RecordDict({"arrays": array_record(arrays), "metrics": metrics})
+            return Message(content, reply_to=message)
+
+        return app

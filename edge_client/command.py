@@ -1,0 +1,52 @@
+"""``edgesplit edge``: run an edge agent until stopped."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from edge_client.agent import EdgeAgent
+from edgesplit.agents import configure_logging, wait_for_stop
+from split_models.data import load_dataset
+from split_models.measure import release_freed_memory
+from split_models.units import parse_bandwidth, parse_flops, parse_memory
+from wire.flower import node_will
+from wire.mqtt import MqttConfig, MqttTransport
+from wire.roles import Announcement, node_id_for
+
+__all__ = ["edge_command"]
+
+log = logging.getLogger("edgesplit.edge")
+
+
+def edge_command(args: argparse.Namespace) -> int:
+    configure_logging(args.verbose)
+    release_freed_memory()  # freed tensors leave the resident set: the measured peak is true
+    announcement = Announcement(
+        device=args.id,
+        role="edge",
+        memory=parse_memory(args.memory, "--memory"),
+        flops=parse_flops(args.flops, "--flops"),
+        uplink=parse_bandwidth(args.uplink, "--uplink"),
+    )
+    data = load_dataset(args.data)
+    config = MqttConfig.from_url(args.broker)
+    node = node_id_for(args.id)
+    control = MqttTransport(config, f"{args.id}-control", will=node_will(node))
+    stream = MqttTransport(config, f"{args.id}-stream")
+    agent = EdgeAgent(announcement, data, control, stream)
+    log.info(
+        "edge %s online (node %d): %d samples, memory %s, broker %s",
+        args.id,
+        node,
+        len(data),
+        args.memory,
+        args.broker,
+    )
+
+    def stop() -> None:
+        agent.node.leave()
+        control.close()
+        stream.close()
+
+    return wait_for_stop(stop)

@@ -1,0 +1,107 @@
+"""The GPU server agent: hosts the back blocks a round assigns and trains them on the edges'
+activation streams.
+
+Like the edge agent it keeps no assignment state: each ``train`` message's
+:class:`~wire.roles.Task` names the model, the first block this server holds and the edges whose
+streams the round trains. The server answers before the round's deadline with whatever it
+trained, and names the edges whose last batch arrived, so the coordinator can tell a late edge
+from a finished one. Several servers take one shared subscription and split the stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from gpu_server.trainer import BackTrainer
+from split_models.segment import OptimizerConfig
+from split_models.zoo import build_model
+from wire import topics
+from wire.channel import Channel
+from wire.flower import FlowerNode, array_record, numpy_arrays, round_of
+from wire.roles import Announcement, Task
+from wire.transport import Transport
+
+__all__ = ["GpuAgent", "server_wait_seconds"]
+
+log = logging.getLogger(__name__)
+
+
+def server_wait_seconds(deadline: float) -> float:
+    """How long a server waits for the edges' last batches: long enough for a slow edge, and
+    short enough that its reply reaches the coordinator before the round's deadline."""
+    return max(0.5 * deadline, deadline - max(5.0, 0.1 * deadline))
+
+
+class GpuAgent:
+    """Serves Flower ``train`` messages for the back segment of each round."""
+
+    def __init__(self, announcement: Announcement, control: Transport, stream: Transport) -> None:
+        if announcement.role != "gpu":
+            raise ValueError("a GPU server agent announces the role 'gpu'")
+        self.announcement = announcement
+        self.device = announcement.device
+        self.stream = stream
+        self._backs: dict[str, tuple[str, BackTrainer]] = {}  # run -> (task key, trainer)
+        self.node = FlowerNode(control, announcement.node_id, self.client_app())
+        control.publish(topics.capabilities(self.device), announcement.to_json(), retain=True)
+
+    def back(self, task: Task) -> BackTrainer:
+        """The trainer for ``task``'s run, rebuilt when the run's model or blocks change."""
+        key = f"{task.model}|{task.input_shape}|{task.num_classes}|{task.start}|{task.optimizer}"
+        known = self._backs.get(task.run)
+        if known is None or known[0] != key:
+            model = build_model(task.model, task.input_shape, task.num_classes, seed=task.seed)
+            trainer = BackTrainer(
+                Channel(self.stream, self.device),
+                model,
+                start=task.start,
+                run=task.run,
+                segment=task.segment,
+                optimizer=OptimizerConfig(**task.optimizer),
+                device=self.announcement.accelerator,
+            )
+            self._backs[task.run] = (key, trainer)
+        return self._backs[task.run][1]
+
+    def client_app(self) -> ClientApp:
+        app = ClientApp()
+
+        @app.train()
+        def train(message: Message, _context: Context) -> Message:
+            started = time.perf_counter()
+            task = Task.parse(str(message.content.config_records["config"]["task"]))
+            back = self.back(task)
+            weights = numpy_arrays(message)
+            number = round_of(message)
+            back.begin_round(number, task.edges, weights)
+            examples, loss = back.wait_round(task.edges, server_wait_seconds(task.deadline_seconds))
+            finished = sorted(back.finished)
+            late = sorted(set(task.edges) - set(finished))
+            if late:
+                log.warning("round %d: no last batch from %s before the deadline", number, late)
+            arrays = back.state()
+            metrics = MetricRecord(
+                {
+                    "num-examples": examples,
+                    "loss": loss,
+                    "bytes-received": sum(w.nbytes for w in weights.values()),
+                    "bytes-sent": sum(a.nbytes for a in arrays.values()),
+                    "wall-seconds": time.perf_counter() - started,
+                }
+            )
+            content = RecordDict(
+                {
+                    "arrays": array_record(arrays),
+                    "metrics": metrics,
+                    "report": ConfigRecord(
+                        {"finished": ",".join(finished), "late": ",".join(late)}
+                    ),
+                }
+            )
+            return Message(content, reply_to=message)
+
+        return app

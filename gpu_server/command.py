@@ -1,0 +1,49 @@
+"""``edgesplit gpu-server``: run a GPU server agent until stopped."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from edgesplit.agents import configure_logging, wait_for_stop
+from gpu_server.agent import GpuAgent
+from split_models.errors import ConfigError
+from split_models.units import parse_flops, parse_memory
+from wire.flower import node_will
+from wire.mqtt import MqttConfig, MqttTransport
+from wire.roles import Announcement, node_id_for
+
+__all__ = ["gpu_server_command"]
+
+log = logging.getLogger("edgesplit.gpu_server")
+
+
+def gpu_server_command(args: argparse.Namespace) -> int:
+    configure_logging(args.verbose)
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("--device cuda: no CUDA device is available to this process")
+    announcement = Announcement(
+        device=args.id,
+        role="gpu",
+        memory=parse_memory(args.memory, "--memory"),
+        flops=parse_flops(args.flops, "--flops"),
+        accelerator=args.device,
+    )
+    config = MqttConfig.from_url(args.broker)
+    node = node_id_for(args.id)
+    control = MqttTransport(config, f"{args.id}-control", will=node_will(node))
+    stream = MqttTransport(config, f"{args.id}-stream")
+    agent = GpuAgent(announcement, control, stream)
+    log.info(
+        "GPU server %s online (node %d, %s), broker %s", args.id, node, args.device, args.broker
+    )
+
+    def stop() -> None:
+        agent.node.leave()
+        control.close()
+        stream.close()
+
+    return wait_for_stop(stop)
