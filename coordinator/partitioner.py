@@ -37,11 +37,20 @@ from split_models.profiler import ModelProfile
 from split_models.segment import OPTIMIZERS
 from split_models.units import format_bytes
 
-__all__ = ["COMPRESSION_BYTES", "PartitionConfig", "Problem", "plan_split", "step_seconds"]
+__all__ = [
+    "COMPRESSION_BYTES",
+    "PartitionConfig",
+    "Problem",
+    "plan_split",
+    "step_seconds",
+    "stream_buffer_bytes",
+]
 
 COMPRESSION_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0}
 TRAIN_FLOPS_FACTOR = 3
 LABEL_BYTES = 8
+STREAM_COPIES = 3
+STREAM_FIXED_BYTES = 512 * 1024
 _MAX_EXACT_SERVERS = 10
 
 
@@ -76,6 +85,7 @@ class Problem:
 
     num_blocks: int
     memory: list[list[int]]  # memory[a][b]: estimated peak of segment [a, b) with its head
+    edge_memory: list[int]  # edge_memory[s]: memory[0][s] plus the stream's send buffers
     edge_flops: np.ndarray  # forward FLOPs/sample of blocks [0, s) plus the head at s
     server_flops: np.ndarray  # forward FLOPs/sample of blocks [s, N)
     cut_bytes: np.ndarray  # bytes/sample sent at cut s (activations + label)
@@ -110,17 +120,31 @@ class Problem:
         cut = np.array(
             [0.0] + [math.ceil(b.output_bytes * ratio) + LABEL_BYTES for b in profile.blocks]
         )
+        memory = segment_memory_table(
+            profile, config.batch_size, config.optimizer, config.local_loss
+        )
         return cls(
             num_blocks=profile.num_blocks,
-            memory=segment_memory_table(
-                profile, config.batch_size, config.optimizer, config.local_loss
-            ),
+            memory=memory,
+            edge_memory=[
+                memory[0][s] + stream_buffer_bytes(int(cut[s]), config.batch_size) if s else 0
+                for s in range(profile.num_blocks + 1)
+            ],
             edge_flops=prefix + head_flops,
             server_flops=prefix[-1] - prefix,
             cut_bytes=cut,
             batch_size=config.batch_size,
             min_edge_blocks=config.min_edge_blocks,
         )
+
+
+def stream_buffer_bytes(cut_bytes_per_sample: int, batch_size: int) -> int:
+    """What an edge holds to send one batch of activations beyond the training step: the
+    encoded copy, the serialised message and the transport's packet can coexist, so three
+    payloads, plus the codec's fixed buffers (measured on the edge agent over mosquitto: for
+    cnn's first cut at batch 32 in fp16, 1.5 MiB payloads, the round peaked 5.2 MiB above the
+    training step's estimate)."""
+    return STREAM_COPIES * cut_bytes_per_sample * batch_size + STREAM_FIXED_BYTES
 
 
 # ---------------------------------------------------------------- servers: contiguous packing
@@ -257,14 +281,17 @@ def step_seconds(
 # ---------------------------------------------------------------- errors
 
 
-def _describe(profile: ModelProfile, config: PartitionConfig, start: int, end: int) -> str:
+def _describe(
+    profile: ModelProfile, config: PartitionConfig, start: int, end: int, stream: int = 0
+) -> str:
     estimate = estimate_segment_memory(
         profile, start, end, config.batch_size, config.optimizer, config.local_loss
     )
+    buffers = f", send buffers {format_bytes(stream)}" if stream else ""
     return (
-        f"{format_bytes(estimate.total)} at batch {config.batch_size} (weights "
+        f"{format_bytes(estimate.total + stream)} at batch {config.batch_size} (weights "
         f"{format_bytes(estimate.weights)}, activations {format_bytes(estimate.activations)}, "
-        f"peak of the step {format_bytes(estimate.step_peak)})"
+        f"peak of the step {format_bytes(estimate.step_peak)}{buffers})"
     )
 
 
@@ -278,12 +305,14 @@ def _edge_errors(
     n, low = problem.num_blocks, config.min_edge_blocks
     messages = []
     for edge in edges:
-        holdable = [s for s in range(low, n) if problem.memory[0][s] <= edge.memory]
+        holdable = [s for s in range(low, n) if problem.edge_memory[s] <= edge.memory]
+        buffers = problem.edge_memory[low] - problem.memory[0][low]
         if not holdable:
             messages.append(
                 f"edge {edge.name!r} has {format_bytes(edge.memory)} but its smallest segment, "
                 f"blocks [0, {low}) with a {config.local_loss} head, needs "
-                f"{_describe(profile, config, 0, low)}; lower the batch size, give the device "
+                f"{_describe(profile, config, 0, low, buffers)}"
+                "; lower the batch size, give the device "
                 "more memory, or use a model with a smaller first block"
             )
         elif max(holdable) < lowest:
@@ -325,7 +354,7 @@ def plan_split(
         )
     lowest = packable[0]
     budgets = np.array([e.memory for e in edges], dtype=np.float64)[:, None]
-    prefix_memory = np.array(problem.memory[0], dtype=np.float64)[None, :]
+    prefix_memory = np.array(problem.edge_memory, dtype=np.float64)[None, :]
     splits = np.arange(n + 1)[None, :]
     allowed = (prefix_memory <= budgets) & (splits >= lowest) & (splits < n)
     messages = _edge_errors(problem, profile, config, edges, lowest)
@@ -360,7 +389,7 @@ def _assemble(
         EdgeAssignment(
             name=edge.name,
             blocks=(0, s),
-            estimated_peak_bytes=problem.memory[0][s],
+            estimated_peak_bytes=problem.edge_memory[s],
             budget_bytes=edge.memory,
             cut_bytes_per_sample=int(problem.cut_bytes[s]),
             flops_per_sample=int(problem.edge_flops[s]),

@@ -32,7 +32,7 @@ def gpu_server_command(args: argparse.Namespace) -> int:
         flops=parse_flops(args.flops, "--flops"),
         accelerator=args.device,
     )
-    config = MqttConfig.from_url(args.broker)
+    config = MqttConfig.from_url(args.broker, fresh_session=True)
     node = node_id_for(args.id)
     control = MqttTransport(config, f"{args.id}-control", will=node_will(node))
     stream = MqttTransport(config, f"{args.id}-stream")

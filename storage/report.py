@@ -24,6 +24,19 @@ def round_summary(record: RoundRecord) -> dict[str, Any]:
         "bytes_up": sum(r.bytes_sent for r in record.results),
         "bytes_down": sum(r.bytes_received for r in record.results),
         "committed_at": record.committed_at.isoformat() if record.committed_at else None,
+        "devices": [
+            {
+                "device": r.device,
+                "examples": r.examples,
+                "loss": r.loss,
+                "bytes_sent": r.bytes_sent,
+                "bytes_received": r.bytes_received,
+                "wall_seconds": r.wall_seconds,
+                "peak_memory_bytes": r.peak_memory_bytes,
+                "failure": r.failure,
+            }
+            for r in record.results
+        ],
     }
 
 
@@ -36,6 +49,7 @@ def run_status(store: RunStore, run_id: str) -> dict[str, Any]:
         "seed": run.seed,
         "current_round": run.current_round,
         "plan_version": run.plan_version,
+        "plan": run.plan,
         "created_at": run.created_at.isoformat(),
         "updated_at": run.updated_at.isoformat(),
         "rounds": [round_summary(r) for r in store.list_rounds(run_id)],

@@ -50,6 +50,9 @@ class MqttConfig:
     keepalive: int = 30
     session_expiry: int = 3600
     clean_start: bool = False
+    # Start a new session when the process starts, keep it across reconnects: for stateless
+    # agents, whose queued messages from before a restart are stale.
+    fresh_session: bool = False
     connect_timeout: float = 10.0
     reconnect_min: int = 1
     reconnect_max: int = 30
@@ -135,7 +138,9 @@ class MqttTransport(Transport):
                 self.config.host,
                 self.config.port,
                 self.config.keepalive,
-                clean_start=self.config.clean_start,
+                clean_start=mqtt.MQTT_CLEAN_START_FIRST_ONLY
+                if self.config.fresh_session
+                else self.config.clean_start,
                 properties=properties,
             )
         except (OSError, ValueError) as error:

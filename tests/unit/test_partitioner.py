@@ -122,7 +122,12 @@ def _brute_force(
     best = None
     options = range(config.min_edge_blocks, n)
     for splits in itertools.product(options, repeat=len(edges)):
-        needs = [_memory(profile, config, 0, s) for s in splits]
+        needs = [  # the step, plus three fp32 payloads and 512 KiB of send buffers
+            _memory(profile, config, 0, s)
+            + 3 * batch * (profile.blocks[s - 1].output_bytes + LABEL_BYTES)
+            + 512 * 1024
+            for s in splits
+        ]
         if any(need > e.memory for e, need in zip(edges, needs, strict=True)):
             continue
         if not _servers_can_hold(profile, config, servers, min(splits)):
@@ -254,7 +259,7 @@ def test_server_packing_finds_an_order_that_largest_first_misses() -> None:
     light = _memory(profile, config, 1, 2)
     assert _memory(profile, config, 1, 3) > heavy > light
     devices = [
-        DeviceSpec("edge", "edge", _memory(profile, config, 0, 1), 1e9, 1e6),
+        DeviceSpec("edge", "edge", Problem.build(profile, config).edge_memory[1], 1e9, 1e6),
         DeviceSpec("big", "gpu", heavy, 1e12),
         DeviceSpec("small", "gpu", light, 1e12),
     ]
