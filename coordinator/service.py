@@ -25,7 +25,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -39,7 +39,7 @@ from coordinator.config import RunConfig
 from coordinator.partitioner import PartitionConfig, plan_split
 from split_models.data import Dataset, load_dataset
 from split_models.devices import DeviceSpec
-from split_models.errors import ConfigError, InfeasiblePlanError
+from split_models.errors import ConfigError, InfeasiblePlanError, SplitError
 from split_models.isolated import profile_in_fresh_process
 from split_models.memory import estimate_segment_memory
 from split_models.plan import Plan
@@ -314,20 +314,29 @@ class Coordinator:
         content = RecordDict({"arrays": arrays, "config": config})
         return self.grid.create_message(content, kind, assignment.node, "edgesplit")
 
-    def _ask(self, edges: list[_Assignment]) -> dict[str, str]:
-        """Offer each edge its blocks; return the refusals (device -> reason)."""
+    def _ask(self, edges: list[_Assignment]) -> dict[str, tuple[str, int | None]]:
+        """Offer each edge its blocks; return the refusals: device -> (reason, the memory
+        budget it reported, when the refusal was about memory)."""
         messages = [self._message(a, ArrayRecord(), self._task(a), "query") for a in edges]
         replies = self.grid.send_and_receive(messages, timeout=60.0)
         answered: dict[int, Message] = {m.metadata.src_node_id: m for m in replies}
-        refusals = {}
+        refusals: dict[str, tuple[str, int | None]] = {}
         for assignment in edges:
             reply = answered.get(assignment.node)
             if reply is None:
-                refusals[assignment.device] = "did not answer the assignment within 60 s"
+                refusals[assignment.device] = ("did not answer the assignment within 60 s", None)
             elif reply.has_error():
-                refusals[assignment.device] = f"failed on the assignment: {reply.error.reason}"
-            elif not reply.content.metric_records["metrics"]["accepted"]:
-                refusals[assignment.device] = str(reply.content.config_records["answer"]["reason"])
+                refusals[assignment.device] = (
+                    f"failed on the assignment: {reply.error.reason}",
+                    None,
+                )
+            else:
+                metrics = reply.content.metric_records["metrics"]
+                if not metrics["accepted"]:
+                    reason = str(reply.content.config_records["answer"]["reason"])
+                    budget = int(metrics["budget"])  # type: ignore[arg-type]
+                    memory = budget if budget < assignment.estimate else None
+                    refusals[assignment.device] = (reason, memory)
         return refusals
 
     def plan(
@@ -344,7 +353,7 @@ class Coordinator:
         log.info("profiling %s at batch %d (fresh process)", config.model, config.batch_size)
         profile = self._profile(config)
         candidates = list(edges)
-        while True:
+        for _ in range(2 * len(edges) + 2):  # each pass drops an edge or lowers a budget
             specs = [
                 DeviceSpec(a.device, "edge", a.memory, a.flops, a.uplink or 1e9) for a in candidates
             ] + [DeviceSpec(s.device, "gpu", s.memory, s.flops) for s in servers]
@@ -356,16 +365,28 @@ class Coordinator:
             refusals = self._ask(assigned)
             if not refusals:
                 break
-            for device, reason in refusals.items():
-                log.warning("edge %s refused its blocks: %s; planning without it", device, reason)
+            for device, (reason, budget) in refusals.items():
+                action = "planning without it" if budget is None else "planning with its budget"
+                log.warning("edge %s refused its blocks: %s; %s", device, reason, action)
                 self.refusals[device] = reason
                 self.store.add_event(config.run_id, Event("assignment-refused", reason, device))
-            candidates = [a for a in candidates if a.device not in refusals]
+            replanned = []
+            for candidate in candidates:
+                if candidate.device not in refusals:
+                    replanned.append(candidate)
+                elif (budget := refusals[candidate.device][1]) is not None:
+                    replanned.append(replace(candidate, memory=budget))
+            candidates = replanned
             if len(candidates) < max(1, self.min_edges):
                 raise CoordinatorError(
                     "too few edges accepted their blocks: "
                     + "; ".join(f"{d}: {r}" for d, r in self.refusals.items())
                 )
+        else:
+            raise CoordinatorError(
+                "the edges kept refusing their blocks: "
+                + "; ".join(f"{d}: {r}" for d, r in self.refusals.items())
+            )
         shallowest = min(a.end for a in assigned)
         server = self._server(profile, servers, shallowest)
         return plan, assigned, server
@@ -409,8 +430,13 @@ class Coordinator:
             log.info("run %s already has all %d rounds", config.run_id, config.rounds)
             return 0
         store.set_run_status(config.run_id, "planning")
-        edges, servers = self.wait_for_devices()
-        plan, assigned, server = self.plan(edges, servers)
+        try:
+            edges, servers = self.wait_for_devices()
+            plan, assigned, server = self.plan(edges, servers)
+        except (CoordinatorError, SplitError) as error:
+            store.set_run_status(config.run_id, "failed")
+            store.add_event(config.run_id, Event("planning-failed", str(error)))
+            raise
         if plan is not None:
             stored = plan.to_dict()
             stored["servers"] = [

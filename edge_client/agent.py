@@ -71,11 +71,15 @@ class EdgeAgent:
         data: Dataset,
         control: Transport,
         stream: Transport,
+        budget: int | None = None,
     ) -> None:
+        """``budget``: the memory training may use now, when it is below what the device
+        announced (other work on the device); assignments are checked against it."""
         if announcement.role != "edge":
             raise ValueError("an edge agent announces the role 'edge'")
         self.announcement, self.data = announcement, data
         self.device = announcement.device
+        self.budget = announcement.memory if budget is None else budget
         self.channel = Channel(stream, self.device)
         self._gates: dict[str, CreditGate] = {}
         self._gates_lock = threading.Lock()
@@ -110,7 +114,7 @@ class EdgeAgent:
                 f"{self.device}: local labels reach {int(self.data.y.max())}, "
                 f"the model has {task.num_classes} classes"
             )
-        budget = self.announcement.memory
+        budget = self.budget
         if task.estimated_peak_bytes > budget:
             raise AssignmentRefused(
                 f"{self.device}: blocks [{task.start}, {task.end}) need an estimated "
@@ -133,6 +137,7 @@ class EdgeAgent:
                 local_epochs=task.local_epochs,
                 encoding=task.compression,
                 credit_timeout=task.deadline_seconds,
+                mode=task.mode,
             )
             trainer = EdgeTrainer(self.channel, self._gate(task.run), segment, self.data, config)
             _warm_up(segment, self.data, task.compression)
@@ -154,9 +159,7 @@ class EdgeAgent:
                 log.warning("refused an assignment: %s", refusal)
             content = RecordDict(
                 {
-                    "metrics": MetricRecord(
-                        {"accepted": accepted, "budget": self.announcement.memory}
-                    ),
+                    "metrics": MetricRecord({"accepted": accepted, "budget": self.budget}),
                     "answer": ConfigRecord({"reason": reason}),
                 }
             )
@@ -185,7 +188,7 @@ class EdgeAgent:
                 report.mean_loss,
                 format_bytes(max(peak, 0)),
                 format_bytes(task.estimated_peak_bytes),
-                format_bytes(self.announcement.memory),
+                format_bytes(self.budget),
             )
             metrics = MetricRecord(
                 {
@@ -196,7 +199,7 @@ class EdgeAgent:
                     "cut-bytes-sent": report.bytes_sent,
                     "peak-memory": peak,
                     "estimated-peak": task.estimated_peak_bytes,
-                    "budget": self.announcement.memory,
+                    "budget": self.budget,
                     "credit-wait-seconds": report.credit_wait_seconds,
                     "wall-seconds": time.perf_counter() - started,
                 }

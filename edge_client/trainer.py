@@ -1,11 +1,15 @@
 """The edge's training loop: train the front segment with its local loss and stream the cut.
 
 Each batch: wait for a credit from the GPU servers, take one optimizer step on the local loss,
-send the detached activations and labels. No gradient ever comes back (local-loss mode).
+send the detached activations and labels. No gradient ever comes back (local-loss mode). In
+``backprop`` mode (classic SplitFed, for comparison) the edge sends the activations, waits for
+the server's gradient of them and back-propagates it through its prefix.
 """
 
 from __future__ import annotations
 
+import logging
+import queue
 import time
 from dataclasses import dataclass
 
@@ -16,9 +20,12 @@ from split_models.data import Dataset
 from split_models.segment import Segment
 from wire import topics
 from wire.channel import Channel
+from wire.codec import Envelope
 from wire.flow import CreditGate
 
 __all__ = ["EdgeRoundReport", "EdgeTrainer", "EdgeTrainerConfig"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -30,6 +37,7 @@ class EdgeTrainerConfig:
     local_epochs: int = 1
     encoding: str = "fp32"
     credit_timeout: float = 60.0
+    mode: str = "local-loss"  # or "backprop": the server sends the cut's gradient back
 
 
 @dataclass(frozen=True)
@@ -58,6 +66,56 @@ class EdgeTrainer:
         self.channel, self.gate, self.segment = channel, gate, segment
         self.data, self.config = data, config
         self.topic = topics.activations(config.run, config.segment, config.device)
+        self._gradients: queue.Queue[Envelope] = queue.Queue()
+        self.rejected_gradients = 0
+        if config.mode == "backprop":
+            channel.subscribe(
+                topics.gradients(config.run, config.device),
+                self._gradients.put,
+                kinds=frozenset({"gradients"}),
+            )
+
+    def _gradient_for(self, seq: int, output: torch.Tensor, round_number: int) -> torch.Tensor:
+        """Wait for the server's gradient of batch ``seq``; others (a retried round's, or a
+        malformed one) are dropped with a count."""
+        deadline = time.monotonic() + self.config.credit_timeout
+        while (remaining := deadline - time.monotonic()) > 0:
+            try:
+                envelope = self._gradients.get(timeout=remaining)
+            except queue.Empty:
+                break
+            gradient = envelope.tensors.get("g")
+            if envelope.meta.get("seq") != seq or envelope.round != round_number:
+                continue  # a gradient of an earlier batch or attempt
+            if gradient is None or tuple(gradient.shape) != tuple(output.shape):
+                self.rejected_gradients += 1
+                log.warning("dropped a gradient of shape %s", getattr(gradient, "shape", None))
+                continue
+            return torch.from_numpy(np.array(gradient, dtype=np.float32))
+        raise TimeoutError(
+            f"no gradient from the GPU servers within {self.config.credit_timeout:.0f} s"
+        )
+
+    def _send(
+        self,
+        output: torch.Tensor,
+        labels: torch.Tensor,
+        round_number: int,
+        last: bool,
+        backprop: bool = False,
+    ) -> int:
+        meta: dict[str, object] = {"cut": self.segment.end, "last": last}
+        if backprop:
+            meta["backprop"] = True
+        return self.channel.send(
+            self.topic,
+            "activations",
+            self.config.run,
+            round=round_number,
+            tensors={"x": output.numpy(), "y": labels.numpy()},
+            meta=meta,
+            encoding=self.config.encoding,
+        )
 
     def train_round(self, round_number: int, seed: int = 0) -> EdgeRoundReport:
         """``local_epochs`` passes over the local data; raises TimeoutError without credits."""
@@ -81,22 +139,21 @@ class EdgeTrainer:
                 )
             inputs = torch.from_numpy(self.data.x[batch])
             labels = torch.from_numpy(self.data.y[batch])
-            result = self.segment.train_step(inputs, labels)
-            self.channel.send(
-                self.topic,
-                "activations",
-                self.config.run,
-                round=round_number,
-                tensors={"x": result.output.numpy(), "y": labels.numpy()},
-                meta={"cut": self.segment.end, "last": number == len(batches) - 1},
-                encoding=self.config.encoding,
-            )
-            losses.append(result.loss)
+            last = number == len(batches) - 1
+            if self.config.mode == "backprop":
+                output = self.segment.forward_for_backprop(inputs)
+                seq = self._send(output.detach(), labels, round_number, last, backprop=True)
+                gradient = self._gradient_for(seq, output, round_number)
+                self.segment.backward_from(output, gradient)
+            else:
+                result = self.segment.train_step(inputs, labels)
+                self._send(result.output, labels, round_number, last)
+                losses.append(result.loss)
             examples += len(batch)
         return EdgeRoundReport(
             examples=examples,
             batches=len(losses),
-            mean_loss=float(np.mean(losses)) if losses else float("nan"),
+            mean_loss=float(np.mean(losses)) if losses else float("nan"),  # none in backprop
             bytes_sent=self.channel.stats.bytes_sent - sent_before,
             credit_wait_seconds=self.gate.waited_seconds - waited_before,
             wall_seconds=time.perf_counter() - started,

@@ -173,7 +173,11 @@ class BackTrainer:
     ) -> None:
         optimizer = self.segment.optimizer
         optimizer.zero_grad(set_to_none=True)
-        output, labels = inputs.to(self.device), labels.to(self.device)
+        backprop = envelope.meta.get("backprop") is True
+        inputs, labels = inputs.to(self.device), labels.to(self.device)
+        if backprop:
+            inputs = inputs.detach().requires_grad_(True)
+        output = inputs
         blocks = list(self.segment.module.children())
         for block in blocks[cut - self.start :]:
             output = block(output)
@@ -181,6 +185,15 @@ class BackTrainer:
         loss.backward()  # type: ignore[no-untyped-call]
         optimizer.step()
         value = float(loss.detach())
+        if backprop and inputs.grad is not None:
+            self.granter.channel.send(
+                topics.gradients(envelope.run, envelope.sender),
+                "gradients",
+                envelope.run,
+                round=envelope.round,
+                tensors={"g": inputs.grad.detach().cpu().numpy()},
+                meta={"seq": envelope.seq, "loss": value},
+            )
         self.stats.batches += 1
         self.stats.examples += len(labels)
         self.stats.losses.append(value)

@@ -123,6 +123,18 @@ class Segment:
         self.optimizer.step()
         return StepResult(output.detach(), float(loss.detach()))
 
+    def forward_for_backprop(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Backprop mode, first half of a step: the output with its graph, for a gradient
+        that comes from the next segment (the local head is not used)."""
+        self.module.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        return self.module(inputs.detach())  # type: ignore[no-any-return]
+
+    def backward_from(self, output: torch.Tensor, gradient: torch.Tensor) -> None:
+        """Backprop mode, second half: back-propagate the next segment's gradient and step."""
+        output.backward(gradient)  # type: ignore[no-untyped-call]
+        self.optimizer.step()
+
     @torch.no_grad()
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         """Inference through the segment's blocks only (the head is not applied)."""

@@ -17,6 +17,7 @@ __all__ = [
     "credit_filter",
     "flower_in",
     "flower_out",
+    "gradients",
     "presence",
     "shared",
 ]
@@ -59,6 +60,11 @@ def activations_filter(run: str, segment: str) -> str:
 
 def credit(run: str, device: str) -> str:
     return run_topic(run, "credit", device)
+
+
+def gradients(run: str, device: str) -> str:
+    """Backprop mode: the gradient of ``device``'s cut activations, server -> edge."""
+    return run_topic(run, "grad", device)
 
 
 def credit_filter(device: str) -> str:

@@ -1,0 +1,142 @@
+"""The coordinator service with real agents on the in-process transport and a SQLite store:
+assignment refusals and re-planning, backprop mode, and clear failures."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from coordinator.config import RunConfig
+from coordinator.partitioner import PartitionConfig, Problem
+from coordinator.service import Coordinator, CoordinatorError
+from edge_client.agent import EdgeAgent
+from gpu_server.agent import GpuAgent
+from split_models import load_dataset
+from split_models.isolated import profile_in_fresh_process
+from split_models.profiler import ModelProfile
+from storage import open_store
+from storage.base import RunStore
+from wire.flower import node_will
+from wire.roles import Announcement, node_id_for
+from wire.transport import InProcessHub
+
+pytestmark = pytest.mark.integration
+
+EDGES = ("pi-01", "pi-02")
+SHAPE = (1, 8, 8)
+
+
+@pytest.fixture(scope="module")
+def profile() -> ModelProfile:
+    return profile_in_fresh_process("cnn", SHAPE, 10, ("linear",), 16)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[RunStore]:
+    with open_store(f"sqlite:///{tmp_path / 'runs.db'}") as opened:
+        yield opened
+
+
+def config(tmp_path: Path, **changes: object) -> RunConfig:
+    data = load_dataset("digits")
+    rows = np.random.default_rng(0).permutation(len(data))
+    np.savez(tmp_path / "test.npz", x=data.x[rows[:400]], y=data.y[rows[:400]])
+    for index, name in enumerate(EDGES):
+        part = rows[400 + index * 600 : 400 + (index + 1) * 600]
+        np.savez(tmp_path / f"{name}.npz", x=data.x[part], y=data.y[part])
+    fields: dict[str, object] = {
+        "run_id": "svc-1",
+        "model": "cnn",
+        "input_shape": list(SHAPE),
+        "num_classes": 10,
+        "eval_data": f"npz:{tmp_path / 'test.npz'}",
+        "devices": {"edges": list(EDGES), "gpu_servers": 1, "wait": "30s"},
+        "rounds": 2,
+        "batch_size": 16,
+        "optimizer": {"name": "adam", "lr": 0.002},
+        "round_deadline": "60s",
+    }
+    fields.update(changes)
+    return RunConfig.parse(fields)
+
+
+def start_fleet(
+    hub: InProcessHub, tmp_path: Path, memory: dict[str, int], budget: dict[str, int]
+) -> list[EdgeAgent]:
+    GpuAgent(
+        Announcement("gpu-a", "gpu", 1 << 30, 1e9),
+        hub.connect("gpu-control", node_will(node_id_for("gpu-a"))),
+        hub.connect("gpu-stream"),
+    )
+    return [
+        EdgeAgent(
+            Announcement(name, "edge", memory[name], 1e12, 1e7),
+            load_dataset(f"npz:{tmp_path / f'{name}.npz'}"),
+            hub.connect(f"{name}-control", node_will(node_id_for(name))),
+            hub.connect(f"{name}-stream"),
+            budget=budget.get(name),
+        )
+        for name in EDGES
+    ]
+
+
+def test_an_edge_that_refuses_is_replanned_within_the_budget_it_reports(
+    tmp_path: Path, store: RunStore, profile: ModelProfile
+) -> None:
+    run = config(tmp_path, rounds=1)
+    memory = Problem.build(profile, PartitionConfig(batch_size=16, optimizer="adam")).edge_memory
+    deepest = max(range(1, len(memory) - 1), key=lambda s: memory[s])
+    shallow = min(range(1, len(memory) - 1), key=lambda s: memory[s])
+    # pi-01 announced room for its deepest prefix, but now has only room for the shallowest
+    hub = InProcessHub()
+    start_fleet(
+        hub,
+        tmp_path,
+        {"pi-01": memory[deepest] + 1024, "pi-02": memory[deepest] + 1024},
+        {"pi-01": memory[shallow] + 1024},
+    )
+    coordinator = Coordinator(run, store, hub.connect("coordinator"), profile=lambda _: profile)
+    assert coordinator.run() == 1
+    assert "budget" in coordinator.refusals["pi-01"]
+    events = [e for e in store.events("svc-1") if e.kind == "assignment-refused"]
+    assert [e.device for e in events] == ["pi-01"]
+    plan = store.get_run("svc-1").plan
+    assert plan is not None
+    blocks = {edge["name"]: edge["blocks"] for edge in plan["edges"]}
+    assert memory[blocks["pi-01"][1]] <= memory[shallow] + 1024, blocks
+    assert store.get_run("svc-1").status == "finished"
+
+
+@pytest.mark.parametrize("mode", ["local-loss", "backprop"])
+def test_modes_train_the_assembled_model(
+    tmp_path: Path, store: RunStore, profile: ModelProfile, mode: str
+) -> None:
+    logging.getLogger("flwr").setLevel(logging.WARNING)
+    hub = InProcessHub()
+    big = 1 << 30
+    run = config(tmp_path, mode=mode)
+    edges = start_fleet(hub, tmp_path, dict.fromkeys(EDGES, big), {})
+    assert Coordinator(run, store, hub.connect("coordinator"), profile=lambda _: profile).run()
+    rounds = store.list_rounds("svc-1")
+    assert [r.state for r in rounds] == ["committed", "committed"]
+    assert rounds[-1].evaluation["accuracy"] > 0.5, [r.evaluation for r in rounds]
+    for record in rounds:
+        assert all(r.failure is None and r.examples > 0 for r in record.results)
+    if mode == "backprop":
+        assert all(e._built is not None for e in edges)
+        trainers = [e._built.trainer for e in edges if e._built is not None]
+        assert all(t.rejected_gradients == 0 for t in trainers)
+        assert all(t.config.mode == "backprop" for t in trainers)
+
+
+def test_missing_devices_are_named_after_the_wait(tmp_path: Path, store: RunStore) -> None:
+    hub = InProcessHub()
+    run = config(tmp_path, devices={"edges": ["pi-01", "pi-09"], "wait": "1s"})
+    start_fleet(hub, tmp_path, dict.fromkeys(EDGES, 1 << 30), {})
+    with pytest.raises(CoordinatorError, match=r"pi-09 \(never announced\)"):
+        Coordinator(run, store, hub.connect("coordinator")).run()
+    assert store.get_run("svc-1").status == "failed"
