@@ -18,6 +18,8 @@ import numpy as np
 import yaml
 
 from edgesplit.runtime import RUNTIME_ENV
+from storage import NotFoundError, open_store
+from storage.report import run_status
 from tests.e2e.cli import ROOT, run_cli
 
 SHARED = ROOT.parent / "shared" / "data" / "mnist8k.npz"
@@ -53,6 +55,7 @@ class Deployment:
     directory: Path
     rounds: int = 3
     deadline: str = "60s"
+    local_epochs: int = 1
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -69,6 +72,7 @@ class Deployment:
                     "devices": {"edges": list(EDGES), "gpu_servers": 1, "wait": "120s"},
                     "rounds": self.rounds,
                     "batch_size": 32,
+                    "local_epochs": self.local_epochs,
                     "optimizer": {"name": "adam", "lr": 0.001},
                     "compression": "fp16",
                     "round_deadline": self.deadline,
@@ -144,15 +148,21 @@ class Deployment:
     def wait_until(
         self, condition: Callable[[dict[str, Any]], bool], timeout: float, what: str
     ) -> dict[str, Any]:
+        """Poll the store directly (every 50 ms: fast enough to act inside one round)."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            status = self.status()
-            if condition(status):
-                return status
-            coordinator = self.processes.get("coordinator")
-            if coordinator is not None and coordinator.poll() not in (None, 0):
-                raise AssertionError(f"the coordinator exited: {self.log('coordinator')}")
-            time.sleep(0.3)
+        status: dict[str, Any] = {}
+        with open_store(self.db) as store:
+            while time.monotonic() < deadline:
+                try:
+                    status = run_status(store, "e2e-1")
+                except NotFoundError:
+                    status = {"status": "absent", "rounds": []}
+                if condition(status):
+                    return status
+                coordinator = self.processes.get("coordinator")
+                if coordinator is not None and coordinator.poll() not in (None, 0):
+                    raise AssertionError(f"the coordinator exited: {self.log('coordinator')}")
+                time.sleep(0.05)
         raise AssertionError(
             f"timed out waiting for {what}; last status {status}\n{self.log('coordinator')}"
         )

@@ -71,7 +71,8 @@ def test_coordinator_killed_twice_resumes_and_finishes(
     db = f"sqlite:///{tmp_path / 'runs.db'}"
     if os.environ.get("EDGESPLIT_TEST_POSTGRES_URL"):
         db = request.getfixturevalue("postgres_url")  # the production backend, when available
-    deployment = Deployment(broker.url, db, tmp_path)
+    # rounds long enough to be killed inside: ~3 s with mnist8k, more epochs of the fixture
+    deployment = Deployment(broker.url, db, tmp_path, local_epochs=1 if SHARED.exists() else 8)
     try:
         deployment.start_all()
         deployment.wait_until(lambda s: committed(s, 1), 300, "round 1")
@@ -93,7 +94,11 @@ def test_coordinator_killed_twice_resumes_and_finishes(
 
 def test_edge_killed_mid_round_is_left_out_and_rejoins(broker: Broker, tmp_path: Path) -> None:
     deployment = Deployment(
-        broker.url, f"sqlite:///{tmp_path / 'runs.db'}", tmp_path, deadline="20s"
+        broker.url,
+        f"sqlite:///{tmp_path / 'runs.db'}",
+        tmp_path,
+        deadline="20s",
+        local_epochs=1 if SHARED.exists() else 8,
     )
     try:
         deployment.start_all()
