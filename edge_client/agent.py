@@ -92,7 +92,7 @@ class EdgeAgent:
             lambda envelope: self._gate(envelope.run).on_credit(envelope),
             kinds=frozenset({"credit"}),
         )
-        self.node = FlowerNode(control, announcement.node_id, self.client_app())
+        self.node = FlowerNode(control, announcement.node_id, self.client_app(), name=self.device)
         control.publish(topics.capabilities(self.device), announcement.to_json(), retain=True)
 
     def _gate(self, run: str) -> CreditGate:

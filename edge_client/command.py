@@ -32,7 +32,7 @@ def edge_command(args: argparse.Namespace) -> int:
     data = load_dataset(args.data)
     config = MqttConfig.from_url(args.broker, fresh_session=True)
     node = node_id_for(args.id)
-    control = MqttTransport(config, f"{args.id}-control", will=node_will(node))
+    control = MqttTransport(config, f"{args.id}-control", will=node_will(node, args.id))
     stream = MqttTransport(config, f"{args.id}-stream")
     agent = EdgeAgent(announcement, data, control, stream)
     log.info(

@@ -46,7 +46,7 @@ class GpuAgent:
         self.device = announcement.device
         self.stream = stream
         self._backs: dict[str, tuple[str, BackTrainer]] = {}  # run -> (task key, trainer)
-        self.node = FlowerNode(control, announcement.node_id, self.client_app())
+        self.node = FlowerNode(control, announcement.node_id, self.client_app(), name=self.device)
         control.publish(topics.capabilities(self.device), announcement.to_json(), retain=True)
 
     def back(self, task: Task) -> BackTrainer:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from dataclasses import replace
 
 from edgesplit.agents import configure_logging, wait_for_stop
 from gpu_server.agent import GpuAgent
@@ -34,8 +35,13 @@ def gpu_server_command(args: argparse.Namespace) -> int:
     )
     config = MqttConfig.from_url(args.broker, fresh_session=True)
     node = node_id_for(args.id)
-    control = MqttTransport(config, f"{args.id}-control", will=node_will(node))
-    stream = MqttTransport(config, f"{args.id}-stream")
+    control = MqttTransport(config, f"{args.id}-control", will=node_will(node, args.id))
+    # The activation stream is a shared subscription: a server that goes away must leave the
+    # group at once, or the broker keeps queueing a share of every edge's batches for it.
+    stream = MqttTransport(
+        replace(config, session_expiry=0, clean_start=True, fresh_session=False),
+        f"{args.id}-stream",
+    )
     agent = GpuAgent(announcement, control, stream)
     log.info(
         "GPU server %s online (node %d, %s), broker %s", args.id, node, args.device, args.broker

@@ -61,9 +61,13 @@ def round_of(message: Message) -> int:
     return int(config["server-round"]) + int(config.get("round-offset", 0))  # type: ignore[arg-type]
 
 
-def node_will(node_id: int) -> Will:
+def node_will(node_id: int, name: str | None = None) -> Will:
     """The last will a node's transport must carry, so the grid sees it go offline."""
-    return Will(f"{_NODES}/{int(node_id)}", b"offline")
+    return Will(f"{_NODES}/{_node_name(node_id, name)}", b"offline")
+
+
+def _node_name(node_id: int, name: str | None) -> str:
+    return topics.check_name(name if name is not None else str(int(node_id)), "node")
 
 
 class _Frames:
@@ -108,6 +112,7 @@ class TransportGrid(Grid):
         self._replies: dict[str, Message] = {}
         self._sent: set[str] = set()
         self._online: set[int] = set()
+        self._names: dict[int, str] = {}  # node id -> the name its topics carry
         self._condition = threading.Condition()
         # Flower's own runtime sets this process-wide identity; here the grid is the runtime.
         TaskIdentity.run_id = run_id
@@ -130,15 +135,17 @@ class TransportGrid(Grid):
             self._condition.notify_all()
 
     def _on_presence(self, topic: str, payload: bytes) -> None:
-        try:
-            node_id = int(topic.rsplit("/", 1)[1])
-        except ValueError:
-            return
+        """Retained ``online <node id>`` or ``offline`` on ``.../flower/nodes/<name>``."""
+        name = topic.rsplit("/", 1)[1]
+        state, _, number = payload.decode("ascii", "replace").partition(" ")
         with self._condition:
-            if payload == b"online":
+            if state == "online" and number.isdigit():
+                node_id = int(number)
+                self._names[node_id] = name
                 self._online.add(node_id)
             else:
-                self._online.discard(node_id)
+                for node_id in [n for n, known in self._names.items() if known == name]:
+                    self._online.discard(node_id)
             self._condition.notify_all()
 
     def wait_for_nodes(self, count: int, timeout: float) -> list[int]:
@@ -178,7 +185,12 @@ class TransportGrid(Grid):
             message.metadata.__dict__["_message_id"] = identifier
             with self._condition:
                 self._sent.add(identifier)
-            self._frames.send(topics.flower_in(message.metadata.dst_node_id), message)
+            node = message.metadata.dst_node_id
+            with self._condition:
+                name = self._names.get(node)
+            if name is None:
+                raise ValueError(f"node {node} never announced itself; it cannot be reached")
+            self._frames.send(topics.flower_in(name), message)
             identifiers.append(identifier)
         return identifiers
 
@@ -219,7 +231,7 @@ class TransportGrid(Grid):
 class FlowerNode:
     """A device's side: runs a Flower ``ClientApp`` on every message addressed to it.
 
-    Create its transport with ``will=node_will(node_id)`` so the grid sees a crash.
+    Create its transport with ``will=node_will(node_id, name)`` so the grid sees a crash.
     """
 
     def __init__(
@@ -229,8 +241,10 @@ class FlowerNode:
         app: ClientApp,
         node_config: dict[str, Any] | None = None,
         run_id: int = 1,
+        name: str | None = None,
     ) -> None:
         self.transport, self.node_id, self.app = transport, int(node_id), app
+        self.name = _node_name(node_id, name)
         self._frames = _Frames(transport)
         self._context = Context(
             run_id=run_id,
@@ -241,8 +255,8 @@ class FlowerNode:
         )
         self.handled = 0
         TaskIdentity.run_id = run_id
-        transport.subscribe(topics.flower_in(self.node_id), self._on_message)
-        transport.publish(f"{_NODES}/{self.node_id}", b"online", retain=True)
+        transport.subscribe(topics.flower_in(self.name), self._on_message)
+        transport.publish(f"{_NODES}/{self.name}", f"online {self.node_id}".encode(), retain=True)
 
     def _on_message(self, _topic: str, payload: bytes) -> None:
         message = self._frames.receive(payload)
@@ -265,4 +279,4 @@ class FlowerNode:
 
     def leave(self) -> None:
         """Announce a clean departure (retained ``offline``)."""
-        self.transport.publish(f"{_NODES}/{self.node_id}", b"offline", retain=True)
+        self.transport.publish(f"{_NODES}/{self.name}", b"offline", retain=True)

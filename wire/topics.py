@@ -72,8 +72,10 @@ def credit_filter(device: str) -> str:
     return f"{PREFIX}/+/credit/{check_name(device, 'device')}"
 
 
-def flower_in(node_id: int) -> str:
-    return f"{PREFIX}/flower/{int(node_id)}/in"
+def flower_in(node: str) -> str:
+    """Flower messages to the node of device ``node`` (named, so a broker ACL can bind the
+    topic to the device's account)."""
+    return f"{PREFIX}/flower/{check_name(node, 'node')}/in"
 
 
 def flower_out() -> str:

@@ -66,3 +66,31 @@ def test_anonymous_and_wrong_password_are_refused(secured: Broker) -> None:
     )
     with pytest.raises(TransportError):
         MqttTransport(config, "intruder")
+
+
+def test_a_device_is_a_flower_node_only_under_its_own_name(secured: Broker) -> None:
+    from flwr.app import ConfigRecord, Context, Message, RecordDict
+    from flwr.clientapp import ClientApp
+
+    from wire.flower import FlowerNode, TransportGrid, node_will
+
+    app = ClientApp()
+
+    @app.query()
+    def answer(message: Message, _context: Context) -> Message:
+        return Message(RecordDict({"answer": ConfigRecord({"ok": 1})}), reply_to=message)
+
+    grid = TransportGrid(_connect(secured, "coordinator"))
+    device = _connect(secured, "pi-01")  # the will below is not set; presence is published
+    FlowerNode(device, 7, app, name="pi-01")
+    assert grid.wait_for_nodes(1, timeout=5) == [7]
+    message = grid.create_message(RecordDict({"q": ConfigRecord({"x": 1})}), "query", 7, "g")
+    (reply,) = grid.send_and_receive([message], timeout=10)
+    assert reply.content.config_records["answer"]["ok"] == 1
+    # pi-01 cannot pose as pi-02's node
+    FlowerNode(device, 8, app, name="pi-02")
+    device.flush()
+    time.sleep(0.5)
+    assert grid.wait_for_nodes(2, timeout=1) == [7]
+    assert node_will(7, "pi-01").topic.endswith("/flower/nodes/pi-01")
+    device.close()

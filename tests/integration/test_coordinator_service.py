@@ -69,14 +69,14 @@ def start_fleet(
 ) -> list[EdgeAgent]:
     GpuAgent(
         Announcement("gpu-a", "gpu", 1 << 30, 1e9),
-        hub.connect("gpu-control", node_will(node_id_for("gpu-a"))),
+        hub.connect("gpu-control", node_will(node_id_for("gpu-a"), "gpu-a")),
         hub.connect("gpu-stream"),
     )
     return [
         EdgeAgent(
             Announcement(name, "edge", memory[name], 1e12, 1e7),
             load_dataset(f"npz:{tmp_path / f'{name}.npz'}"),
-            hub.connect(f"{name}-control", node_will(node_id_for(name))),
+            hub.connect(f"{name}-control", node_will(node_id_for(name), name)),
             hub.connect(f"{name}-stream"),
             budget=budget.get(name),
         )

@@ -1,0 +1,330 @@
+"""The point of decoupling: K stages in K processes over mosquitto against one process doing
+end-to-end back-propagation.
+
+The model is a stack of equal fully connected ReLU blocks (784 -> width, then width -> width,
+width 784 by default so every block costs the same) and a 10-way classifier block, cut into K
+stages of equal compute. Every process runs one torch thread.
+
+- ``end-to-end``: one process trains the whole model with back-propagation, batch after batch.
+- ``pipeline K``: the edge (``edge_client.EdgeTrainer``) trains stage 1 with its local loss and
+  streams the detached activations; with K = 3 a relay process trains stage 2 with its own local
+  loss and streams on; the GPU server (``gpu_server.BackTrainer``) trains the last stage with the
+  task loss. No process waits for a gradient; credits (window 4) bound what is in flight.
+
+Throughput is training samples per second of the whole model: samples / (time the last stage
+finished its last batch - time the edge started its first), fill and drain included.
+
+    python benchmarks/pipeline.py [--stages 2 3] [--batches 150] [--out docs/benchmarks.md]
+
+Where the time goes (``--verbose``): on 2 cores each stage's compute slows by ~5% next to the
+broker and the MQTT client threads, and the edge spends ~1 ms per batch sending; bigger batches
+(more compute per message) bring the pipeline closer to its ideal 2x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from _report import Report, machine
+
+TARGET = 1.7
+RUN = "bench"
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist8k.npz"
+
+
+def _data(batches: int, batch: int) -> tuple[np.ndarray, np.ndarray]:
+    count = batches * batch
+    if SHARED.exists():
+        with np.load(SHARED) as archive:
+            x = (archive["x"].astype(np.float32) / 255.0).reshape(-1, 784)
+            y = archive["y"].astype(np.int64)
+    else:  # generated digits-like data keeps the benchmark offline without ../shared
+        rng = np.random.default_rng(0)
+        y = rng.integers(0, 10, 8000)
+        x = (rng.standard_normal((8000, 784)) * 0.3 + y[:, None] / 10).astype(np.float32)
+    rows = np.arange(count) % len(x)
+    return x[rows], y[rows]
+
+
+def _model(width: int, layers: int) -> Any:
+    from torch import nn
+
+    from split_models.zoo import SplittableModel, _he_init
+
+    blocks: list[nn.Module] = [nn.Sequential(nn.Linear(784, width), nn.ReLU())]
+    blocks += [nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(layers - 2)]
+    blocks.append(nn.Sequential(nn.Linear(width, 10)))
+    import torch
+
+    torch.manual_seed(0)
+    return SplittableModel("wide-mlp", nn.ModuleList(_he_init(blocks)), (784,), 10)
+
+
+def _cuts(layers: int, stages: int) -> list[int]:
+    """Equal compute per stage: the width x width blocks split evenly (the 10-way classifier
+    block is negligible and stays with the last stage)."""
+    body = layers - 1
+    return [round(body * k / stages) for k in range(stages)] + [layers]
+
+
+def _setup() -> None:
+    from edgesplit.runtime import configure_process
+
+    configure_process(threads=1)
+
+
+def end_to_end(args: argparse.Namespace, results: Any) -> None:
+    _setup()
+    import torch
+
+    from split_models.segment import OptimizerConfig, Segment
+
+    x, y = _data(args.batches, args.batch_size)
+    model = _model(args.width, args.layers)
+    whole = Segment.from_model(model, 0, model.num_blocks, optimizer=OptimizerConfig("sgd"))
+    whole.train_step(torch.from_numpy(x[: args.batch_size]), torch.from_numpy(y[: args.batch_size]))
+    started = time.perf_counter()
+    for begin in range(0, len(x), args.batch_size):
+        end = begin + args.batch_size
+        whole.train_step(torch.from_numpy(x[begin:end]), torch.from_numpy(y[begin:end]))
+    results.put(("end-to-end", len(x) / (time.perf_counter() - started)))
+
+
+def _transport(url: str, name: str) -> Any:
+    from wire.mqtt import MqttConfig, MqttTransport
+
+    # clean sessions that end with the process: a finished run's server must not stay a
+    # member of the shared subscription of the next
+    config = MqttConfig.from_url(url, session_expiry=0, clean_start=True)
+    return MqttTransport(config, f"{name}-{uuid.uuid4().hex[:6]}")
+
+
+def edge(args: argparse.Namespace, url: str, cut: int, ready: Any, results: Any) -> None:
+    _setup()
+    from edge_client.trainer import EdgeTrainer, EdgeTrainerConfig
+    from split_models.data import Dataset
+    from split_models.segment import OptimizerConfig, Segment
+    from wire.channel import Channel
+    from wire.flow import CreditGate
+
+    x, y = _data(args.batches, args.batch_size)
+    segment = Segment.from_model(
+        _model(args.width, args.layers), 0, cut, "linear", OptimizerConfig("sgd")
+    )
+    channel = Channel(_transport(url, "edge"), "edge")
+    gate = CreditGate(channel, RUN, "edge")
+    config = EdgeTrainerConfig(
+        RUN, "edge", "seg-0", batch_size=args.batch_size, local_epochs=1, encoding=args.encoding
+    )
+    trainer = EdgeTrainer(channel, gate, segment, Dataset(x, y, 10), config)
+    segment.train_step(*(t[: args.batch_size] for t in _tensors(x, y)))  # warm the kernels
+    ready.wait()
+    started = time.time()
+    report = trainer.train_round(1)
+    results.put(("edge-start", started))
+    if args.verbose:
+        print(
+            f"edge: {report.wall_seconds:.2f} s, waiting for credits "
+            f"{report.credit_wait_seconds:.2f} s",
+            flush=True,
+        )
+    channel.transport.close()
+
+
+def _tensors(x: np.ndarray, y: np.ndarray) -> tuple[Any, Any]:
+    import torch
+
+    return torch.from_numpy(x), torch.from_numpy(y)
+
+
+def relay(args: argparse.Namespace, url: str, cuts: tuple[int, int], ready: Any) -> None:
+    """A middle stage: trains blocks [a, b) with a local loss on the edge's stream and streams
+    its own output on (the same parts an edge and a server are made of)."""
+    _setup()
+    import queue
+    import threading
+
+    import torch
+
+    from split_models.segment import OptimizerConfig, Segment
+    from wire import topics
+    from wire.channel import Channel
+    from wire.flow import CreditGate, CreditGranter
+
+    start, end = cuts
+    segment = Segment.from_model(
+        _model(args.width, args.layers), start, end, "linear", OptimizerConfig("sgd")
+    )
+    inbound = Channel(_transport(url, "relay-in"), "relay")
+    outbound = Channel(_transport(url, "relay-out"), "relay")
+    granter = CreditGranter(inbound, RUN)
+    gate = CreditGate(outbound, RUN, "relay")
+    gate.start_round(1)
+    work: queue.Queue[Any] = queue.Queue()
+    inbound.subscribe(
+        topics.activations_filter(RUN, "seg-0"), work.put, kinds=frozenset({"activations"})
+    )
+    ready.wait()
+    granter.open("edge", 1)
+
+    def run() -> None:
+        while True:
+            envelope = work.get()
+            x = torch.from_numpy(np.array(envelope.tensors["x"]))
+            y = torch.from_numpy(np.array(envelope.tensors["y"]))
+            result = segment.train_step(x, y)
+            granter.processed("edge", 1)
+            gate.acquire(120)
+            outbound.send(
+                topics.activations(RUN, "seg-1", "relay"),
+                "activations",
+                RUN,
+                round=1,
+                tensors={"x": result.output.numpy(), "y": y.numpy()},
+                meta={"cut": end, "last": envelope.meta.get("last") is True},
+                encoding=args.encoding,
+            )
+            if envelope.meta.get("last") is True:
+                outbound.transport.flush()
+                return
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    worker.join()
+
+
+def server(
+    args: argparse.Namespace, url: str, start: int, upstream: str, ready: Any, results: Any
+) -> None:
+    _setup()
+    from gpu_server.trainer import BackTrainer
+    from split_models.segment import OptimizerConfig
+    from wire.channel import Channel
+
+    segment = "seg-1" if upstream == "relay" else "seg-0"
+    back = BackTrainer(
+        Channel(_transport(url, "server"), "server"),
+        _model(args.width, args.layers),
+        start=start,
+        run=RUN,
+        segment=segment,
+        optimizer=OptimizerConfig("sgd"),
+    )
+    ready.wait()  # every stage subscribed: credits granted now reach the edge
+    time.sleep(0.5)  # (the subscriptions' acknowledgements are asynchronous)
+    back.begin_round(1, [upstream])
+    busy = [0.0]
+    train = back._train
+
+    def timed(*a: Any) -> None:
+        began = time.perf_counter()
+        train(*a)
+        busy[0] += time.perf_counter() - began
+
+    back._train = timed  # type: ignore[method-assign]
+    began = time.time()
+    examples, _ = back.wait_round([upstream], 600)
+    if args.verbose:
+        print(f"server: {time.time() - began:.2f} s, training {busy[0]:.2f} s", flush=True)
+    results.put(("server-end", time.time()))
+    results.put(("server-examples", examples))
+
+
+def pipeline(args: argparse.Namespace, url: str, stages: int) -> float:
+    cuts = _cuts(args.layers, stages)
+    context = mp.get_context("spawn")
+    # every stage and this process meet here once all are connected and subscribed
+    ready = context.Barrier(stages + 1)
+    results = context.Queue()
+    upstream = "relay" if stages == 3 else "edge"
+    processes = [
+        context.Process(target=server, args=(args, url, cuts[-2], upstream, ready, results)),
+        context.Process(target=edge, args=(args, url, cuts[1], ready, results)),
+    ]
+    if stages == 3:
+        processes.append(context.Process(target=relay, args=(args, url, (cuts[1], cuts[2]), ready)))
+    for process in processes:
+        process.start()
+    ready.wait()
+    found: dict[str, float] = {}
+    while len(found) < 3:
+        key, value = results.get(timeout=900)
+        found[key] = value
+    for process in processes:
+        process.join(60)
+    samples = args.batches * args.batch_size
+    if found["server-examples"] != samples:
+        raise RuntimeError(f"the server trained {found['server-examples']} of {samples} samples")
+    return samples / (found["server-end"] - found["edge-start"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--stages", type=int, nargs="+", default=[2], choices=(2, 3))
+    parser.add_argument("--batches", type=int, default=150)
+    parser.add_argument(
+        "--repeat", type=int, default=2, help="runs of each, the best kept (default: 2)"
+    )
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--width", type=int, default=784)
+    parser.add_argument("--layers", type=int, default=7)
+    parser.add_argument("--encoding", default="fp32", choices=("fp32", "fp16", "bf16", "int8"))
+    parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--oversubscribe", action="store_true", help="run K stages on fewer than K cores too"
+    )
+    parser.add_argument("--verbose", action="store_true", help="where each stage spent its time")
+    args = parser.parse_args()
+    from wire.broker import Broker
+
+    context = mp.get_context("spawn")
+    baseline = 0.0
+    for _ in range(args.repeat):
+        results = context.Queue()
+        baseline_process = context.Process(target=end_to_end, args=(args, results))
+        baseline_process.start()
+        baseline = max(baseline, results.get(timeout=900)[1])
+        baseline_process.join()
+
+    report = Report(
+        f"\n### Pipeline: decoupled stages over mosquitto vs end-to-end ({machine()})\n\n"
+        f"`python benchmarks/pipeline.py --stages {' '.join(map(str, args.stages))} "
+        f"--batches {args.batches} --encoding {args.encoding}`: {args.layers} blocks of "
+        f"width {args.width}, batch "
+        f"{args.batch_size}, {args.batches * args.batch_size} samples, one torch thread per "
+        f"process, SGD, credits window 4, activations {args.encoding}; best of {args.repeat} "
+        "runs each.\n\n"
+        "| training | processes | samples/s | vs end-to-end |\n|---|---|---|---|"
+    )
+    report.row(f"| end-to-end back-propagation | 1 | {baseline:.0f} | 1.00x |")
+    ratios = {}
+    with Broker() as broker:
+        for stages in args.stages:
+            if stages > (os.cpu_count() or 1) and not args.oversubscribe:
+                report.row(
+                    f"| pipeline, {stages} stages | {stages} | skipped: "
+                    f"{os.cpu_count()} cores | - |"
+                )
+                continue
+            rate = max(pipeline(args, broker.url, stages) for _ in range(args.repeat))
+            ratios[stages] = rate / baseline
+            report.row(
+                f"| pipeline, {stages} stages (local losses) | {stages} | {rate:.0f} | "
+                f"{rate / baseline:.2f}x |"
+            )
+    verdict = "meets" if ratios.get(2, 0) >= TARGET else "misses"
+    report.finish(
+        f"\n2-stage speed-up {ratios.get(2, float('nan')):.2f}x: {verdict} the target {TARGET}x.\n",
+        args.out,
+    )
+
+
+if __name__ == "__main__":
+    main()
