@@ -13,7 +13,13 @@ from split_models.profiler import profile_model
 from split_models.units import format_bytes
 from split_models.zoo import build_model
 
-__all__ = ["coordinator_command", "parse_shape", "plan_command", "profile_command"]
+__all__ = [
+    "coordinator_command",
+    "parse_shape",
+    "plan_command",
+    "profile_command",
+    "simulate_command",
+]
 
 
 def parse_shape(text: str, field: str = "--input-shape") -> tuple[int, ...]:
@@ -88,4 +94,56 @@ def coordinator_command(args: argparse.Namespace) -> int:
         transport.close()
         store.close()
     print(f"run {config.run_id}: finished ({ran} round(s) now, {config.rounds} in all)")
+    return 0
+
+
+def simulate_command(args: argparse.Namespace) -> int:
+    """``edgesplit simulate``: every role in this process; outputs into ``--out``."""
+    import logging
+    from pathlib import Path
+
+    from coordinator.simulate import load_sim_config, simulate
+    from edgesplit.agents import configure_logging
+
+    configure_logging(False)
+    if args.quiet:
+        logging.getLogger().setLevel(logging.WARNING)
+    overrides = {
+        "method": args.method,
+        "rounds": args.rounds,
+        "clients": args.clients,
+        "data": args.data,
+        "test_data": args.test_data,
+        "seed": args.seed,
+    }
+    config = load_sim_config(args.config, overrides)
+    out = Path(args.out)
+    summary = simulate(config, out, broker=args.broker)
+    print(f"\nsimulation {summary['run_id']} ({summary['method']}), outputs in {out}/")
+    print(
+        f"{'round':>5} {'accuracy':>9} {'loss':>8} {'MB up':>8} {'MB down':>8} "
+        f"{'wall s':>7} {'sim s':>7}"
+    )
+    for row in summary["rounds"]:
+        print(
+            f"{row['round']:>5} {row['accuracy'] or 0:>9.4f} {row['loss'] or 0:>8.4f} "
+            f"{row['bytes_up'] / 1e6:>8.2f} {row['bytes_down'] / 1e6:>8.2f} "
+            f"{row['wall_seconds'] or 0:>7.1f} {row['simulated_seconds']:>7.2f}"
+        )
+    print(
+        f"{'client':<12} {'profile':<8} {'blocks':<8} {'budget':>10} {'estimate':>10} "
+        f"{'examples':>8}"
+    )
+    for client in summary["clients"]:
+        blocks = client["blocks"] or ["-", "-"]
+        print(
+            f"{client['name']:<12} {client['profile']:<8} [{blocks[0]}, {blocks[1]})".ljust(31)
+            + f" {format_bytes(client['budget_bytes']):>10} "
+            f"{format_bytes(client['estimated_peak_bytes'] or 0):>10} {client['examples']:>8}"
+        )
+    print(
+        f"final accuracy {summary['final_accuracy']:.4f}, "
+        f"wall {summary['total_wall_seconds']:.1f} s, "
+        f"simulated {summary['total_simulated_seconds']:.1f} s on the declared devices"
+    )
     return 0

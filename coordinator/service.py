@@ -190,9 +190,15 @@ class Coordinator:
         self.min_edges = int(options.pop("min_train_nodes", 1))
         options.pop("min_available_nodes", None)
         options.setdefault("fraction_evaluate", 0.0)
-        self.strategy = build_strategy(
-            config.strategy, min_available_nodes=1, min_train_nodes=1, **options
-        )
+        flower = logging.getLogger("flwr")
+        level = flower.level
+        flower.setLevel(logging.ERROR)  # Flower warns that federated evaluation is off
+        try:
+            self.strategy = build_strategy(
+                config.strategy, min_available_nodes=1, min_train_nodes=1, **options
+            )
+        finally:
+            flower.setLevel(level)
         self.eval_data = load_dataset(config.eval_data) if config.eval_data else None
         transport.subscribe(f"{topics.PREFIX}/capabilities/+", self._on_announcement)
 
@@ -444,6 +450,7 @@ class Coordinator:
                     "name": server.device,
                     "blocks": [server.start, server.end],
                     "estimated_peak_bytes": server.estimate,
+                    "budget_bytes": next(s.memory for s in servers if s.device == server.device),
                 }
             ]
             store.set_plan(config.run_id, stored)

@@ -72,6 +72,7 @@ class EdgeAgent:
         control: Transport,
         stream: Transport,
         budget: int | None = None,
+        measure_peak: bool = True,
     ) -> None:
         """``budget``: the memory training may use now, when it is below what the device
         announced (other work on the device); assignments are checked against it."""
@@ -80,6 +81,9 @@ class EdgeAgent:
         self.announcement, self.data = announcement, data
         self.device = announcement.device
         self.budget = announcement.memory if budget is None else budget
+        # The peak is the process's high-water mark: meaningful only with one agent a process
+        # (simulation runs many agents in one process and turns it off).
+        self.measure_peak = measure_peak
         self.channel = Channel(stream, self.device)
         self._gates: dict[str, CreditGate] = {}
         self._gates_lock = threading.Lock()
@@ -175,7 +179,7 @@ class EdgeAgent:
             received = sum(w.nbytes for w in weights.values())
             load_segment_state(trainer.segment, weights)
             trainer.segment.reset_optimizer()
-            meter = PeakMeter().start() if peak_supported() else None
+            meter = PeakMeter().start() if self.measure_peak and peak_supported() else None
             report = trainer.train_round(round_of(message), seed=task.seed)
             peak = meter.peak() if meter is not None else -1
             arrays = segment_state(trainer.segment)
@@ -186,7 +190,7 @@ class EdgeAgent:
                 round_of(message),
                 report.examples,
                 report.mean_loss,
-                format_bytes(max(peak, 0)),
+                format_bytes(peak) if peak >= 0 else "not measured",
                 format_bytes(task.estimated_peak_bytes),
                 format_bytes(self.budget),
             )
@@ -195,7 +199,8 @@ class EdgeAgent:
                     "num-examples": report.examples,
                     "loss": report.mean_loss,
                     "bytes-sent": sent,
-                    "bytes-received": received,
+                    "bytes-received": received + report.bytes_received,
+                    "cut-bytes-received": report.bytes_received,
                     "cut-bytes-sent": report.bytes_sent,
                     "peak-memory": peak,
                     "estimated-peak": task.estimated_peak_bytes,

@@ -48,6 +48,7 @@ class EdgeRoundReport:
     bytes_sent: int
     credit_wait_seconds: float
     wall_seconds: float
+    bytes_received: int = 0  # credits, and gradients in backprop mode
 
 
 class EdgeTrainer:
@@ -120,6 +121,7 @@ class EdgeTrainer:
     def train_round(self, round_number: int, seed: int = 0) -> EdgeRoundReport:
         """``local_epochs`` passes over the local data; raises TimeoutError without credits."""
         started, sent_before = time.perf_counter(), self.channel.stats.bytes_sent
+        received_before = self.channel.stats.bytes_received
         waited_before = self.gate.waited_seconds
         generator = np.random.default_rng(seed + round_number)
         losses: list[float] = []
@@ -155,6 +157,7 @@ class EdgeTrainer:
             batches=len(losses),
             mean_loss=float(np.mean(losses)) if losses else float("nan"),  # none in backprop
             bytes_sent=self.channel.stats.bytes_sent - sent_before,
+            bytes_received=self.channel.stats.bytes_received - received_before,
             credit_wait_seconds=self.gate.waited_seconds - waited_before,
             wall_seconds=time.perf_counter() - started,
         )

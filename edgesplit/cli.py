@@ -143,6 +143,29 @@ def _role_parsers(commands: argparse._SubParsersAction) -> None:  # type: ignore
     gpu.add_argument("-v", "--verbose", action="store_true")
 
 
+def _simulate_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    sim = commands.add_parser(
+        "simulate",
+        help="run the coordinator, a GPU server and N clients in this process",
+        description="A whole edgesplit run on one machine, on the deployment's code paths. "
+        "Without --config it runs the embedded defaults on scikit-learn's bundled digits.",
+    )
+    sim.add_argument("--config", help="simulation config (SIM.yaml); defaults when omitted")
+    sim.add_argument("--out", default="sim-out", help="output directory (default: %(default)s)")
+    sim.add_argument("--method", choices=("local-loss", "splitfed", "fedavg", "centralized"))
+    sim.add_argument(
+        "--broker",
+        default="none",
+        help="none (in-process, default), embedded (a private mosquitto) or mqtt://host:port",
+    )
+    sim.add_argument("--rounds", type=int)
+    sim.add_argument("--clients", type=int)
+    sim.add_argument("--data", help="training data: npz:PATH, digits, ...")
+    sim.add_argument("--test-data", help="held-out data (else test_fraction of --data)")
+    sim.add_argument("--seed", type=int)
+    sim.add_argument("-q", "--quiet", action="store_true", help="only the result table")
+
+
 def _export_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     export = commands.add_parser(
         "export",
@@ -191,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     _profile_parser(commands)
     _broker_parser(commands)
     _role_parsers(commands)
+    _simulate_parser(commands)
     _export_parser(commands)
     _store_parsers(commands)
     return parser
@@ -228,6 +252,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from gpu_server.command import gpu_server_command
 
             return gpu_server_command(args)
+        if args.command == "simulate":
+            from coordinator.commands import simulate_command
+
+            return simulate_command(args)
         if args.command == "export":
             from coordinator.store_commands import export_command
 
