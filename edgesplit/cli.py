@@ -7,9 +7,10 @@ package and receives plain values.
 from __future__ import annotations
 
 import argparse
+import importlib
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from edgesplit import __version__
 from edgesplit.runtime import configure_process
@@ -220,6 +221,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Each subcommand's implementation, imported only when it runs (the roles stay apart and
+# `edgesplit status` does not load torch's training stack).
+_COMMANDS = {
+    "plan": "coordinator.commands:plan_command",
+    "profile": "coordinator.commands:profile_command",
+    "coordinator": "coordinator.commands:coordinator_command",
+    "simulate": "coordinator.commands:simulate_command",
+    "edge": "edge_client.command:edge_command",
+    "gpu-server": "gpu_server.command:gpu_server_command",
+    "export": "coordinator.store_commands:export_command",
+    "status": "coordinator.store_commands:status_command",
+    "db": "coordinator.store_commands:db_upgrade_command",
+}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if hasattr(signal, "SIGPIPE"):  # `edgesplit status | head` ends quietly, like any Unix tool
@@ -230,48 +246,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     from wire.errors import TransportError
 
     try:
-        if args.command == "plan":
-            from coordinator.commands import plan_command
-
-            return plan_command(args)
-        if args.command == "profile":
-            from coordinator.commands import profile_command
-
-            return profile_command(args)
         if args.command == "broker":
             return _run_broker(args.port)
-        if args.command == "coordinator":
-            from coordinator.commands import coordinator_command
-
-            return coordinator_command(args)
-        if args.command == "edge":
-            from edge_client.command import edge_command
-
-            return edge_command(args)
-        if args.command == "gpu-server":
-            from gpu_server.command import gpu_server_command
-
-            return gpu_server_command(args)
-        if args.command == "simulate":
-            from coordinator.commands import simulate_command
-
-            return simulate_command(args)
-        if args.command == "export":
-            from coordinator.store_commands import export_command
-
-            return export_command(args)
-        if args.command == "status":
-            from coordinator.store_commands import status_command
-
-            return status_command(args)
-        if args.command == "db":
-            from coordinator.store_commands import db_upgrade_command
-
-            return db_upgrade_command(args)
+        module, _, function = _COMMANDS[args.command].partition(":")
+        command: Callable[[argparse.Namespace], int] = getattr(
+            importlib.import_module(module), function
+        )
+        return command(args)
     except (SplitError, StoreError, TransportError) as error:
         print(f"edgesplit {args.command}: error: {error}", file=sys.stderr)
         return EXIT_USAGE
-    raise AssertionError(f"unhandled command {args.command!r}")
 
 
 def _run_broker(port: int) -> int:
