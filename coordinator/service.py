@@ -282,7 +282,9 @@ class Coordinator:
         return chosen, servers
 
     # ---------------------------------------------------------------- planning
-    def _task(self, assignment: _Assignment, edges: Sequence[str] = ()) -> Task:
+    def _task(
+        self, assignment: _Assignment, edges: Sequence[str] = (), servers: Sequence[str] = ()
+    ) -> Task:
         config = self.config
         return Task(
             run=config.run_id,
@@ -306,6 +308,7 @@ class Coordinator:
             deadline_seconds=config.round_deadline_seconds,
             estimated_peak_bytes=assignment.estimate,
             edges=tuple(edges),
+            extra={"servers": list(servers)} if servers else {},
         )
 
     def _message(
@@ -347,7 +350,7 @@ class Coordinator:
 
     def plan(
         self, edges: list[Announcement], servers: list[Announcement]
-    ) -> tuple[Plan | None, list[_Assignment], _Assignment]:
+    ) -> tuple[Plan | None, list[_Assignment], list[_Assignment]]:
         """Plan, ask the edges, plan again around refusals; the edges' and server's blocks."""
         config = self.config
         partition = PartitionConfig(
@@ -394,25 +397,26 @@ class Coordinator:
                 + "; ".join(f"{d}: {r}" for d, r in self.refusals.items())
             )
         shallowest = min(a.end for a in assigned)
-        server = self._server(profile, servers, shallowest)
-        return plan, assigned, server
+        return plan, assigned, self._servers(profile, servers, shallowest)
 
-    def _server(
+    def _servers(
         self, profile: ModelProfile, servers: list[Announcement], start: int
-    ) -> _Assignment:
-        """The GPU server that holds the back from ``start``: the one with the most memory
-        (the others stand by; see the note on sharing in ARCHITECTURE.md)."""
+    ) -> list[_Assignment]:
+        """The GPU servers that hold the back from ``start``: every declared server with the
+        memory for it; they share the edges' streams (one shared subscription) and their back
+        replicas are aggregated like any other replicas."""
         config = self.config
         need = estimate_segment_memory(
             profile, start, profile.num_blocks, config.batch_size, config.optimizer.name
         ).total
-        best = max(servers, key=lambda s: s.memory)
-        if best.memory < need:
+        fitting = [s for s in servers if s.memory >= need]
+        if not fitting:
+            best = max(servers, key=lambda s: s.memory)
             raise InfeasiblePlanError(
                 f"the back blocks [{start}, {profile.num_blocks}) need {format_bytes(need)}; "
                 f"the largest GPU server {best.device!r} has {format_bytes(best.memory)}"
             )
-        return _Assignment(best.device, start, profile.num_blocks, need, "gpu")
+        return [_Assignment(s.device, start, profile.num_blocks, need, "gpu") for s in fitting]
 
     # ---------------------------------------------------------------- rounds
     def run(self) -> int:
@@ -438,20 +442,22 @@ class Coordinator:
         store.set_run_status(config.run_id, "planning")
         try:
             edges, servers = self.wait_for_devices()
-            plan, assigned, server = self.plan(edges, servers)
+            plan, assigned, backs = self.plan(edges, servers)
         except (CoordinatorError, SplitError) as error:
             store.set_run_status(config.run_id, "failed")
             store.add_event(config.run_id, Event("planning-failed", str(error)))
             raise
         if plan is not None:
             stored = plan.to_dict()
+            memory = {s.device: s.memory for s in servers}
             stored["servers"] = [
                 {
-                    "name": server.device,
-                    "blocks": [server.start, server.end],
-                    "estimated_peak_bytes": server.estimate,
-                    "budget_bytes": next(s.memory for s in servers if s.device == server.device),
+                    "name": back.device,
+                    "blocks": [back.start, back.end],
+                    "estimated_peak_bytes": back.estimate,
+                    "budget_bytes": memory[back.device],
                 }
+                for back in backs
             ]
             store.set_plan(config.run_id, stored)
             log.info("plan:\n%s", plan)
@@ -468,7 +474,7 @@ class Coordinator:
             weights |= resumed.weights[WEIGHTS_SEGMENT]
         store.set_run_status(config.run_id, "training")
         for number in range(done + 1, config.rounds + 1):
-            weights = self._round(number, weights, assigned, server)
+            weights = self._round(number, weights, assigned, backs)
         store.set_run_status(config.run_id, "finished")
         return config.rounds - done
 
@@ -489,18 +495,20 @@ class Coordinator:
         number: int,
         weights: dict[str, np.ndarray],
         assigned: list[_Assignment],
-        server: _Assignment,
+        backs: list[_Assignment],
     ) -> dict[str, np.ndarray]:
         config, store = self.config, self.store
         for attempt in range(1, self.max_attempts + 1):
             started = time.monotonic()
             selected = self._selected(number, assigned, weights)
             names = [a.device for a in selected]
-            store.open_round(config.run_id, number, [*names, server.device])
-            if len(selected) < self.min_edges or server.node not in self.grid.get_node_ids():
+            online = set(self.grid.get_node_ids())
+            servers = [b for b in backs if b.node in online]
+            store.open_round(config.run_id, number, [*names, *(b.device for b in servers)])
+            if len(selected) < self.min_edges or not servers:
                 reason = (
-                    f"GPU server {server.device} is offline"
-                    if server.node not in self.grid.get_node_ids()
+                    "no GPU server is online"
+                    if not servers
                     else f"{len(selected)} edge(s) online, {self.min_edges} needed"
                 )
                 self._attempt_failed(number, attempt, reason)
@@ -516,17 +524,19 @@ class Coordinator:
                 )
                 for a in selected
             }
-            messages[server.device] = self._message(
-                server,
-                array_record(_keys_for(weights, server.start, server.end, None)),
-                self._task(server, names),
-                "train",
-                number,
-            )
+            server_names = [b.device for b in servers]
+            for back in servers:
+                messages[back.device] = self._message(
+                    back,
+                    array_record(_keys_for(weights, back.start, back.end, None)),
+                    self._task(back, names, server_names),
+                    "train",
+                    number,
+                )
             replies = self._collect(messages, config.round_deadline_seconds)
             results, ok = self._results(messages, replies, started)
-            edges_ok = [d for d in ok if d != server.device]
-            if server.device in ok and len(edges_ok) >= self.min_edges:
+            edges_ok = [d for d in ok if d not in server_names]
+            if set(ok) & set(server_names) and len(edges_ok) >= self.min_edges:
                 arrays, _ = self.strategy.aggregate_train(number, [replies[d] for d in sorted(ok)])
                 if arrays is None:
                     self._attempt_failed(number, attempt, "the strategy aggregated nothing")
@@ -543,7 +553,7 @@ class Coordinator:
                     if self.eval_data is not None
                     else {}
                 )
-                self._commit(number, merged, results, evaluation, started, server.device)
+                self._commit(number, merged, results, evaluation, started, server_names)
                 return merged
             store.record_results(config.run_id, number, results)
             failed = [f"{r.device}: {r.failure}" for r in results if r.failure]
@@ -614,7 +624,7 @@ class Coordinator:
         results: list[DeviceResult],
         evaluation: dict[str, float],
         started: float,
-        server: str,
+        servers: Sequence[str],
     ) -> None:
         config, store = self.config, self.store
         store.record_results(config.run_id, number, results)
@@ -622,7 +632,7 @@ class Coordinator:
         metrics = {
             "wall_seconds": time.monotonic() - started,
             "participants_ok": float(len(trained)),
-            "examples": float(sum(r.examples for r in trained if r.device != server)),
+            "examples": float(sum(r.examples for r in trained if r.device not in servers)),
         }
         points = [
             MetricPoint("peak_memory_bytes", float(r.peak_memory_bytes), number, r.device)

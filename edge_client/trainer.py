@@ -152,6 +152,14 @@ class EdgeTrainer:
                 self._send(result.output, labels, round_number, last)
                 losses.append(result.loss)
             examples += len(batch)
+        # Every GPU server hears this (a batch marked last reaches only one of them).
+        self.channel.send(
+            topics.done(self.config.run, self.config.device),
+            "round_control",
+            self.config.run,
+            round=round_number,
+            meta={"batches": len(batches)},
+        )
         return EdgeRoundReport(
             examples=examples,
             batches=len(losses),

@@ -77,7 +77,11 @@ class GpuAgent:
             back = self.back(task)
             weights = numpy_arrays(message)
             number = round_of(message)
-            back.begin_round(number, task.edges, weights)
+            servers = task.extra.get("servers", [])
+            peers = (
+                [str(s) for s in servers if s != self.device] if isinstance(servers, list) else []
+            )
+            back.begin_round(number, task.edges, weights, peers=peers)
             examples, loss = back.wait_round(task.edges, server_wait_seconds(task.deadline_seconds))
             finished = sorted(back.finished)
             late = sorted(set(task.edges) - set(finished))

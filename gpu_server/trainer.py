@@ -32,6 +32,7 @@ from wire.flow import CreditGranter
 __all__ = ["BackStats", "BackTrainer"]
 
 log = logging.getLogger(__name__)
+_MAX_PARKED = 64  # batches of a round this server has not begun yet
 
 
 @dataclass
@@ -76,6 +77,18 @@ class BackTrainer:
         self._round_examples = 0
         self._round_losses: list[float] = []
         self._finished: set[str] = set()
+        # Sharing a stream with peer servers: a round ends for an edge when the batches all
+        # servers trained add up to what the edge says it sent.
+        self.name = channel.sender
+        self._peers: set[str] = set()
+        self._expected: dict[str, int] = {}
+        self._counts: dict[str, collections.Counter[str]] = {}
+        self._parked: list[tuple[int, torch.Tensor, torch.Tensor, Envelope]] = []
+        self._early_done: dict[tuple[int, str], int] = {}
+        self._early_counts: dict[tuple[int, str], dict[str, int]] = {}
+        control = frozenset({"round_control"})
+        channel.subscribe(topics.run_topic(run, "done") + "/+", self._on_done, kinds=control)
+        channel.subscribe(topics.run_topic(run, "processed") + "/+", self._on_counts, kinds=control)
         channel.subscribe(
             topics.shared(group, topics.activations_filter(run, segment)),
             self._on_batch,
@@ -100,8 +113,11 @@ class BackTrainer:
         round_number: int,
         devices: Iterable[str],
         weights: Mapping[str, np.ndarray] | None = None,
+        peers: Iterable[str] = (),
     ) -> None:
         """Load the round's weights, then open every device's credit window for the round.
+
+        ``peers``: the other servers sharing the edges' streams this round (by name).
 
         Credits are granted only after the weights are in place, so no batch of the round is
         trained on the previous round's weights.
@@ -112,6 +128,23 @@ class BackTrainer:
                 self.segment.reset_optimizer()
             self._round, self._round_examples = round_number, 0
             self._round_losses, self._finished = [], set()
+            self._peers = set(peers) - {self.name}
+            self._expected, self._counts = {}, {self.name: collections.Counter()}
+            if self._peers:  # what peers and edges said before this server began the round
+                for (number, device), batches in self._early_done.items():
+                    if number == round_number:
+                        self._expected[device] = batches
+                for (number, peer), counts in self._early_counts.items():
+                    if number == round_number and peer in self._peers:
+                        self._counts[peer] = collections.Counter(counts)
+            self._early_done = {k: v for k, v in self._early_done.items() if k[0] > round_number}
+            self._early_counts = {
+                k: v for k, v in self._early_counts.items() if k[0] > round_number
+            }
+        self._replay_parked()
+        if self._peers:
+            self._publish_counts()
+            self._check_finished()
         for device in devices:
             self.granter.open(device, round_number)
 
@@ -159,14 +192,96 @@ class BackTrainer:
         except WireError as error:
             self.stats.rejected[error.reason] += 1
             log.warning("rejected activations from %s: %s", envelope.sender, error)
+            self._count(envelope)
             self.granter.processed(envelope.sender, envelope.round)
             return
         with self._lock:
-            if envelope.round != self._round:
+            if envelope.round > self._round:
+                # A peer server began the round first; this one has not loaded its weights.
+                if len(self._parked) < _MAX_PARKED:
+                    self._parked.append((cut, inputs, labels, envelope))
+                    return  # trained (and its credit returned) when the round begins here
+                self.stats.rejected["ahead"] += 1
+            elif envelope.round < self._round:
                 self.stats.rejected["stale_round"] += 1  # its weights have been replaced
             else:
                 self._train(cut, inputs, labels, envelope)
+        self._count(envelope)
         self.granter.processed(envelope.sender, envelope.round)
+
+    def _replay_parked(self) -> None:
+        with self._lock:
+            ready = [p for p in self._parked if p[3].round == self._round]
+            self._parked = [p for p in self._parked if p[3].round > self._round]
+            for cut, inputs, labels, envelope in ready:
+                self._train(cut, inputs, labels, envelope)
+        for *_, envelope in ready:
+            self._count(envelope)
+            self.granter.processed(envelope.sender, envelope.round)
+
+    # ---------------------------------------------------------------- sharing with peers
+    def _count(self, envelope: Envelope) -> None:
+        with self._lock:
+            if envelope.round != self._round or not self._peers:
+                return
+            self._counts[self.name][envelope.sender] += 1
+            publish = envelope.sender in self._expected
+        if publish:
+            self._publish_counts()
+        self._check_finished()
+
+    def _publish_counts(self) -> None:
+        with self._lock:
+            counts, number = dict(self._counts[self.name]), self._round
+        self.granter.channel.send(
+            topics.processed(self.granter.run, self.name),
+            "round_control",
+            self.granter.run,
+            round=number,
+            meta={"counts": counts},
+        )
+
+    def _on_done(self, envelope: Envelope) -> None:
+        batches = envelope.meta.get("batches")
+        if not isinstance(batches, int) or batches < 0:
+            self.stats.rejected["done"] += 1
+            return
+        with self._lock:
+            if envelope.round > self._round:
+                self._early_done[(envelope.round, envelope.sender)] = batches
+                return
+            if envelope.round != self._round or not self._peers:
+                return
+            self._expected[envelope.sender] = batches
+        self._publish_counts()
+        self._check_finished()
+
+    def _on_counts(self, envelope: Envelope) -> None:
+        raw = envelope.meta.get("counts")
+        if not isinstance(raw, dict) or not all(
+            isinstance(k, str) and isinstance(v, int) and v >= 0 for k, v in raw.items()
+        ):
+            self.stats.rejected["counts"] += 1
+            return
+        counts: dict[str, int] = raw
+        if envelope.sender == self.name:
+            return
+        with self._lock:
+            if envelope.round > self._round:
+                self._early_counts[(envelope.round, envelope.sender)] = counts
+                return
+            if envelope.round != self._round or envelope.sender not in self._peers:
+                return
+            self._counts[envelope.sender] = collections.Counter(counts)
+        self._check_finished()
+
+    def _check_finished(self) -> None:
+        with self._round_done:
+            for device, expected in self._expected.items():
+                trained = sum(c[device] for c in self._counts.values())
+                if trained >= expected and device not in self._finished:
+                    self._finished.add(device)
+                    self._round_done.notify_all()
 
     def _train(
         self, cut: int, inputs: torch.Tensor, labels: torch.Tensor, envelope: Envelope
@@ -200,6 +315,6 @@ class BackTrainer:
         self.stats.per_device[envelope.sender] += len(labels)
         self._round_examples += len(labels)
         self._round_losses.append(value)
-        if envelope.meta.get("last") is True:
+        if envelope.meta.get("last") is True and not self._peers:
             self._finished.add(envelope.sender)
             self._round_done.notify_all()

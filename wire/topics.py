@@ -15,10 +15,12 @@ __all__ = [
     "check_name",
     "credit",
     "credit_filter",
+    "done",
     "flower_in",
     "flower_out",
     "gradients",
     "presence",
+    "processed",
     "shared",
 ]
 
@@ -65,6 +67,16 @@ def credit(run: str, device: str) -> str:
 def gradients(run: str, device: str) -> str:
     """Backprop mode: the gradient of ``device``'s cut activations, server -> edge."""
     return run_topic(run, "grad", device)
+
+
+def done(run: str, device: str) -> str:
+    """An edge's end of round: how many batches it sent (every GPU server hears it)."""
+    return run_topic(run, "done", device)
+
+
+def processed(run: str, server: str) -> str:
+    """A GPU server's count of batches it trained per edge this round (for its peers)."""
+    return run_topic(run, "processed", server)
 
 
 def credit_filter(device: str) -> str:

@@ -4,6 +4,7 @@ assignment refusals and re-planning, backprop mode, and clear failures."""
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,9 +21,11 @@ from split_models.isolated import profile_in_fresh_process
 from split_models.profiler import ModelProfile
 from storage import open_store
 from storage.base import RunStore
+from wire.broker import Broker
 from wire.flower import node_will
+from wire.mqtt import MqttConfig, MqttTransport
 from wire.roles import Announcement, node_id_for
-from wire.transport import InProcessHub
+from wire.transport import InProcessHub, Transport, Will
 
 pytestmark = pytest.mark.integration
 
@@ -65,13 +68,21 @@ def config(tmp_path: Path, **changes: object) -> RunConfig:
 
 
 def start_fleet(
-    hub: InProcessHub, tmp_path: Path, memory: dict[str, int], budget: dict[str, int]
+    hub: InProcessHub | MqttHub,
+    tmp_path: Path,
+    memory: dict[str, int],
+    budget: dict[str, int],
+    servers: tuple[str, ...] = ("gpu-a",),
 ) -> list[EdgeAgent]:
-    GpuAgent(
-        Announcement("gpu-a", "gpu", 1 << 30, 1e9),
-        hub.connect("gpu-control", node_will(node_id_for("gpu-a"), "gpu-a")),
-        hub.connect("gpu-stream"),
-    )
+    gpus = [
+        GpuAgent(
+            Announcement(name, "gpu", 1 << 30, 1e9),
+            hub.connect(f"{name}-control", node_will(node_id_for(name), name)),
+            hub.connect(f"{name}-stream"),
+        )
+        for name in servers
+    ]
+    start_fleet.gpus = gpus  # type: ignore[attr-defined]
     return [
         EdgeAgent(
             Announcement(name, "edge", memory[name], 1e12, 1e7),
@@ -140,3 +151,50 @@ def test_missing_devices_are_named_after_the_wait(tmp_path: Path, store: RunStor
     with pytest.raises(CoordinatorError, match=r"pi-09 \(never announced\)"):
         Coordinator(run, store, hub.connect("coordinator")).run()
     assert store.get_run("svc-1").status == "failed"
+
+
+class MqttHub:
+    """``connect`` like the in-process hub's, on a real broker."""
+
+    def __init__(self, broker: Broker) -> None:
+        self.config = MqttConfig.from_url(broker.url, session_expiry=0, clean_start=True)
+        self.made: list[MqttTransport] = []
+
+    def connect(self, name: str, will: Will | None = None) -> Transport:
+        self.made.append(MqttTransport(self.config, f"{name}-{uuid.uuid4().hex[:6]}", will))
+        return self.made[-1]
+
+    def close(self) -> None:
+        for transport in self.made:
+            transport.close()
+
+
+@pytest.mark.parametrize("transport", ["in-process", "mqtt"])
+def test_two_gpu_servers_share_the_streams_and_both_train(
+    tmp_path: Path,
+    store: RunStore,
+    profile: ModelProfile,
+    transport: str,
+    request: pytest.FixtureRequest,
+) -> None:
+    hub = (
+        InProcessHub() if transport == "in-process" else MqttHub(request.getfixturevalue("broker"))
+    )
+    run = config(tmp_path, devices={"edges": list(EDGES), "gpu_servers": 2, "wait": "30s"})
+    start_fleet(hub, tmp_path, dict.fromkeys(EDGES, 1 << 30), {}, servers=("gpu-a", "gpu-b"))
+    gpus = start_fleet.gpus  # type: ignore[attr-defined]
+    assert Coordinator(run, store, hub.connect("coordinator"), profile=lambda _: profile).run()
+    rounds = store.list_rounds("svc-1")
+    assert [r.state for r in rounds] == ["committed", "committed"]
+    for record in rounds:
+        results = {r.device: r for r in record.results}
+        assert set(results) == {*EDGES, "gpu-a", "gpu-b"}
+        assert all(r.failure is None for r in results.values()), results
+        edge_examples = sum(results[e].examples for e in EDGES)
+        # every batch was trained exactly once, by one of the two servers
+        assert results["gpu-a"].examples + results["gpu-b"].examples == edge_examples
+    per_server = [sum(g._backs["svc-1"][1].stats.per_device.values()) for g in gpus]
+    assert all(count > 0 for count in per_server), per_server
+    assert rounds[-1].evaluation["accuracy"] > 0.5
+    if isinstance(hub, MqttHub):
+        hub.close()
