@@ -36,7 +36,7 @@ __all__ = ["FlowerNode", "TransportGrid", "array_record", "node_will", "numpy_ar
 log = logging.getLogger(__name__)
 CHUNK_BYTES = 32 * 1024 * 1024
 MAX_MESSAGE_BYTES = 1024 * 1024 * 1024
-_NODES = f"{topics.PREFIX}/flower/nodes"
+_NODES = f"{topics.PREFIX}/presence"  # a device's presence is its node's
 
 
 def array_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
@@ -135,7 +135,7 @@ class TransportGrid(Grid):
             self._condition.notify_all()
 
     def _on_presence(self, topic: str, payload: bytes) -> None:
-        """Retained ``online <node id>`` or ``offline`` on ``.../flower/nodes/<name>``."""
+        """Retained ``online <node id>`` or ``offline`` on ``edgesplit/v1/presence/<name>``."""
         name = topic.rsplit("/", 1)[1]
         state, _, number = payload.decode("ascii", "replace").partition(" ")
         with self._condition:

@@ -92,5 +92,5 @@ def test_a_device_is_a_flower_node_only_under_its_own_name(secured: Broker) -> N
     device.flush()
     time.sleep(0.5)
     assert grid.wait_for_nodes(2, timeout=1) == [7]
-    assert node_will(7, "pi-01").topic.endswith("/flower/nodes/pi-01")
+    assert node_will(7, "pi-01").topic.endswith("/presence/pi-01")
     device.close()
