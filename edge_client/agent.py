@@ -97,7 +97,15 @@ class EdgeAgent:
             kinds=frozenset({"credit"}),
         )
         self.node = FlowerNode(control, announcement.node_id, self.client_app(), name=self.device)
-        control.publish(topics.capabilities(self.device), announcement.to_json(), retain=True)
+        self._control = control
+        self._announce_capabilities()
+        control.on_reconnect(self._announce_capabilities)
+
+    def _announce_capabilities(self) -> None:
+        """Retained, so a coordinator that starts later still learns of this device."""
+        self._control.publish(
+            topics.capabilities(self.device), self.announcement.to_json(), retain=True
+        )
 
     def _gate(self, run: str) -> CreditGate:
         with self._gates_lock:

@@ -256,7 +256,14 @@ class FlowerNode:
         self.handled = 0
         TaskIdentity.run_id = run_id
         transport.subscribe(topics.flower_in(self.name), self._on_message)
-        transport.publish(f"{_NODES}/{self.name}", f"online {self.node_id}".encode(), retain=True)
+        self._announce()
+        # a restarted broker without persistence forgets retained messages: say it again
+        transport.on_reconnect(self._announce)
+
+    def _announce(self) -> None:
+        self.transport.publish(
+            f"{_NODES}/{self.name}", f"online {self.node_id}".encode(), retain=True
+        )
 
     def _on_message(self, _topic: str, payload: bytes) -> None:
         message = self._frames.receive(payload)

@@ -103,6 +103,8 @@ class MqttTransport(Transport):
         # keep them (bounded) until a matching subscribe() comes.
         self._unclaimed: collections.deque[tuple[str, bytes]] = collections.deque()
         self._unclaimed_bytes = 0
+        self._reconnect_hooks: list[Callable[[], None]] = []
+        self._connections = 0
         self._client = self._build(will)
         self._connect()
 
@@ -168,6 +170,13 @@ class MqttTransport(Transport):
                 filters = [(f, i) for f, (i, _) in self._handlers.items()]
             for topic_filter, identifier in filters:
                 self._send_subscribe(topic_filter, identifier)
+        self._connections += 1
+        if self._connections > 1:
+            for hook in list(self._reconnect_hooks):
+                try:
+                    hook()
+                except Exception:  # a failing hook must not break the connection
+                    log.exception("reconnect hook failed")
         self._connected.set()
 
     def _send_subscribe(self, topic_filter: str, identifier: int) -> int:
@@ -247,6 +256,9 @@ class MqttTransport(Transport):
 
     def flush(self, timeout: float = 30.0) -> None:
         self._wait_until(lambda: not self._outstanding, timeout)
+
+    def on_reconnect(self, callback: Callable[[], None]) -> None:
+        self._reconnect_hooks.append(callback)
 
     def _keep_unclaimed(self, topic: str, payload: bytes) -> None:
         """Hold a message no handler wants yet; beyond the bound, drop the oldest loudly."""

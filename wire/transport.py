@@ -76,6 +76,10 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def unsubscribe(self, topic_filter: str) -> None: ...
 
+    def on_reconnect(self, callback: Callable[[], None]) -> None:  # noqa: B027 - optional
+        """Run ``callback`` after every reconnection (a broker restart may have lost retained
+        messages such as a presence). Transports that never reconnect ignore it."""
+
     def flush(self, timeout: float = 30.0) -> None:  # noqa: B027 - optional
         """Block until everything published so far has been accepted by the broker."""
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -127,3 +129,40 @@ def test_subscriber_reconnect_gets_messages_queued_while_offline_exactly_once(
     assert receiver.stats.duplicates == 0
     second.close()
     producer.close()
+
+
+def test_an_agent_is_seen_again_after_a_broker_restart_that_lost_everything() -> None:
+    from edge_client.agent import EdgeAgent
+    from split_models import load_dataset
+    from wire.flower import TransportGrid, node_will
+    from wire.roles import Announcement
+
+    fixture = Path(__file__).resolve().parents[1] / "fixtures" / "tiny_mnist.npz"
+    with Broker(persistence=False) as broker:  # a restart forgets sessions and retained data
+        config = MqttConfig.from_url(
+            broker.url, reconnect_min=1, reconnect_max=2, connect_timeout=15
+        )
+        seen: list[bytes] = []
+        coordinator = MqttTransport(config, f"coordinator-{uuid.uuid4().hex[:6]}")
+        grid = TransportGrid(coordinator)
+        coordinator.subscribe(topics.capabilities("pi-01"), lambda _t, p: seen.append(p))
+        announcement = Announcement("pi-01", "edge", 1 << 30, 1e9, 1e6)
+        control = MqttTransport(
+            replace(config, fresh_session=True),
+            "pi-01-control",
+            node_will(announcement.node_id, "pi-01"),
+        )
+        stream = MqttTransport(replace(config, fresh_session=True), "pi-01-stream")
+        EdgeAgent(announcement, load_dataset(f"npz:{fixture}"), control, stream)
+        assert grid.wait_for_nodes(1, timeout=10) == [announcement.node_id]
+        broker.restart()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and (len(seen) < 2 or not control.connected):
+            time.sleep(0.1)
+        assert len(seen) >= 2, "the capabilities were announced again after the restart"
+        assert grid.wait_for_nodes(1, timeout=10) == [announcement.node_id]
+        # and a late observer, which only sees retained messages, finds the device
+        late = TransportGrid(MqttTransport(config, f"late-{uuid.uuid4().hex[:6]}"))
+        assert late.wait_for_nodes(1, timeout=10) == [announcement.node_id]
+        for transport in (coordinator, control, stream):
+            transport.close()
