@@ -10,7 +10,7 @@ devices: {edges: 3, gpu_servers: 1, wait: 120s}   # or edges: [pi-01, pi-02, ...
 rounds: 3
 local_epochs: 1
 batch_size: 32
-optimizer: {name: sgd-momentum, lr: 0.05}
+optimizer: {name: sgd-momentum, lr: 0.01}
 local_loss: linear              # linear | mlp | supcon
 mode: local-loss                # local-loss | backprop
 compression: fp16               # fp32 | fp16 | bf16 | int8

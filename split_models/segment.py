@@ -25,7 +25,7 @@ class OptimizerConfig:
     """Which optimizer trains a segment; ``build`` creates it for the given parameters."""
 
     name: str = "sgd-momentum"
-    lr: float = 0.05
+    lr: float = 0.01
     momentum: float = 0.9
     weight_decay: float = 0.0
 

@@ -33,7 +33,7 @@ def train_split(connect: Callable[[str], Transport]) -> None:
     run = f"run-{uuid.uuid4().hex[:6]}"
     data = load_dataset(f"npz:{FIXTURE}")
     parts = partition(data.y, len(CUTS), "iid", seed=0)
-    optimizer = OptimizerConfig("sgd-momentum", lr=0.05)
+    optimizer = OptimizerConfig("sgd-momentum", lr=0.01)
     published: list[str] = []
     connect("spy").subscribe("edgesplit/v1/#", lambda topic, _p: published.append(topic))
     back = BackTrainer(
@@ -88,7 +88,12 @@ def train_split(connect: Callable[[str], Transport]) -> None:
 
     # A malformed batch (wrong shape for its cut) is rejected and its credit returned.
     rogue = Channel(connect("rogue"), "pi-01")
+    # every credit of the last round is back first (the window), so one more is the rogue's
+    deadline = time.monotonic() + 10
+    while trainers["pi-01"].gate.available < back.granter.window and time.monotonic() < deadline:
+        time.sleep(0.05)
     before = trainers["pi-01"].gate.available
+    assert before == back.granter.window
     rogue.transport.publish(
         trainers["pi-01"].topic,
         encode(

@@ -31,12 +31,12 @@ def test_the_example_parses_with_every_field() -> None:
     assert config.devices.edge_count == 3 and config.devices.gpu_servers == 1
     assert config.devices.wait_seconds == 120.0 and config.round_deadline_seconds == 300.0
     assert (config.rounds, config.local_epochs, config.batch_size, config.seed) == (3, 1, 32, 0)
-    assert config.optimizer.name == "sgd-momentum" and config.optimizer.lr == 0.05
+    assert config.optimizer.name == "sgd-momentum" and config.optimizer.lr == 0.01
     assert (config.local_loss, config.mode, config.compression) == ("linear", "local-loss", "fp16")
     assert config.strategy == "fedavg" and config.eval_data == "npz:path/to/test.npz"
     stored = json.loads(json.dumps(config.to_dict()))  # what the run store keeps
     assert stored["input_shape"] == [1, 28, 28] and stored["devices"]["edges"] == 3
-    assert stored["optimizer"]["lr"] == 0.05 and stored["round_deadline_seconds"] == 300.0
+    assert stored["optimizer"]["lr"] == 0.01 and stored["round_deadline_seconds"] == 300.0
 
 
 def test_minimal_config_gets_defaults_and_named_edges() -> None:
