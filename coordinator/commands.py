@@ -128,7 +128,7 @@ def simulate_command(args: argparse.Namespace) -> int:
         print(
             f"{row['round']:>5} {row['accuracy'] or 0:>9.4f} {row['loss'] or 0:>8.4f} "
             f"{row['bytes_up'] / 1e6:>8.2f} {row['bytes_down'] / 1e6:>8.2f} "
-            f"{row['wall_seconds'] or 0:>7.1f} {row['simulated_seconds']:>7.2f}"
+            f"{row['wall_seconds'] or 0:>7.1f} {row['simulated_seconds'] or 0:>7.2f}"
         )
     print(
         f"{'client':<12} {'profile':<8} {'blocks':<8} {'budget':>10} {'estimate':>10} "
@@ -140,6 +140,7 @@ def simulate_command(args: argparse.Namespace) -> int:
             f"{client['name']:<12} {client['profile']:<8} [{blocks[0]}, {blocks[1]})".ljust(31)
             + f" {format_bytes(client['budget_bytes']):>10} "
             f"{format_bytes(client['estimated_peak_bytes'] or 0):>10} {client['examples']:>8}"
+            + ("  does not fit its budget" if client.get("fits") is False else "")
         )
     print(
         f"final accuracy {summary['final_accuracy']:.4f}, "

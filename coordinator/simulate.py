@@ -44,7 +44,7 @@ __all__ = ["DEFAULTS", "METHODS", "SimConfig", "load_sim_config", "simulate"]
 log = logging.getLogger(__name__)
 
 METHODS = {"local-loss": "local-loss", "splitfed": "backprop"}
-NOT_BUILT = ("fedavg", "centralized")
+BASELINES = ("fedavg", "centralized")
 
 DEFAULTS: dict[str, Any] = {
     "model": "cnn",
@@ -123,12 +123,8 @@ def parse_sim_config(data: object, overrides: Mapping[str, Any] | None = None) -
     fields = _expect_keys(data if data is not None else {}, "simulation config", set(), _KEYS)
     merged = {**DEFAULTS, **fields, **{k: v for k, v in (overrides or {}).items() if v is not None}}
     method = merged["method"]
-    if method in NOT_BUILT:
-        raise ConfigError(
-            f"method: {method!r} is not built yet; use one of {sorted(METHODS)} (issue 6)"
-        )
-    if method not in METHODS:
-        raise ConfigError(f"method: {method!r} is not one of {sorted(METHODS)}")
+    if method not in METHODS and method not in BASELINES:
+        raise ConfigError(f"method: {method!r} is not one of {[*METHODS, *BASELINES]}")
     clients = merged["clients"]
     if isinstance(clients, bool) or not isinstance(clients, int) or clients < 1:
         raise ConfigError(f"clients: expected an integer >= 1, got {clients!r}")
@@ -184,7 +180,7 @@ def run_config(config: SimConfig, run_id: str, eval_data: str | None = None) -> 
             "batch_size": raw["batch_size"],
             "optimizer": raw["optimizer"],
             "local_loss": raw["local_loss"],
-            "mode": METHODS[raw["method"]],
+            "mode": METHODS.get(raw["method"], "local-loss"),
             "compression": raw["compression"],
             "strategy": raw["strategy"],
             "round_deadline": 600,
@@ -235,6 +231,10 @@ def simulate(
         per_client=int(config.partition.get("per_client", 2)),
         seed=int(config.raw["seed"]),
     )
+    if config.method in BASELINES:
+        summary = _baseline(config, train, test, parts, names, out, run_id, started)
+        _write(out, summary, store_plan=summary.pop("_plan_text"))
+        return summary
     connect, closer = _transports(broker)
     try:
         gpu = Announcement("gpu-sim", "gpu", config.gpu_memory, config.gpu_flops)
@@ -261,6 +261,102 @@ def simulate(
         closer()
     _write(out, summary, store_plan=summary.pop("_plan_text"))
     return summary
+
+
+def _baseline(
+    config: SimConfig,
+    train: Dataset,
+    test: Dataset,
+    parts: list[np.ndarray],
+    names: list[str],
+    out: Path,
+    run_id: str,
+    started: float,
+) -> dict[str, Any]:
+    from coordinator.baselines import train_centralized, train_fedavg, whole_model_bytes
+    from split_models.isolated import profile_in_fresh_process
+
+    raw = config.raw
+    profile = profile_in_fresh_process(
+        raw["model"],
+        raw["input_shape"],
+        raw["num_classes"],
+        (raw["local_loss"],),
+        raw["batch_size"],
+    )
+    need = whole_model_bytes(raw, profile)
+    flops = sum(b.flops for b in profile.blocks)
+    model_bytes = sum(b.param_bytes + b.buffer_bytes for b in profile.blocks)
+    with open_store(f"sqlite:///{out / 'runs.db'}") as store:
+        if config.method == "centralized":
+            train_centralized(raw, train, test, store, run_id)
+            clients: list[dict[str, Any]] = []
+        else:
+            data = {n: train.subset(rows) for n, rows in zip(names, parts, strict=True)}
+            train_fedavg(raw, data, test, store, run_id)
+            clients = []
+            for index, name in enumerate(names):
+                profile_of = _profile_of(index, config.clients, config.profiles)
+                examples = len(data[name]) * int(raw["local_epochs"]) * int(raw["rounds"])
+                clients.append(
+                    {
+                        "name": name,
+                        "profile": profile_of.name,
+                        "blocks": [0, profile.num_blocks],
+                        "budget_bytes": profile_of.memory,
+                        "estimated_peak_bytes": need,
+                        "fits": need <= profile_of.memory,
+                        "measured_peak_bytes": None,
+                        "bytes_up": model_bytes * int(raw["rounds"]),
+                        "bytes_down": model_bytes * int(raw["rounds"]),
+                        "cut_bytes_up": 0,
+                        "cut_bytes_down": 0,
+                        "examples": examples,
+                    }
+                )
+        rows = []
+        for record in store.list_rounds(run_id):
+            simulated = None
+            if config.method == "fedavg":
+                simulated = max(
+                    max(
+                        3 * len(data[n]) * int(raw["local_epochs"]) * flops / p.flops,
+                        model_bytes / p.uplink,
+                    )
+                    for n, p in (
+                        (n, _profile_of(i, config.clients, config.profiles))
+                        for i, n in enumerate(names)
+                    )
+                )
+            rows.append(
+                {
+                    "round": record.number,
+                    "accuracy": record.evaluation.get("accuracy"),
+                    "loss": record.evaluation.get("loss"),
+                    "bytes_up": model_bytes * len(clients),
+                    "bytes_down": model_bytes * len(clients),
+                    "wall_seconds": record.metrics.get("wall_seconds"),
+                    "simulated_seconds": simulated,
+                }
+            )
+    unfit = [c["name"] for c in clients if not c["fits"]]
+    plan = (
+        "centralized: one process, the whole model, pooled data"
+        if config.method == "centralized"
+        else f"fedavg: the whole model ({profile.num_blocks} blocks, estimated "
+        f"{need} bytes to train) on every client"
+        + (f"; it does not fit {', '.join(unfit)}" if unfit else "")
+    )
+    return {
+        "run_id": run_id,
+        "method": config.method,
+        "final_accuracy": rows[-1]["accuracy"] if rows else None,
+        "total_wall_seconds": time.perf_counter() - started,
+        "total_simulated_seconds": sum(r["simulated_seconds"] or 0.0 for r in rows),
+        "rounds": rows,
+        "clients": clients,
+        "_plan_text": plan,
+    }
 
 
 def _transports(broker: str) -> tuple[Any, Any]:

@@ -66,7 +66,7 @@ def test_splitfed_over_an_embedded_broker(tmp_path: Path) -> None:
     ("config", "args", "message"),
     [
         ("rounds: 2\nwings: 3\n", (), "unknown key(s) ['wings']"),
-        ("", ("--method", "fedavg"), "'fedavg' is not built yet"),
+        ("method: bogus\n", (), "'bogus' is not one of"),
         ("devices: [{memory: 1MiB, flops: 1e9, share: 0.5}]\n", (), "shares must add up to 1"),
         ("input_shape: [1, 28, 28]\n", (), "the data has samples of shape [1, 8, 8]"),
     ],
@@ -79,3 +79,46 @@ def test_bad_simulation_configs_are_rejected_by_name(
     done = run_cli("simulate", "--config", str(path), "--out", str(tmp_path / "o"), *args)
     assert done.returncode == 2
     assert message in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("method", ["centralized", "fedavg"])
+def test_baselines_run_in_the_same_harness(tmp_path: Path, method: str) -> None:
+    pytest.importorskip("sklearn")
+    out = tmp_path / "sim"
+    done = run_cli("simulate", "--out", str(out), "--method", method, "--rounds", "2", "-q")
+    assert done.returncode == 0, done.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["method"] == method and len(summary["rounds"]) == 2
+    assert summary["final_accuracy"] >= 0.8, summary["rounds"]
+    if method == "fedavg":
+        assert len(summary["clients"]) == 4
+        assert all(c["blocks"][0] == 0 and c["fits"] for c in summary["clients"])
+        assert summary["rounds"][0]["bytes_up"] > 0
+    else:
+        assert summary["clients"] == []
+    status = run_cli("status", "--db", str(out / "runs.db"), "--run", summary["run_id"], "--json")
+    assert json.loads(status.stdout)["status"] == "finished"
+
+
+def test_fedavg_flags_clients_the_whole_model_does_not_fit(tmp_path: Path) -> None:
+    pytest.importorskip("sklearn")
+    config = tmp_path / "sim.yaml"
+    config.write_text(
+        "devices:\n"
+        "  - {profile: tiny, share: 0.5, memory: 1MiB, flops: 1e9, uplink: 10Mbit}\n"
+        "  - {profile: big, share: 0.5, memory: 1GiB, flops: 1e11, uplink: 100Mbit}\n"
+        "rounds: 1\n"
+    )
+    out = tmp_path / "sim"
+    done = run_cli("simulate", "--config", str(config), "--out", str(out), "--method", "fedavg")
+    assert done.returncode == 0, done.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    fits = {c["name"]: c["fits"] for c in summary["clients"]}
+    assert fits == {
+        "client-000": False,
+        "client-001": False,
+        "client-002": True,
+        "client-003": True,
+    }
+    assert "does not fit client-000, client-001" in (out / "plan.txt").read_text()
+    assert "does not fit its budget" in done.stdout
