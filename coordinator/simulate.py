@@ -277,16 +277,19 @@ def _baseline(
     from split_models.isolated import profile_in_fresh_process
 
     raw = config.raw
-    profile = profile_in_fresh_process(
-        raw["model"],
-        raw["input_shape"],
-        raw["num_classes"],
-        (raw["local_loss"],),
-        raw["batch_size"],
-    )
-    need = whole_model_bytes(raw, profile)
-    flops = sum(b.flops for b in profile.blocks)
-    model_bytes = sum(b.param_bytes + b.buffer_bytes for b in profile.blocks)
+    need = flops = model_bytes = num_blocks = 0
+    if config.method == "fedavg":  # centralized has no clients to size (and is not timed so)
+        profile = profile_in_fresh_process(
+            raw["model"],
+            raw["input_shape"],
+            raw["num_classes"],
+            (raw["local_loss"],),
+            raw["batch_size"],
+        )
+        need = whole_model_bytes(raw, profile)
+        flops = sum(b.flops for b in profile.blocks)
+        model_bytes = sum(b.param_bytes + b.buffer_bytes for b in profile.blocks)
+        num_blocks = profile.num_blocks
     with open_store(f"sqlite:///{out / 'runs.db'}") as store:
         if config.method == "centralized":
             train_centralized(raw, train, test, store, run_id)
@@ -302,7 +305,7 @@ def _baseline(
                     {
                         "name": name,
                         "profile": profile_of.name,
-                        "blocks": [0, profile.num_blocks],
+                        "blocks": [0, num_blocks],
                         "budget_bytes": profile_of.memory,
                         "estimated_peak_bytes": need,
                         "fits": need <= profile_of.memory,
@@ -343,7 +346,7 @@ def _baseline(
     plan = (
         "centralized: one process, the whole model, pooled data"
         if config.method == "centralized"
-        else f"fedavg: the whole model ({profile.num_blocks} blocks, estimated "
+        else f"fedavg: the whole model ({num_blocks} blocks, estimated "
         f"{need} bytes to train) on every client"
         + (f"; it does not fit {', '.join(unfit)}" if unfit else "")
     )
