@@ -31,8 +31,8 @@ from wire import topics
 from wire.channel import Channel
 from wire.codec import Envelope, encode
 from wire.flow import CreditGate
-from wire.flower import FlowerNode, array_record, numpy_arrays, round_of
-from wire.roles import Announcement, Task
+from wire.flower import array_record, numpy_arrays, round_of
+from wire.roles import Announcement, Task, go_online
 from wire.transport import Transport
 
 __all__ = ["AssignmentRefused", "EdgeAgent"]
@@ -96,16 +96,7 @@ class EdgeAgent:
             lambda envelope: self._gate(envelope.run).on_credit(envelope),
             kinds=frozenset({"credit"}),
         )
-        self.node = FlowerNode(control, announcement.node_id, self.client_app(), name=self.device)
-        self._control = control
-        self._announce_capabilities()
-        control.on_reconnect(self._announce_capabilities)
-
-    def _announce_capabilities(self) -> None:
-        """Retained, so a coordinator that starts later still learns of this device."""
-        self._control.publish(
-            topics.capabilities(self.device), self.announcement.to_json(), retain=True
-        )
+        self.node = go_online(announcement, control, self.client_app())
 
     def _gate(self, run: str) -> CreditGate:
         with self._gates_lock:

@@ -19,10 +19,9 @@ from flwr.clientapp import ClientApp
 from gpu_server.trainer import BackTrainer
 from split_models.segment import OptimizerConfig
 from split_models.zoo import build_model
-from wire import topics
 from wire.channel import Channel
-from wire.flower import FlowerNode, array_record, numpy_arrays, round_of
-from wire.roles import Announcement, Task
+from wire.flower import array_record, numpy_arrays, round_of
+from wire.roles import Announcement, Task, go_online
 from wire.transport import Transport
 
 __all__ = ["GpuAgent", "server_wait_seconds"]
@@ -46,16 +45,7 @@ class GpuAgent:
         self.device = announcement.device
         self.stream = stream
         self._backs: dict[str, tuple[str, BackTrainer]] = {}  # run -> (task key, trainer)
-        self.node = FlowerNode(control, announcement.node_id, self.client_app(), name=self.device)
-        self._control = control
-        self._announce_capabilities()
-        control.on_reconnect(self._announce_capabilities)
-
-    def _announce_capabilities(self) -> None:
-        """Retained, so a coordinator that starts later still learns of this device."""
-        self._control.publish(
-            topics.capabilities(self.device), self.announcement.to_json(), retain=True
-        )
+        self.node = go_online(announcement, control, self.client_app())
 
     def back(self, task: Task) -> BackTrainer:
         """The trainer for ``task``'s run, rebuilt when the run's model or blocks change."""

@@ -20,12 +20,18 @@ import math
 import zlib
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from wire.errors import WireError
-from wire.topics import check_name
+from wire.topics import capabilities, check_name
+from wire.transport import Transport
 
-__all__ = ["ROLES", "Announcement", "Task", "node_id_for"]
+if TYPE_CHECKING:
+    from flwr.clientapp import ClientApp
+
+    from wire.flower import FlowerNode
+
+__all__ = ["ROLES", "Announcement", "Task", "go_online", "node_id_for"]
 
 ROLES = ("edge", "gpu")
 MAX_CONTROL_BYTES = 64 * 1024
@@ -161,3 +167,19 @@ class Task:
             raise WireError("field", "task.edges: expected a list of device names")
         check_name(task.run, "run")
         return cls(**{**data, "input_shape": tuple(shape), "edges": tuple(edges)})
+
+
+def go_online(announcement: Announcement, control: Transport, app: ClientApp) -> FlowerNode:
+    """Make an agent reachable: its Flower node (presence ``online``) and its retained
+    capabilities, both said again after every reconnection (a broker restarted without
+    persistence forgets retained messages)."""
+    from wire.flower import FlowerNode
+
+    node = FlowerNode(control, announcement.node_id, app, name=announcement.device)
+
+    def announce() -> None:
+        control.publish(capabilities(announcement.device), announcement.to_json(), retain=True)
+
+    announce()
+    control.on_reconnect(announce)
+    return node
