@@ -31,7 +31,14 @@ from split_models.weights import load_segment_state, segment_state
 from split_models.zoo import build_model
 from storage.base import RunStore
 from storage.records import DeviceResult
-from wire.flower import FlowerNode, TransportGrid, array_record, node_will, numpy_arrays
+from wire.flower import (
+    FlowerNode,
+    TransportGrid,
+    array_record,
+    node_will,
+    numpy_arrays,
+    round_of,
+)
 from wire.transport import InProcessHub
 
 __all__ = ["train_centralized", "train_fedavg"]
@@ -126,8 +133,7 @@ def train_fedavg(
             started = time.perf_counter()
             load_segment_state(segment, numpy_arrays(message))
             segment.reset_optimizer()
-            config = message.content.config_records["config"]
-            number = int(config["server-round"]) + int(config.get("round-offset", 0))  # type: ignore[arg-type]
+            number = round_of(message)
             loss = _epochs(segment, data, raw, int(raw["seed"]) + number)
             arrays = segment_state(segment)
             metrics = MetricRecord(

@@ -25,7 +25,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -295,12 +295,7 @@ class Coordinator:
             end=assignment.end,
             batch_size=config.batch_size,
             local_epochs=config.local_epochs,
-            optimizer={
-                "name": config.optimizer.name,
-                "lr": config.optimizer.lr,
-                "momentum": config.optimizer.momentum,
-                "weight_decay": config.optimizer.weight_decay,
-            },
+            optimizer=asdict(config.optimizer),
             local_loss=config.local_loss,
             mode=config.mode,
             compression=config.compression,

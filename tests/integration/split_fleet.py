@@ -7,14 +7,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
+from coordinator.service import evaluate_weights
 from edge_client import EdgeTrainer, EdgeTrainerConfig
 from edge_client.app import edge_app
 from gpu_server import BackTrainer
 from gpu_server.app import gpu_app
 from split_models import Dataset, OptimizerConfig, Segment, build_model, partition
-from split_models.weights import load_segment_state, segment_state
+from split_models.weights import segment_state
 from wire.channel import Channel
 from wire.flow import CreditGate
 from wire.flower import FlowerNode, node_will
@@ -74,8 +74,4 @@ def start_fleet(connect: Connect, train: Dataset, run: str) -> Fleet:
 
 def accuracy(weights: Mapping[str, np.ndarray], test: Dataset) -> float:
     """Held-out accuracy of the whole model assembled from ``weights``."""
-    model = build_model("cnn", (1, 28, 28), 10, seed=0)
-    whole = Segment.from_model(model, 0, model.num_blocks)
-    load_segment_state(whole, weights)
-    logits = whole.forward(torch.from_numpy(test.x))
-    return float((logits.argmax(1).numpy() == test.y).mean())
+    return evaluate_weights("cnn", (1, 28, 28), 10, weights, test)["accuracy"]
