@@ -82,11 +82,13 @@ class Deployment:
         )
 
     def _start(self, name: str, *args: str) -> subprocess.Popen[bytes]:
-        env = {**os.environ, **RUNTIME_ENV, "MALLOC_MMAP_THRESHOLD_": "65536"}
+        # run in the test's directory: a PostgreSQL store keeps checkpoints under ./checkpoints
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+        env = {**os.environ, **RUNTIME_ENV, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": path}
         log = (self.directory / f"{name}.log").open("ab")
         process = subprocess.Popen(
             [sys.executable, "-m", "edgesplit", *args],
-            cwd=ROOT,
+            cwd=self.directory,
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
