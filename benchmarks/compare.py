@@ -5,25 +5,34 @@ mnist8k: the first 6,000 digits train (partitioned over 8 clients, IID and Diric
 alpha=0.5), the last 2,000 test; the ``cnn`` model, Adam 1e-3, batch 32, fp32 activations,
 equal epochs of data for every method (``--rounds`` rounds of one local epoch; centralized
 trains the same number of epochs on the pooled data). Two device profiles (half small: 64 MiB,
-2 GFLOP/s, 20 Mbit/s; half large: 512 MiB, 50 GFLOP/s, 100 Mbit/s).
+2 GFLOP/s, 20 Mbit/s; half large: 512 MiB, 50 GFLOP/s, 100 Mbit/s). Every process setting is
+the CLI's (``edgesplit.runtime``: one torch thread a process, passive OpenMP waits).
 
     python benchmarks/compare.py [--rounds 3] [--out docs/benchmarks.md]
 
-Bytes per training sample: everything clients sent/received (weights included) divided by the
-samples trained; "cut" counts only activations, labels and gradients. Measured edge memory is
-not available in simulation (one process hosts every client); deployments report it.
+Throughput: training samples per second of the rounds' wall time (set-up, profiling and the
+memory measurement after training excluded; they are in "wall s"). Bytes per training sample:
+everything clients sent/received (weights included) divided by the samples trained; "cut"
+counts only the cut layer's activations and labels up and gradients down. Edge peak: each
+client's assignment trained in a fresh process (one process hosts every client). Then: the same
+local-loss run over mosquitto, centralized with every core, and 10 against 100 clients for the
+same data.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from _report import Report, machine
+
+from edgesplit.runtime import configure_process
 
 # benchmarks/storage.py would shadow the `storage` package the simulation imports
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
@@ -33,7 +42,14 @@ SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist8k.npz"
 METHODS = ("local-loss", "splitfed", "fedavg", "centralized")
 
 
-def _config(train: Path, test: Path, method: str, partition: dict[str, Any], rounds: int) -> Any:
+def _config(
+    train: Path,
+    test: Path,
+    method: str,
+    partition: dict[str, Any],
+    rounds: int,
+    clients: int = 8,
+) -> Any:
     return parse_sim_config(
         {
             "model": "cnn",
@@ -41,7 +57,7 @@ def _config(train: Path, test: Path, method: str, partition: dict[str, Any], rou
             "num_classes": 10,
             "data": f"npz:{train}",
             "test_data": f"npz:{test}",
-            "clients": 8,
+            "clients": clients,
             "partition": partition,
             "devices": [
                 {
@@ -72,14 +88,28 @@ def _config(train: Path, test: Path, method: str, partition: dict[str, Any], rou
     )
 
 
-def _bytes(summary: dict[str, Any]) -> tuple[float, float, int]:
+def _per_sample(summary: dict[str, Any]) -> dict[str, float]:
     samples = sum(c["examples"] for c in summary["clients"]) or 1
-    up = sum(r["bytes_up"] for r in summary["rounds"])
-    down = sum(r["bytes_down"] for r in summary["rounds"])
-    return up / samples, down / samples, samples
+    clients = summary["clients"]
+    return {
+        "up": sum(r["bytes_up"] for r in summary["rounds"]) / samples,
+        "down": sum(r["bytes_down"] for r in summary["rounds"]) / samples,
+        "cut_up": sum(c["cut_bytes_up"] for c in clients) / samples,
+        "cut_down": sum(c["cut_bytes_down"] for c in clients) / samples,
+    }
+
+
+def _throughput(summary: dict[str, Any], samples: int) -> float:
+    return samples / summary["training_wall_seconds"]
+
+
+def _peak(summary: dict[str, Any]) -> str:
+    peaks = [c["measured_peak_bytes"] for c in summary["clients"] if c["measured_peak_bytes"]]
+    return f"{max(peaks) / 2**20:.1f} MiB" if peaks else "-"
 
 
 def main() -> None:
+    configure_process()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path)
@@ -88,42 +118,88 @@ def main() -> None:
         raise SystemExit(f"needs {SHARED.name} in ../shared/data (offline data of this project)")
     with np.load(SHARED) as archive:
         x, y = archive["x"], archive["y"]
+    samples = 6000 * args.rounds
     report = Report(
         f"\n### Methods compared ({machine()})\n\n"
         f"`python benchmarks/compare.py --rounds {args.rounds}`: mnist8k 6,000 train / 2,000 "
         f"test, 8 clients, cnn, Adam 1e-3, batch 32, fp32 activations, {args.rounds} epochs "
-        "of data per method, in-process transport.\n\n"
-        "| partition | method | accuracy | vs central | wall s | vs central | simulated s | "
-        "bytes up / sample | bytes down / sample |\n|---|---|---|---|---|---|---|---|---|"
+        "of data per method, in-process transport, one torch thread a process.\n\n"
+        "| partition | method | accuracy | vs central | samples/s | vs central | wall s | "
+        "simulated s | bytes up / sample | bytes down / sample | cut up / sample | "
+        "cut down / sample | max edge peak |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
+    extra: list[str] = []
     with tempfile.TemporaryDirectory() as scratch:
         work = Path(scratch)
         np.savez(work / "train.npz", x=x[:6000], y=y[:6000])
         np.savez(work / "test.npz", x=x[-2000:], y=y[-2000:])
+
+        def run(method: str, partition: dict[str, Any], tag: str, **options: Any) -> Any:
+            broker = options.pop("broker", "none")
+            config = _config(
+                work / "train.npz", work / "test.npz", method, partition, args.rounds, **options
+            )
+            return simulate(config, work / tag, broker=broker)
+
         for name, partition in (
             ("IID", {"kind": "iid"}),
             ("Dirichlet 0.5", {"kind": "dirichlet", "alpha": 0.5}),
         ):
-            results = {}
-            for method in METHODS:
-                config = _config(
-                    work / "train.npz", work / "test.npz", method, partition, args.rounds
-                )
-                results[method] = simulate(config, work / f"{name}-{method}")
+            results = {method: run(method, partition, f"{name}-{method}") for method in METHODS}
             central = results["centralized"]
             for method in METHODS:
                 summary = results[method]
-                up, down, _ = _bytes(summary)
+                data = _per_sample(summary)
+                speed = _throughput(summary, samples)
                 report.row(
                     f"| {name} | {method} | {summary['final_accuracy']:.4f} | "
                     f"{summary['final_accuracy'] - central['final_accuracy']:+.4f} | "
+                    f"{speed:,.0f} | {speed / _throughput(central, samples):.2f}x | "
                     f"{summary['total_wall_seconds']:.1f} | "
-                    f"{summary['total_wall_seconds'] / central['total_wall_seconds']:.2f}x | "
-                    f"{summary['total_simulated_seconds']:.1f} | {up:,.0f} | {down:,.0f} |"
+                    f"{summary['total_simulated_seconds']:.1f} | {data['up']:,.0f} | "
+                    f"{data['down']:,.0f} | {data['cut_up']:,.0f} | {data['cut_down']:,.0f} | "
+                    f"{_peak(summary)} |"
+                )
+            if name == "IID":
+                local, split = _per_sample(results["local-loss"]), _per_sample(results["splitfed"])
+                ratio = (local["cut_up"] + local["cut_down"]) / (
+                    split["cut_up"] + split["cut_down"]
+                )
+                extra.append(f"- cut-layer bytes, local-loss / splitfed (IID): {ratio:.3f}x")
+                base = _throughput(central, samples)
+                mqtt = run("local-loss", partition, "mqtt", broker="embedded")
+                extra.append(
+                    f"- local-loss over mosquitto (a private broker on loopback): "
+                    f"{_throughput(mqtt, samples):,.0f} samples/s, "
+                    f"{_throughput(mqtt, samples) / base:.2f}x of centralized, accuracy "
+                    f"{mqtt['final_accuracy']:.4f}"
+                )
+                torch.set_num_threads(os.cpu_count() or 1)
+                wide = run("centralized", partition, "central-all-cores")
+                torch.set_num_threads(1)
+                wide_speed = _throughput(wide, samples)
+                extra.append(
+                    f"- centralized with {os.cpu_count()} torch threads: "
+                    f"{wide_speed:,.0f} samples/s; local-loss is "
+                    f"{_throughput(results['local-loss'], samples) / wide_speed:.2f}x of it"
+                )
+                scale = {
+                    clients: run("local-loss", partition, f"scale-{clients}", clients=clients)
+                    for clients in (10, 100)
+                }
+                small, large = scale[10], scale[100]
+                extra.append(
+                    f"- 10 vs 100 clients, same data: training {small['training_wall_seconds']:.1f}"
+                    f" s vs {large['training_wall_seconds']:.1f} s "
+                    f"({large['training_wall_seconds'] / small['training_wall_seconds']:.2f}x), "
+                    f"whole run {small['total_wall_seconds']:.1f} s vs "
+                    f"{large['total_wall_seconds']:.1f} s "
+                    f"({large['total_wall_seconds'] / small['total_wall_seconds']:.2f}x); "
+                    f"accuracy {small['final_accuracy']:.4f} vs {large['final_accuracy']:.4f}"
                 )
     report.finish(
         "\nSimulated time is what the run would take on the declared devices; centralized has "
-        "no devices (0). Targets of issue 6 are judged in docs/benchmarks.md next to this table.",
+        "no devices (0).\n\n" + "\n".join(extra),
         args.out,
     )
 

@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import random
@@ -57,7 +58,13 @@ from wire.flower import TransportGrid, array_record
 from wire.roles import Announcement, Task, node_id_for
 from wire.transport import Transport
 
-__all__ = ["Coordinator", "CoordinatorError", "evaluate_weights", "initial_weights"]
+__all__ = [
+    "Coordinator",
+    "CoordinatorError",
+    "RoundObserver",
+    "evaluate_weights",
+    "initial_weights",
+]
 
 log = logging.getLogger(__name__)
 WEIGHTS_SEGMENT = "global"
@@ -135,6 +142,45 @@ class _Assignment:
         return node_id_for(self.device)
 
 
+def _span(assignment: _Assignment) -> tuple[int, int]:
+    return assignment.start, assignment.end
+
+
+def _route(
+    edges: Sequence[_Assignment], servers: Sequence[_Assignment]
+) -> tuple[dict[str, str], dict[str, tuple[list[str], list[str], str, str | None]]]:
+    """One round's stream layout. The servers' distinct block ranges are the pieces of the
+    back, in order, each with its stream ``seg-<k>``; an edge feeds the piece its cut falls in;
+    a piece hears its edges and, when the piece before it hears anyone, that piece's servers.
+
+    Returns the stream of each edge and, for each server, (senders, peers sharing its piece,
+    its stream, the next piece's stream or None)."""
+    spans = sorted({_span(b) for b in servers})
+    names = {span: f"seg-{index}" for index, span in enumerate(spans)}
+
+    def piece(cut: int) -> tuple[int, int]:
+        for span in spans:
+            if span[0] <= cut < span[1]:
+                return span
+        raise AssertionError(f"no GPU server piece holds the blocks after cut {cut}")
+
+    streams = {e.device: names[piece(e.end)] for e in edges}
+    senders: dict[tuple[int, int], list[str]] = {
+        span: [e.device for e in edges if piece(e.end) == span] for span in spans
+    }
+    for before, span in itertools.pairwise(spans):
+        if senders[before]:
+            senders[span] += [b.device for b in servers if _span(b) == before]
+    routes = {}
+    for back in servers:
+        span = _span(back)
+        index = spans.index(span)
+        forward = names[spans[index + 1]] if index + 1 < len(spans) else None
+        peers = [b.device for b in servers if _span(b) == span]
+        routes[back.device] = (senders[span], peers, names[span], forward)
+    return streams, routes
+
+
 class _EdgeView(Grid):
     """The grid as the strategy's sampler sees it: only the online, assigned edges."""
 
@@ -168,6 +214,24 @@ class _EdgeView(Grid):
         return self._grid.send_and_receive(messages, timeout=timeout)
 
 
+class RoundObserver:
+    """What a coordinator tells about its rounds; the base class ignores it all."""
+
+    def round_starting(self, number: int) -> None:
+        """Round ``number`` (or a retry of it) is about to select its devices."""
+
+    def round_started(self, number: int, devices: list[str]) -> None:
+        """The round's messages went out to ``devices`` (edges and GPU servers)."""
+
+    def device_answered(self, device: str) -> None:
+        """``device`` replied (trained or failed) in the current round."""
+
+    def round_committed(
+        self, number: int, evaluation: dict[str, float], results: list[DeviceResult]
+    ) -> None:
+        """Round ``number`` is committed to the store."""
+
+
 class Coordinator:
     """Runs ``config`` against the devices reachable through ``transport``."""
 
@@ -178,12 +242,17 @@ class Coordinator:
         transport: Transport,
         max_attempts: int = 3,
         profile: Callable[[RunConfig], ModelProfile] | None = None,
+        observer: RoundObserver | None = None,
     ) -> None:
+        """``observer``: told when a round starts, as each device answers and when a round
+        commits (progress displays, simulated availability)."""
         self.config, self.store, self.transport = config, store, transport
+        self.observer = observer or RoundObserver()
         self.max_attempts = max_attempts
         self.grid = TransportGrid(transport)
         self._profile = profile or _profile_fresh
         self._announcements: dict[str, Announcement] = {}
+        self._traffic: dict[str, dict[str, float]] = {}  # this round's cut bytes by device
         self._lock = threading.Lock()
         self.refusals: dict[str, str] = {}
         options = dict(config.strategy_options)
@@ -283,9 +352,17 @@ class Coordinator:
 
     # ---------------------------------------------------------------- planning
     def _task(
-        self, assignment: _Assignment, edges: Sequence[str] = (), servers: Sequence[str] = ()
+        self,
+        assignment: _Assignment,
+        edges: Sequence[str] = (),
+        servers: Sequence[str] = (),
+        segment: str = "seg-0",
+        forward: str | None = None,
     ) -> Task:
         config = self.config
+        extra: dict[str, Any] = {"servers": list(servers)} if servers else {}
+        if forward is not None:
+            extra["next"] = forward
         return Task(
             run=config.run_id,
             model=config.model,
@@ -303,7 +380,8 @@ class Coordinator:
             deadline_seconds=config.round_deadline_seconds,
             estimated_peak_bytes=assignment.estimate,
             edges=tuple(edges),
-            extra={"servers": list(servers)} if servers else {},
+            segment=segment,
+            extra=extra,
         )
 
     def _message(
@@ -392,26 +470,43 @@ class Coordinator:
                 + "; ".join(f"{d}: {r}" for d, r in self.refusals.items())
             )
         shallowest = min(a.end for a in assigned)
-        return plan, assigned, self._servers(profile, servers, shallowest)
+        return plan, assigned, self._servers(profile, servers, shallowest, plan)
 
     def _servers(
-        self, profile: ModelProfile, servers: list[Announcement], start: int
+        self, profile: ModelProfile, servers: list[Announcement], start: int, plan: Plan
     ) -> list[_Assignment]:
         """The GPU servers that hold the back from ``start``: every declared server with the
-        memory for it; they share the edges' streams (one shared subscription) and their back
-        replicas are aggregated like any other replicas."""
+        memory for all of it (they share the edges' streams, one shared subscription, and
+        their back replicas are aggregated like any other replicas); when none has, the plan's
+        contiguous pieces, one server each, chained (each trains its piece with a local loss
+        and passes its output on)."""
         config = self.config
         need = estimate_segment_memory(
             profile, start, profile.num_blocks, config.batch_size, config.optimizer.name
         ).total
         fitting = [s for s in servers if s.memory >= need]
-        if not fitting:
+        if fitting:
+            return [_Assignment(s.device, start, profile.num_blocks, need, "gpu") for s in fitting]
+        pieces = [p for p in plan.servers if p.blocks[1] > start]
+        if not pieces or pieces[0].blocks[0] > start or config.mode == "backprop":
             best = max(servers, key=lambda s: s.memory)
+            why = (
+                "; backprop mode needs one server to hold all of it"
+                if config.mode == "backprop"
+                else ""
+            )
             raise InfeasiblePlanError(
                 f"the back blocks [{start}, {profile.num_blocks}) need {format_bytes(need)}; "
-                f"the largest GPU server {best.device!r} has {format_bytes(best.memory)}"
+                f"the largest GPU server {best.device!r} has {format_bytes(best.memory)}{why}"
             )
-        return [_Assignment(s.device, start, profile.num_blocks, need, "gpu") for s in fitting]
+        log.info(
+            "no GPU server holds the back alone: chaining %s",
+            ", ".join(f"{p.name} [{p.blocks[0]}, {p.blocks[1]})" for p in pieces),
+        )
+        return [
+            _Assignment(p.name, p.blocks[0], p.blocks[1], p.estimated_peak_bytes, "gpu")
+            for p in pieces
+        ]
 
     # ---------------------------------------------------------------- rounds
     def run(self) -> int:
@@ -456,7 +551,9 @@ class Coordinator:
             ]
             store.set_plan(config.run_id, stored)
             log.info("plan:\n%s", plan)
-        cuts = [a.end for a in assigned]
+        cuts = [a.end for a in assigned] + [
+            b.end for b in backs if b.end < max(b.end for b in backs)
+        ]
         weights = initial_weights(
             config.model,
             config.input_shape,
@@ -495,43 +592,54 @@ class Coordinator:
         config, store = self.config, self.store
         for attempt in range(1, self.max_attempts + 1):
             started = time.monotonic()
+            self.observer.round_starting(number)
             selected = self._selected(number, assigned, weights)
             names = [a.device for a in selected]
             online = set(self.grid.get_node_ids())
             servers = [b for b in backs if b.node in online]
             store.open_round(config.run_id, number, [*names, *(b.device for b in servers)])
-            if len(selected) < self.min_edges or not servers:
+            missing = sorted({_span(b) for b in backs} - {_span(b) for b in servers})
+            if len(selected) < self.min_edges or missing:
                 reason = (
-                    "no GPU server is online"
-                    if not servers
+                    f"no GPU server holding blocks {', '.join(map(str, missing))} is online"
+                    if missing
                     else f"{len(selected)} edge(s) online, {self.min_edges} needed"
                 )
                 self._attempt_failed(number, attempt, reason)
                 time.sleep(min(10.0, config.round_deadline_seconds / 10))
                 continue
+            streams, routes = _route(selected, servers)
             messages = {
                 a.device: self._message(
                     a,
                     array_record(_keys_for(weights, 0, a.end, a.end)),
-                    self._task(a),
+                    replace(self._task(a), segment=streams[a.device]),
                     "train",
                     number,
                 )
                 for a in selected
             }
-            server_names = [b.device for b in servers]
+            last = max(b.end for b in backs)
             for back in servers:
+                senders, peers, segment, forward = routes[back.device]
+                if not senders:
+                    continue  # nothing streams into this piece this round
+                head = back.end if back.end < last else None
                 messages[back.device] = self._message(
                     back,
-                    array_record(_keys_for(weights, back.start, back.end, None)),
-                    self._task(back, names, server_names),
+                    array_record(_keys_for(weights, back.start, back.end, head)),
+                    self._task(back, senders, peers, segment, forward),
                     "train",
                     number,
                 )
+            server_names = [b.device for b in servers if b.device in messages]
+            self.observer.round_started(number, list(messages))
             replies = self._collect(messages, config.round_deadline_seconds)
             results, ok = self._results(messages, replies, started)
             edges_ok = [d for d in ok if d not in server_names]
-            if set(ok) & set(server_names) and len(edges_ok) >= self.min_edges:
+            spans = {_span(b) for b in servers if b.device in messages}
+            spans_ok = {_span(b) for b in servers if b.device in ok}
+            if spans and spans_ok == spans and len(edges_ok) >= self.min_edges:
                 arrays, _ = self.strategy.aggregate_train(number, [replies[d] for d in sorted(ok)])
                 if arrays is None:
                     self._attempt_failed(number, attempt, "the strategy aggregated nothing")
@@ -573,6 +681,7 @@ class Coordinator:
         while len(replies) < len(messages) and time.monotonic() < until:
             for reply in self.grid.pull_messages([i for i, d in ids.items() if d not in replies]):
                 replies[ids[reply.metadata.reply_to_message_id]] = reply
+                self.observer.device_answered(ids[reply.metadata.reply_to_message_id])
             waiting = [d for d in messages if d not in replies]
             online = set(self.grid.get_node_ids())
             if waiting and not any(nodes[d] in online for d in waiting):
@@ -586,6 +695,7 @@ class Coordinator:
     ) -> tuple[list[DeviceResult], list[str]]:
         online = set(self.grid.get_node_ids())
         results, ok = [], []
+        self._traffic = {}
         for device in messages:
             reply = replies.get(device)
             if reply is None:
@@ -596,6 +706,11 @@ class Coordinator:
                 results.append(DeviceResult(device, failure=(reply.error.reason or "failed")[:500]))
                 continue
             metrics = reply.content.metric_records["metrics"]
+            self._traffic[device] = {
+                name.replace("-", "_"): float(metrics[name])  # type: ignore[arg-type]
+                for name in ("cut-bytes-sent", "cut-bytes-received")
+                if name in metrics
+            }
             peak = int(metrics.get("peak-memory", -1))  # type: ignore[arg-type]
             loss = float(metrics.get("loss", math.nan))  # type: ignore[arg-type]
             results.append(
@@ -634,6 +749,11 @@ class Coordinator:
             for r in results
             if r.peak_memory_bytes is not None
         ]
+        points += [
+            MetricPoint(name, value, number, r.device)
+            for r in trained
+            for name, value in self._traffic.get(r.device, {}).items()
+        ]
         if points:
             store.add_metrics(config.run_id, points)
         store.commit_round(
@@ -643,6 +763,7 @@ class Coordinator:
             metrics=metrics,
             evaluation=evaluation,
         )
+        self.observer.round_committed(number, evaluation, results)
         failed = ", ".join(f"{r.device} ({r.failure})" for r in results if r.failure)
         log.info(
             "round %d/%d committed: %s, %d device(s) trained%s, %.1f s",

@@ -13,13 +13,15 @@ embedded defaults below run on scikit-learn's bundled digits, offline.
 
 from __future__ import annotations
 
-import csv
 import json
 import logging
 import math
+import os
+import random
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,18 +30,22 @@ import numpy as np
 import yaml
 
 from coordinator.config import RunConfig, _expect_keys
-from coordinator.service import Coordinator
+from coordinator.service import Coordinator, RoundObserver
+from coordinator.sim_report import client_rows, round_rows, write_outputs
 from edge_client.agent import EdgeAgent
+from edge_client.pool import SegmentPool
 from gpu_server.agent import GpuAgent
 from split_models.data import PARTITIONS, Dataset, load_dataset, partition
 from split_models.errors import ConfigError
+from split_models.measure import measure_in_fresh_process
+from split_models.segment import Segment
 from split_models.units import parse_bandwidth, parse_flops, parse_memory
 from storage import open_store
 from wire.flower import node_will
 from wire.roles import Announcement, node_id_for
 from wire.transport import InProcessHub, Transport, Will
 
-__all__ = ["DEFAULTS", "METHODS", "SimConfig", "load_sim_config", "simulate"]
+__all__ = ["DEFAULTS", "METHODS", "Availability", "SimConfig", "load_sim_config", "simulate"]
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +75,7 @@ DEFAULTS: dict[str, Any] = {
     "strategy": {"name": "fedavg"},
     "seed": 0,
 }
-_KEYS = set(DEFAULTS) | {"test_data"}
+_KEYS = set(DEFAULTS) | {"test_data", "availability", "workers", "measure_memory"}
 
 
 @dataclass(frozen=True)
@@ -82,6 +88,52 @@ class Profile:
 
 
 @dataclass(frozen=True)
+class Availability:
+    """Which clients are offline in which rounds: each client is online with probability
+    ``online`` each round (seeded), and offline in the rounds ``offline`` lists for it."""
+
+    online: float = 1.0
+    offline: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+
+    def offline_in(self, number: int, names: list[str], seed: int) -> set[str]:
+        draw = random.Random(seed * 7_919 + number)
+        return {
+            name
+            for name in names
+            if draw.random() >= self.online or number in self.offline.get(name, ())
+        }
+
+
+def _availability(data: object, clients: int, rounds: int) -> Availability | None:
+    if data is None:
+        return None
+    fields = _expect_keys(data, "availability", set(), {"online", "offline"})
+    online = fields.get("online", 1.0)
+    if isinstance(online, bool) or not isinstance(online, int | float) or not 0 < online <= 1:
+        raise ConfigError(f"availability.online: expected a fraction in (0, 1], got {online!r}")
+    offline = fields.get("offline", {})
+    if not isinstance(offline, dict):
+        raise ConfigError("availability.offline: expected {client name: [round, ...]}")
+    names = set(client_names(clients))
+    trace = {}
+    for name, numbers in offline.items():
+        if name not in names:
+            raise ConfigError(
+                f"availability.offline: {name!r} is not a client (client-000 .. "
+                f"client-{clients - 1:03d})"
+            )
+        if not isinstance(numbers, list) or not all(
+            isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= rounds for n in numbers
+        ):
+            raise ConfigError(
+                f"availability.offline.{name}: expected a list of rounds in 1..{rounds}, "
+                f"got {numbers!r}"
+            )
+        trace[name] = tuple(numbers)
+    return Availability(float(online), trace)
+
+
+@dataclass(frozen=True)
 class SimConfig:
     raw: dict[str, Any]
     profiles: tuple[Profile, ...]
@@ -89,6 +141,9 @@ class SimConfig:
     gpu_flops: float
     clients: int
     partition: dict[str, Any] = field(default_factory=dict)
+    availability: Availability | None = None
+    workers: int = 1
+    measure_memory: bool = True
 
     @property
     def method(self) -> str:
@@ -135,6 +190,16 @@ def parse_sim_config(data: object, overrides: Mapping[str, Any] | None = None) -
     test_fraction = merged["test_fraction"]
     if not isinstance(test_fraction, int | float) or not 0 < test_fraction < 1:
         raise ConfigError(f"test_fraction: expected a fraction in (0, 1), got {test_fraction!r}")
+    workers = merged.get("workers")
+    workers = min(os.cpu_count() or 1, clients) if workers is None else workers
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ConfigError(f"workers: expected an integer >= 1, got {workers!r}")
+    measure = merged.get("measure_memory", True)
+    if not isinstance(measure, bool):
+        raise ConfigError(f"measure_memory: expected true or false, got {measure!r}")
+    rounds = merged["rounds"]
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ConfigError(f"rounds: expected an integer >= 1, got {rounds!r}")
     config = SimConfig(
         raw=merged,
         profiles=_profiles(merged["devices"]),
@@ -142,6 +207,9 @@ def parse_sim_config(data: object, overrides: Mapping[str, Any] | None = None) -
         gpu_flops=parse_flops(gpu["flops"], "gpu.flops"),
         clients=clients,
         partition=part,
+        availability=_availability(merged.get("availability"), clients, rounds),
+        workers=workers,
+        measure_memory=measure,
     )
     run_config(config, "check")  # the shared keys are validated by the run configuration
     return config
@@ -206,10 +274,122 @@ def _data(config: SimConfig) -> tuple[Dataset, Dataset]:
     return data.split(float(raw["test_fraction"]), seed=int(raw["seed"]))
 
 
+class _Fleet(RoundObserver):
+    """The simulated clients: agents on one host sharing a segment pool, taken offline and
+    brought back before each round as the availability settings say (offline is real: the
+    client's Flower node leaves, as a device that loses its connection does)."""
+
+    def __init__(
+        self,
+        config: SimConfig,
+        data: dict[str, Dataset],
+        profiles: dict[str, Profile],
+        connect: Callable[..., Transport],
+    ) -> None:
+        self.config, self.data, self.profiles, self.connect = config, data, profiles, connect
+        self.pool: SegmentPool[Segment] = SegmentPool(config.workers)
+        self.coordinator: Coordinator | None = None
+        self._agents: dict[str, tuple[EdgeAgent, Transport, Transport]] = {}
+        self._generation = 0
+        for name in data:
+            self._start(name)
+
+    def _start(self, name: str) -> None:
+        self._generation += 1
+        profile, suffix = self.profiles[name], f"-{self._generation}"
+        control = self.connect(f"{name}-control{suffix}", node_will(node_id_for(name), name))
+        stream = self.connect(f"{name}-stream{suffix}")
+        announcement = Announcement(name, "edge", profile.memory, profile.flops, profile.uplink)
+        agent = EdgeAgent(
+            announcement, self.data[name], control, stream, measure_peak=False, pool=self.pool
+        )
+        self._agents[name] = (agent, control, stream)
+
+    def _stop(self, name: str) -> None:
+        _agent, control, stream = self._agents.pop(name)
+        will = node_will(node_id_for(name), name)
+        control.publish(will.topic, will.payload, will.retain)  # what the broker would do
+        control.close()
+        stream.close()
+
+    def round_starting(self, number: int) -> None:
+        if self.config.availability is None:
+            return
+        names = list(self.data)
+        offline = self.config.availability.offline_in(number, names, int(self.config.raw["seed"]))
+        for name in names:
+            if name in offline and name in self._agents:
+                self._stop(name)
+            elif name not in offline and name not in self._agents:
+                self._start(name)
+        log.info("round %d: %d of %d clients online", number, len(names) - len(offline), len(names))
+        deadline = time.monotonic() + 30.0
+        while self.coordinator is not None and time.monotonic() < deadline:
+            if set(self.coordinator.online("edge")) == set(self._agents):
+                return
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        for _agent, control, stream in self._agents.values():
+            control.close()
+            stream.close()
+
+
+class _Observers(RoundObserver):
+    """Tells several observers, in order."""
+
+    def __init__(self, *observers: RoundObserver) -> None:
+        self.observers = observers
+
+    def round_starting(self, number: int) -> None:
+        for observer in self.observers:
+            observer.round_starting(number)
+
+    def round_started(self, number: int, devices: list[str]) -> None:
+        for observer in self.observers:
+            observer.round_started(number, devices)
+
+    def device_answered(self, device: str) -> None:
+        for observer in self.observers:
+            observer.device_answered(device)
+
+    def round_committed(self, number: int, evaluation: dict[str, float], results: Any) -> None:
+        for observer in self.observers:
+            observer.round_committed(number, evaluation, results)
+
+
+def _measure_peaks(config: SimConfig, edges: dict[str, Any]) -> dict[tuple[int, int], int | None]:
+    """The real peak of each distinct client assignment, trained in a fresh process (one
+    process hosts every client here, so per-client peaks cannot be told apart in it)."""
+    raw = config.raw
+    ranges = sorted({tuple(e["blocks"]) for e in edges.values()})
+
+    def measure(blocks: tuple[int, int]) -> int | None:
+        return measure_in_fresh_process(
+            raw["model"],
+            raw["input_shape"],
+            raw["num_classes"],
+            blocks[0],
+            blocks[1],
+            int(raw["batch_size"]),
+            str(raw["optimizer"]["name"]),
+            str(raw["local_loss"]),
+            METHODS[config.method],
+        )
+
+    with ThreadPoolExecutor(max_workers=max(1, min(len(ranges), os.cpu_count() or 1))) as pool:
+        return dict(zip(ranges, pool.map(measure, ranges), strict=True))
+
+
 def simulate(
-    config: SimConfig, out: Path, broker: str = "none", run_id: str | None = None
+    config: SimConfig,
+    out: Path,
+    broker: str = "none",
+    run_id: str | None = None,
+    observer: RoundObserver | None = None,
 ) -> dict[str, Any]:
-    """Run the simulation; write its outputs into ``out`` and return the summary."""
+    """Run the simulation; write its outputs into ``out`` and return the summary.
+    ``observer`` (a progress display) hears about every round."""
     started = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     train, test = _data(config)
@@ -233,9 +413,14 @@ def simulate(
     )
     if config.method in BASELINES:
         summary = _baseline(config, train, test, parts, names, out, run_id, started)
-        _write(out, summary, store_plan=summary.pop("_plan_text"))
+        write_outputs(out, summary, summary.pop("_plan_text"))
         return summary
+    profiles = {
+        name: _profile_of(index, config.clients, config.profiles)
+        for index, name in enumerate(names)
+    }
     connect, closer = _transports(broker)
+    fleet = None
     try:
         gpu = Announcement("gpu-sim", "gpu", config.gpu_memory, config.gpu_flops)
         GpuAgent(
@@ -243,24 +428,49 @@ def simulate(
             connect("gpu-sim-control", node_will(gpu.node_id, "gpu-sim")),
             connect("gpu-sim-stream"),
         )
-        profiles = {}
-        for index, (name, rows) in enumerate(zip(names, parts, strict=True)):
-            profile = _profile_of(index, config.clients, config.profiles)
-            profiles[name] = profile
-            EdgeAgent(
-                Announcement(name, "edge", profile.memory, profile.flops, profile.uplink),
-                train.subset(rows),
-                connect(f"{name}-control", node_will(node_id_for(name), name)),
-                connect(f"{name}-stream"),
-                measure_peak=False,
-            )
+        data = {name: train.subset(rows) for name, rows in zip(names, parts, strict=True)}
+        fleet = _Fleet(config, data, profiles, connect)
+        observers = _Observers(fleet, *([observer] if observer is not None else []))
         with open_store(f"sqlite:///{out / 'runs.db'}") as store:
-            Coordinator(run, store, connect("coordinator")).run()
-            summary = _summary(store, run_id, config, profiles, time.perf_counter() - started)
+            coordinator = Coordinator(run, store, connect("coordinator"), observer=observers)
+            fleet.coordinator = coordinator
+            coordinator.run()
+            trained = time.perf_counter()
+            plan = store.get_run(run_id).plan or {}
+            edges = {e["name"]: e for e in plan.get("edges", [])}
+            measured = _measure_peaks(config, edges) if config.measure_memory else {}
+            backprop = METHODS[config.method] == "backprop"
+            rows = round_rows(store, run_id, edges, profiles, backprop)
+            clients = client_rows(store, run_id, edges, profiles, measured)
     finally:
+        if fleet is not None:
+            fleet.close()
         closer()
-    _write(out, summary, store_plan=summary.pop("_plan_text"))
+    summary = {
+        "run_id": run_id,
+        "method": config.method,
+        "final_accuracy": rows[-1]["accuracy"] if rows else None,
+        "total_wall_seconds": time.perf_counter() - started,
+        "training_wall_seconds": sum(r["wall_seconds"] or 0.0 for r in rows),
+        "setup_wall_seconds": trained - started - sum(r["wall_seconds"] or 0.0 for r in rows),
+        "total_simulated_seconds": sum(r["simulated_seconds"] or 0.0 for r in rows),
+        "workers": config.workers,
+        "rounds": rows,
+        "clients": clients,
+    }
+    write_outputs(out, summary, _plan_text(plan))
     return summary
+
+
+def _plan_text(plan: dict[str, Any]) -> str:
+    from split_models.plan import Plan
+
+    if not plan:
+        return "no plan"
+    try:
+        return str(Plan.from_dict(plan))
+    except (KeyError, TypeError, ValueError):
+        return json.dumps(plan, indent=2)
 
 
 def _baseline(
@@ -315,6 +525,7 @@ def _baseline(
                         "cut_bytes_up": 0,
                         "cut_bytes_down": 0,
                         "examples": examples,
+                        "rounds_trained": int(raw["rounds"]),
                     }
                 )
         rows = []
@@ -336,6 +547,7 @@ def _baseline(
                     "round": record.number,
                     "accuracy": record.evaluation.get("accuracy"),
                     "loss": record.evaluation.get("loss"),
+                    "participants": len(clients),
                     "bytes_up": model_bytes * len(clients),
                     "bytes_down": model_bytes * len(clients),
                     "wall_seconds": record.metrics.get("wall_seconds"),
@@ -355,6 +567,7 @@ def _baseline(
         "method": config.method,
         "final_accuracy": rows[-1]["accuracy"] if rows else None,
         "total_wall_seconds": time.perf_counter() - started,
+        "training_wall_seconds": sum(r["wall_seconds"] or 0.0 for r in rows),
         "total_simulated_seconds": sum(r["simulated_seconds"] or 0.0 for r in rows),
         "rounds": rows,
         "clients": clients,
@@ -385,84 +598,3 @@ def _transports(broker: str) -> tuple[Any, Any]:
             started.stop()
 
     return connect, close
-
-
-def _summary(
-    store: Any, run_id: str, config: SimConfig, profiles: dict[str, Profile], wall: float
-) -> dict[str, Any]:
-    from split_models.plan import Plan
-
-    run = store.get_run(run_id)
-    rounds = store.list_rounds(run_id)
-    plan = run.plan or {}
-    blocks = {e["name"]: e for e in plan.get("edges", [])}
-    rows = []
-    for record in rounds:
-        rows.append(
-            {
-                "round": record.number,
-                "accuracy": record.evaluation.get("accuracy"),
-                "loss": record.evaluation.get("loss"),
-                "bytes_up": sum(r.bytes_sent for r in record.results),
-                "bytes_down": sum(r.bytes_received for r in record.results),
-                "wall_seconds": record.metrics.get("wall_seconds"),
-                "simulated_seconds": _simulated_round(record, blocks, profiles),
-            }
-        )
-    clients = []
-    for name, profile in profiles.items():
-        edge = blocks.get(name, {})
-        results = [r for record in rounds for r in record.results if r.device == name]
-        clients.append(
-            {
-                "name": name,
-                "profile": profile.name,
-                "blocks": edge.get("blocks"),
-                "budget_bytes": profile.memory,
-                "estimated_peak_bytes": edge.get("estimated_peak_bytes"),
-                "measured_peak_bytes": None,  # one process hosts every client: not separable
-                "bytes_up": sum(r.bytes_sent for r in results),
-                "bytes_down": sum(r.bytes_received for r in results),
-                "examples": sum(r.examples for r in results),
-            }
-        )
-    try:
-        plan_text = str(Plan.from_dict(plan)) if plan else "no plan"
-    except (KeyError, TypeError, ValueError):
-        plan_text = json.dumps(plan, indent=2)
-    return {
-        "run_id": run_id,
-        "method": config.method,
-        "final_accuracy": rows[-1]["accuracy"] if rows else None,
-        "total_wall_seconds": wall,
-        "total_simulated_seconds": sum(r["simulated_seconds"] or 0.0 for r in rows),
-        "rounds": rows,
-        "clients": clients,
-        "_plan_text": plan_text,
-    }
-
-
-def _simulated_round(record: Any, blocks: dict[str, Any], profiles: dict[str, Profile]) -> float:
-    """What the round would take on the declared devices: each client computes its prefix
-    (3x forward FLOPs per sample) and uploads its cut, overlapped; the slowest client bounds
-    the round (the GPU server is taken to keep up)."""
-    slowest = 0.0
-    for result in record.results:
-        edge, profile = blocks.get(result.device), profiles.get(result.device)
-        if edge is None or profile is None or result.failure:
-            continue
-        compute = 3 * result.examples * edge["flops_per_sample"] / profile.flops
-        upload = result.examples * edge["cut_bytes_per_sample"] / profile.uplink
-        slowest = max(slowest, compute, upload)
-    return slowest
-
-
-def _write(out: Path, summary: dict[str, Any], store_plan: str) -> None:
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    (out / "plan.txt").write_text(store_plan + "\n")
-    with (out / "rounds.csv").open("w", newline="") as handle:
-        writer = csv.DictWriter(
-            handle, fieldnames=list(summary["rounds"][0]) if summary["rounds"] else ["round"]
-        )
-        writer.writeheader()
-        writer.writerows(summary["rounds"])

@@ -11,15 +11,19 @@ round's start) and reports it with the estimate.
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from edge_client.pool import SegmentPool
 from edge_client.trainer import EdgeTrainer, EdgeTrainerConfig
 from split_models.data import Dataset
 from split_models.measure import PeakMeter, peak_supported
@@ -62,6 +66,12 @@ def _warm_up(segment: Segment, data: Dataset, encoding: str) -> None:
     encode(envelope, encoding)
 
 
+def _segment_key(task: Task) -> str:
+    """What a built segment depends on (not the run's bookkeeping or this round's weights)."""
+    fields = ("model", "input_shape", "num_classes", "start", "end", "local_loss", "optimizer")
+    return json.dumps({name: getattr(task, name) for name in fields}, sort_keys=True)
+
+
 class EdgeAgent:
     """Serves Flower ``query`` (assignment check) and ``train`` (one round) messages."""
 
@@ -73,9 +83,12 @@ class EdgeAgent:
         stream: Transport,
         budget: int | None = None,
         measure_peak: bool = True,
+        pool: SegmentPool[Segment] | None = None,
     ) -> None:
         """``budget``: the memory training may use now, when it is below what the device
-        announced (other work on the device); assignments are checked against it."""
+        announced (other work on the device); assignments are checked against it. ``pool``:
+        built segments shared with other agents of this process (simulation); without one the
+        agent builds and keeps its own."""
         if announcement.role != "edge":
             raise ValueError("an edge agent announces the role 'edge'")
         self.announcement, self.data = announcement, data
@@ -88,6 +101,8 @@ class EdgeAgent:
         self._gates: dict[str, CreditGate] = {}
         self._gates_lock = threading.Lock()
         self._built: _Built | None = None
+        self._own: tuple[str, Segment] | None = None
+        self.pool = pool
         self.rounds = 0
         # One subscription for every run, made before the node goes online: a server may
         # grant credits before this agent has seen its task.
@@ -124,14 +139,30 @@ class EdgeAgent:
                 f"{format_bytes(task.estimated_peak_bytes)}, the budget is {format_bytes(budget)}"
             )
 
-    def _trainer(self, task: Task) -> EdgeTrainer:
+    def _build_segment(self, task: Task) -> Segment:
+        model = build_model(task.model, task.input_shape, task.num_classes, seed=task.seed)
+        segment = Segment.from_model(
+            model, task.start, task.end, task.local_loss, OptimizerConfig(**task.optimizer)
+        )
+        _warm_up(segment, self.data, task.compression)
+        return segment
+
+    @contextmanager
+    def _segment(self, task: Task) -> Iterator[Segment]:
+        """The built segment for ``task``: this agent's own, or one borrowed from the pool."""
+        key = _segment_key(task)
+        if self.pool is not None:
+            with self.pool.borrow(key, lambda: self._build_segment(task)) as segment:
+                yield segment
+            return
+        if self._own is None or self._own[0] != key:
+            self._own = (key, self._build_segment(task))
+        yield self._own[1]
+
+    def _trainer(self, task: Task, segment: Segment) -> EdgeTrainer:
         key = Task(**{**task.__dict__, "deadline_seconds": 1.0, "estimated_peak_bytes": 0})
         key_text = key.to_json()
         if self._built is None or self._built.key != key_text:
-            model = build_model(task.model, task.input_shape, task.num_classes, seed=task.seed)
-            segment = Segment.from_model(
-                model, task.start, task.end, task.local_loss, OptimizerConfig(**task.optimizer)
-            )
             config = EdgeTrainerConfig(
                 task.run,
                 self.device,
@@ -143,8 +174,8 @@ class EdgeAgent:
                 mode=task.mode,
             )
             trainer = EdgeTrainer(self.channel, self._gate(task.run), segment, self.data, config)
-            _warm_up(segment, self.data, task.compression)
             self._built = _Built(key_text, trainer)
+        self._built.trainer.segment = segment
         return self._built.trainer
 
     # ---------------------------------------------------------------- Flower
@@ -173,15 +204,16 @@ class EdgeAgent:
             started = time.perf_counter()
             task = Task.parse(str(message.content.config_records["config"]["task"]))
             self.check(task)
-            trainer = self._trainer(task)
             weights = numpy_arrays(message)
             received = sum(w.nbytes for w in weights.values())
-            load_segment_state(trainer.segment, weights)
-            trainer.segment.reset_optimizer()
-            meter = PeakMeter().start() if self.measure_peak and peak_supported() else None
-            report = trainer.train_round(round_of(message), seed=task.seed)
-            peak = meter.peak() if meter is not None else -1
-            arrays = segment_state(trainer.segment)
+            with self._segment(task) as segment:
+                trainer = self._trainer(task, segment)
+                load_segment_state(segment, weights)
+                segment.reset_optimizer()
+                meter = PeakMeter().start() if self.measure_peak and peak_supported() else None
+                report = trainer.train_round(round_of(message), seed=task.seed)
+                peak = meter.peak() if meter is not None else -1
+                arrays = segment_state(segment)
             sent = report.bytes_sent + sum(a.nbytes for a in arrays.values())
             self.rounds += 1
             log.info(
@@ -199,8 +231,8 @@ class EdgeAgent:
                     "loss": report.mean_loss,
                     "bytes-sent": sent,
                     "bytes-received": received + report.bytes_received,
-                    "cut-bytes-received": report.bytes_received,
-                    "cut-bytes-sent": report.bytes_sent,
+                    "cut-bytes-received": report.cut_bytes_received,
+                    "cut-bytes-sent": report.cut_bytes_sent,
                     "peak-memory": peak,
                     "estimated-peak": task.estimated_peak_bytes,
                     "budget": self.budget,

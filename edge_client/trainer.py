@@ -49,6 +49,8 @@ class EdgeRoundReport:
     credit_wait_seconds: float
     wall_seconds: float
     bytes_received: int = 0  # credits, and gradients in backprop mode
+    cut_bytes_sent: int = 0  # the cut layer's traffic only: activations and labels up,
+    cut_bytes_received: int = 0  # gradients down (backprop mode)
 
 
 class EdgeTrainer:
@@ -122,6 +124,9 @@ class EdgeTrainer:
         """``local_epochs`` passes over the local data; raises TimeoutError without credits."""
         started, sent_before = time.perf_counter(), self.channel.stats.bytes_sent
         received_before = self.channel.stats.bytes_received
+        stats = self.channel.stats
+        cut_sent_before = stats.sent_by_kind["activations"]
+        cut_received_before = stats.received_by_kind["gradients"]
         waited_before = self.gate.waited_seconds
         generator = np.random.default_rng(seed + round_number)
         losses: list[float] = []
@@ -166,6 +171,8 @@ class EdgeTrainer:
             mean_loss=float(np.mean(losses)) if losses else float("nan"),  # none in backprop
             bytes_sent=self.channel.stats.bytes_sent - sent_before,
             bytes_received=self.channel.stats.bytes_received - received_before,
+            cut_bytes_sent=stats.sent_by_kind["activations"] - cut_sent_before,
+            cut_bytes_received=stats.received_by_kind["gradients"] - cut_received_before,
             credit_wait_seconds=self.gate.waited_seconds - waited_before,
             wall_seconds=time.perf_counter() - started,
         )

@@ -164,7 +164,11 @@ def _simulate_parser(commands: argparse._SubParsersAction) -> None:  # type: ign
     sim.add_argument("--data", help="training data: npz:PATH, digits, ...")
     sim.add_argument("--test-data", help="held-out data (else test_fraction of --data)")
     sim.add_argument("--seed", type=int)
+    sim.add_argument(
+        "--workers", type=int, help="clients training at once (default: one per CPU core)"
+    )
     sim.add_argument("-q", "--quiet", action="store_true", help="only the result table")
+    sim.add_argument("-v", "--verbose", action="store_true", help="log every step")
 
 
 def _export_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

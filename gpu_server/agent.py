@@ -49,7 +49,12 @@ class GpuAgent:
 
     def back(self, task: Task) -> BackTrainer:
         """The trainer for ``task``'s run, rebuilt when the run's model or blocks change."""
-        key = f"{task.model}|{task.input_shape}|{task.num_classes}|{task.start}|{task.optimizer}"
+        forward = task.extra.get("next")
+        forward = str(forward) if forward else None
+        key = (
+            f"{task.model}|{task.input_shape}|{task.num_classes}|{task.start}|{task.end}|"
+            f"{task.segment}|{forward}|{task.local_loss}|{task.optimizer}"
+        )
         known = self._backs.get(task.run)
         if known is None or known[0] != key:
             model = build_model(task.model, task.input_shape, task.num_classes, seed=task.seed)
@@ -61,6 +66,9 @@ class GpuAgent:
                 segment=task.segment,
                 optimizer=OptimizerConfig(**task.optimizer),
                 device=self.announcement.accelerator,
+                end=task.end,
+                local_loss=task.local_loss,
+                forward=forward,
             )
             self._backs[task.run] = (key, trainer)
         return self._backs[task.run][1]

@@ -5,6 +5,11 @@ start``) enters at block ``s`` and trains blocks ``[s, N)`` with the task loss. 
 batch returns a credit to its edge. Batches are validated against the shape the declared cut
 must have; a bad one is counted and dropped, and its credit still returned so the edge does not
 stall.
+
+A back too large for one server is split over a chain of servers: a server holding ``[start,
+end)`` with ``end < N`` trains its piece with a local-loss head at ``end`` (no gradient comes
+back, as on an edge) and passes each batch's output and labels on to the next piece's stream,
+marking the batch after which all of its round's senders are finished as its last.
 """
 
 from __future__ import annotations
@@ -58,25 +63,44 @@ class BackTrainer:
         window: int = 4,
         group: str = "gpus",
         device: str = "cpu",
+        end: int | None = None,
+        local_loss: str = "linear",
+        forward: str | None = None,
     ) -> None:
-        if not 0 < start < model.num_blocks:
+        """``end`` below the model's last block makes this a piece of a chain: it trains with
+        a ``local_loss`` head and passes its output on to the stream ``forward``."""
+        end = model.num_blocks if end is None else end
+        if not 0 < start < end <= model.num_blocks:
             raise ValueError(
-                f"start: a GPU server holds blocks [start, {model.num_blocks}) "
-                f"with 0 < start < {model.num_blocks}, got {start}"
+                f"blocks: a GPU server holds [start, end) with 0 < start < end <= "
+                f"{model.num_blocks}, got [{start}, {end})"
             )
-        self.model, self.start = model, start
+        if (end < model.num_blocks) != (forward is not None):
+            raise ValueError(
+                "a server that holds a piece before the last block needs the stream to pass "
+                "its output on to (forward), and only such a server has one"
+            )
+        self.model, self.start, self.end, self.forward = model, start, end, forward
         self.device = torch.device(device)
-        self.segment = Segment.from_model(model, start, model.num_blocks, optimizer=optimizer)
+        self.segment = Segment.from_model(
+            model,
+            start,
+            end,
+            local_loss if end < model.num_blocks else None,
+            optimizer=optimizer,
+        )
         self.segment.module.to(self.device)  # in place: the optimizer keeps its parameters
         self.granter = CreditGranter(channel, run, window)
         self.stats = BackStats()
-        self._cut_specs = self._specs(model, start)
+        self._cut_specs = self._specs(model, start, end)
         self._lock = threading.Lock()
         self._round_done = threading.Condition(self._lock)
         self._round = 0
         self._round_examples = 0
         self._round_losses: list[float] = []
         self._finished: set[str] = set()
+        self._senders: set[str] = set()  # who streams into this server this round
+        self._forwarded = 0
         # Sharing a stream with peer servers: a round ends for an edge when the batches all
         # servers trained add up to what the edge says it sent.
         self.name = channel.sender
@@ -96,7 +120,7 @@ class BackTrainer:
         )
 
     @staticmethod
-    def _specs(model: SplittableModel, start: int) -> dict[int, TensorSpec]:
+    def _specs(model: SplittableModel, start: int, end: int) -> dict[int, TensorSpec]:
         specs = {}
         with torch.no_grad():
             probe = torch.zeros(1, *model.input_shape)
@@ -104,7 +128,7 @@ class BackTrainer:
                 block.eval()
                 probe = block(probe)
                 block.train()
-                if index + 1 >= start and index + 1 < model.num_blocks:
+                if start <= index + 1 < end:
                     specs[index + 1] = TensorSpec("float32", (None, *probe.shape[1:]))
         return specs
 
@@ -128,6 +152,7 @@ class BackTrainer:
                 self.segment.reset_optimizer()
             self._round, self._round_examples = round_number, 0
             self._round_losses, self._finished = [], set()
+            self._senders, self._forwarded = set(devices), 0
             self._peers = set(peers) - {self.name}
             self._expected, self._counts = {}, {self.name: collections.Counter()}
             if self._peers:  # what peers and edges said before this server began the round
@@ -145,7 +170,7 @@ class BackTrainer:
         if self._peers:
             self._publish_counts()
             self._check_finished()
-        for device in devices:
+        for device in self._senders:
             self.granter.open(device, round_number)
 
     def wait_round(self, devices: Iterable[str], timeout: float) -> tuple[int, float]:
@@ -288,7 +313,7 @@ class BackTrainer:
     ) -> None:
         optimizer = self.segment.optimizer
         optimizer.zero_grad(set_to_none=True)
-        backprop = envelope.meta.get("backprop") is True
+        backprop = envelope.meta.get("backprop") is True and self.forward is None
         inputs, labels = inputs.to(self.device), labels.to(self.device)
         if backprop:
             inputs = inputs.detach().requires_grad_(True)
@@ -296,7 +321,10 @@ class BackTrainer:
         blocks = list(self.segment.module.children())
         for block in blocks[cut - self.start :]:
             output = block(output)
-        loss = F.cross_entropy(output, labels)
+        if self.forward is None:
+            loss = F.cross_entropy(output, labels)
+        else:
+            loss = self.segment.head.loss(output, labels)
         loss.backward()  # type: ignore[no-untyped-call]
         optimizer.step()
         value = float(loss.detach())
@@ -318,3 +346,21 @@ class BackTrainer:
         if envelope.meta.get("last") is True and not self._peers:
             self._finished.add(envelope.sender)
             self._round_done.notify_all()
+        if self.forward is not None:
+            self._pass_on(output.detach(), labels, envelope.round)
+
+    def _pass_on(self, output: torch.Tensor, labels: torch.Tensor, round_number: int) -> None:
+        """Send a trained batch's output to the next piece of the chain (called under the
+        lock, so the batch that finishes the round is the one marked last)."""
+        if self.forward is None:
+            raise AssertionError("only a piece before the last block passes batches on")
+        last = bool(self._senders) and self._senders <= self._finished
+        self.granter.channel.send(
+            topics.activations(self.granter.run, self.forward, self.name),
+            "activations",
+            self.granter.run,
+            round=round_number,
+            tensors={"x": output.cpu().numpy(), "y": labels.cpu().numpy()},
+            meta={"cut": self.end, "last": last},
+        )
+        self._forwarded += 1

@@ -18,7 +18,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["PeakMeter", "peak_supported", "release_freed_memory", "resident_bytes"]
+__all__ = [
+    "PeakMeter",
+    "measure_in_fresh_process",
+    "peak_supported",
+    "release_freed_memory",
+    "resident_bytes",
+]
 
 _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
@@ -118,9 +124,60 @@ def _measure(args: argparse.Namespace) -> dict[str, object]:
     meter.baseline -= resident
     peaks = []
     for _ in range(args.steps):
-        segment.train_step(inputs, labels)
+        if args.mode == "backprop":  # the gradient arrives from the next segment
+            output = segment.forward_for_backprop(inputs)
+            segment.backward_from(output, torch.ones_like(output) / output.numel())
+            del output
+        else:
+            segment.train_step(inputs, labels)
         peaks.append(meter.peak())
     return {"runtime_bytes": runtime, "peak_bytes": max(peaks), "step_peaks": peaks}
+
+
+def measure_in_fresh_process(
+    model: str,
+    input_shape: tuple[int, ...] | list[int],
+    num_classes: int,
+    start: int,
+    end: int,
+    batch_size: int,
+    optimizer: str,
+    local_loss: str = "linear",
+    mode: str = "local-loss",
+    timeout: float = 300.0,
+) -> int | None:
+    """The measured peak bytes of training blocks ``[start, end)`` for a few steps, in a child
+    process started for it (a long-running process's heap hides part of the peak); ``None``
+    where the peak cannot be measured (not Linux) or the child failed."""
+    import subprocess
+
+    from edgesplit.runtime import RUNTIME_ENV
+
+    if not peak_supported():
+        return None
+    command = [
+        sys.executable,
+        "-m",
+        "split_models.measure",
+        f"--model={model}",
+        "--input-shape=" + ",".join(str(int(d)) for d in input_shape),
+        f"--num-classes={num_classes}",
+        f"--start={start}",
+        f"--end={end}",
+        f"--batch-size={batch_size}",
+        f"--optimizer={optimizer}",
+        f"--local-loss={local_loss}",
+        f"--mode={mode}",
+    ]
+    path = os.pathsep.join(p for p in (os.getcwd(), *sys.path) if p)
+    env = {**os.environ, **RUNTIME_ENV, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": path}
+    try:
+        done = subprocess.run(
+            command, env=env, capture_output=True, text=True, timeout=timeout, check=False
+        )
+        return int(json.loads(done.stdout)["peak_bytes"]) if done.returncode == 0 else None
+    except (subprocess.TimeoutExpired, ValueError, KeyError):
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--optimizer", default="sgd-momentum")
     parser.add_argument("--local-loss", default="linear")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--mode", choices=("local-loss", "backprop"), default="local-loss")
     args = parser.parse_args(argv)
     if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:
         print("warning: MALLOC_MMAP_THRESHOLD_ is not set; peaks will be noisy", file=sys.stderr)

@@ -42,6 +42,9 @@ class ChannelStats:
     bytes_sent: int = 0
     bytes_received: int = 0
     rejected: collections.Counter[str] = field(default_factory=collections.Counter)
+    # bytes by envelope kind ("activations", "gradients", "credit", ...)
+    sent_by_kind: collections.Counter[str] = field(default_factory=collections.Counter)
+    received_by_kind: collections.Counter[str] = field(default_factory=collections.Counter)
 
 
 class _Seen:
@@ -122,8 +125,10 @@ class Channel:
         else:
             for frame in split(data, self.chunk_bytes):
                 self.transport.publish(topic, frame)
-        self.stats.sent += 1
-        self.stats.bytes_sent += len(data)
+        with self._lock:
+            self.stats.sent += 1
+            self.stats.bytes_sent += len(data)
+            self.stats.sent_by_kind[kind] += len(data)
         return seq
 
     def subscribe(
@@ -173,5 +178,6 @@ class Channel:
                 return None
             self.stats.received += 1
             self.stats.bytes_received += len(payload)
+            self.stats.received_by_kind[envelope.kind] += len(payload)
         meta = {k: v for k, v in envelope.meta.items() if k != "epoch"}
         return replace(envelope, meta=meta)

@@ -29,10 +29,17 @@ def test_default_simulation_trains_and_writes_its_outputs(tmp_path: Path) -> Non
     for client in clients:
         assert client["estimated_peak_bytes"] <= client["budget_bytes"]
         assert client["examples"] > 0 and client["bytes_up"] > 0
+        # measured in a fresh process per assignment: real, and under the device's budget
+        assert 0 < client["measured_peak_bytes"] <= client["budget_bytes"]
+        # local-loss: activations and labels go up, no gradient comes down
+        assert 0 < client["cut_bytes_up"] < client["bytes_up"]
+        assert client["cut_bytes_down"] == 0
     assert summary["total_simulated_seconds"] > 0
+    assert 0 < summary["training_wall_seconds"] < summary["total_wall_seconds"]
     with (out / "rounds.csv").open() as handle:
         assert len(list(csv.DictReader(handle))) == 3
     assert "plan for cnn" in (out / "plan.txt").read_text()
+    assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "final accuracy" in done.stdout
     status = run_cli("status", "--db", str(out / "runs.db"), "--run", summary["run_id"], "--json")
     assert json.loads(status.stdout)["status"] == "finished"
@@ -58,8 +65,10 @@ def test_splitfed_over_an_embedded_broker(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert summary["method"] == "splitfed" and summary["final_accuracy"] > 0.3
-    # gradients come back in splitfed: every client received more than its weights
-    assert all(c["bytes_down"] > 0 for c in summary["clients"])
+    # gradients come back in splitfed, one per batch, as large as the activations that went up
+    for client in summary["clients"]:
+        assert client["cut_bytes_down"] > 0.9 * client["cut_bytes_up"] > 0
+        assert client["bytes_down"] > client["cut_bytes_down"]
 
 
 @pytest.mark.parametrize(
@@ -69,6 +78,10 @@ def test_splitfed_over_an_embedded_broker(tmp_path: Path) -> None:
         ("method: bogus\n", (), "'bogus' is not one of"),
         ("devices: [{memory: 1MiB, flops: 1e9, share: 0.5}]\n", (), "shares must add up to 1"),
         ("input_shape: [1, 28, 28]\n", (), "the data has samples of shape [1, 8, 8]"),
+        ("availability: {online: 1.5}\n", (), "availability.online: expected a fraction"),
+        ("availability: {offline: {pi: [1]}}\n", (), "'pi' is not a client"),
+        ("availability: {offline: {client-001: [9]}}\n", (), "expected a list of rounds in 1..3"),
+        ("workers: 0\n", (), "workers: expected an integer >= 1"),
     ],
 )
 def test_bad_simulation_configs_are_rejected_by_name(
@@ -122,3 +135,23 @@ def test_fedavg_flags_clients_the_whole_model_does_not_fit(tmp_path: Path) -> No
     }
     assert "does not fit client-000, client-001" in (out / "plan.txt").read_text()
     assert "does not fit its budget" in done.stdout
+
+
+def test_clients_offline_by_the_trace_sit_out_their_rounds(tmp_path: Path) -> None:
+    pytest.importorskip("sklearn")
+    config = tmp_path / "sim.yaml"
+    config.write_text(
+        "rounds: 3\nworkers: 1\nmeasure_memory: false\n"
+        "availability: {offline: {client-001: [2], client-003: [2, 3]}}\n"
+    )
+    out = tmp_path / "sim"
+    done = run_cli("simulate", "--config", str(config), "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert [r["participants"] for r in summary["rounds"]] == [4, 2, 3]
+    trained = {c["name"]: c["rounds_trained"] for c in summary["clients"]}
+    assert trained == {"client-000": 3, "client-001": 2, "client-002": 3, "client-003": 1}
+    assert all(c["measured_peak_bytes"] is None for c in summary["clients"])
+    # without a terminal the progress display prints one line per committed round
+    assert "round 2/3: accuracy" in done.stderr
+    assert summary["final_accuracy"] >= 0.8, summary["rounds"]

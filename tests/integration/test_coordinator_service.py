@@ -73,10 +73,11 @@ def start_fleet(
     memory: dict[str, int],
     budget: dict[str, int],
     servers: tuple[str, ...] = ("gpu-a",),
+    server_memory: int = 1 << 30,
 ) -> list[EdgeAgent]:
     gpus = [
         GpuAgent(
-            Announcement(name, "gpu", 1 << 30, 1e9),
+            Announcement(name, "gpu", server_memory, 1e9),
             hub.connect(f"{name}-control", node_will(node_id_for(name), name)),
             hub.connect(f"{name}-stream"),
         )
@@ -198,3 +199,39 @@ def test_two_gpu_servers_share_the_streams_and_both_train(
     assert rounds[-1].evaluation["accuracy"] > 0.5
     if isinstance(hub, MqttHub):
         hub.close()
+
+
+def test_a_back_too_big_for_one_server_is_chained_over_two(
+    tmp_path: Path, store: RunStore, profile: ModelProfile
+) -> None:
+    problem = Problem.build(profile, PartitionConfig(batch_size=16, optimizer="adam"))
+    last = profile.num_blocks
+    # edges room for one block only; servers room for a piece of [1, N) but not all of it
+    middle = min(range(2, last), key=lambda m: max(problem.memory[1][m], problem.memory[m][last]))
+    room = int(max(problem.memory[1][middle], problem.memory[middle][last])) + 1024
+    assert room < problem.memory[1][last]
+    hub = InProcessHub()
+    edge_room = dict.fromkeys(EDGES, int(problem.edge_memory[1]) + 1024)
+    run = config(tmp_path, devices={"edges": list(EDGES), "gpu_servers": 2, "wait": "30s"})
+    start_fleet(hub, tmp_path, edge_room, {}, ("gpu-a", "gpu-b"), server_memory=room)
+    gpus = {g.device: g for g in start_fleet.gpus}  # type: ignore[attr-defined]
+
+    assert Coordinator(run, store, hub.connect("coordinator"), profile=lambda _: profile).run()
+
+    plan = store.get_run("svc-1").plan
+    assert plan is not None
+    pieces = sorted(tuple(s["blocks"]) for s in plan["servers"])
+    assert len(pieces) == 2 and pieces[0][0] == 1 and pieces[-1][1] == last, pieces
+    assert pieces[0][1] == pieces[1][0]
+    rounds = store.list_rounds("svc-1")
+    assert [r.state for r in rounds] == ["committed", "committed"]
+    for record in rounds:
+        results = {r.device: r for r in record.results}
+        assert all(r.failure is None for r in results.values()), results
+        edge_examples = sum(results[e].examples for e in EDGES)
+        # the first piece trains every edge batch and passes each on to the second
+        assert results["gpu-a"].examples == results["gpu-b"].examples == edge_examples
+    first = next(n for n, g in gpus.items() if g._backs["svc-1"][1].forward is not None)
+    back = gpus[first]._backs["svc-1"][1]
+    assert back.end == pieces[0][1] and back.stats.rejected == {}
+    assert rounds[-1].evaluation["accuracy"] > 0.5, [r.evaluation for r in rounds]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -54,9 +54,12 @@ def test_bad_npz_files_are_rejected(tmp_path: Path) -> None:
     ("spec", "module"),
     [("digits", "sklearn"), ("folder:x", "PIL"), ("torchvision:MNIST:x", "torchvision")],
 )
-def test_optional_sources_say_what_to_install(spec: str, module: str) -> None:
-    if importlib.util.find_spec(module) is not None:
-        pytest.skip(f"{module} is installed here")
+def test_optional_sources_say_what_to_install(
+    spec: str, module: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in [m for m in sys.modules if m == module or m.startswith(f"{module}.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, module, None)  # as if it were not installed
     with pytest.raises(ConfigError, match=f"needs the package '{module}'"):
         load_dataset(spec)
 

@@ -1,0 +1,100 @@
+"""A live view of a run's rounds (rich): a bar for the round in progress (devices answered) and
+a table of committed rounds. On a terminal it redraws in place; elsewhere (logs, CI) it prints
+one line per committed round. Quiet runs use the base :class:`RoundObserver`, which shows
+nothing."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from coordinator.service import RoundObserver
+
+__all__ = ["RoundProgress"]
+
+
+class RoundProgress(RoundObserver):
+    """Shows the progress of ``rounds`` rounds on ``console`` (stderr by default)."""
+
+    def __init__(self, rounds: int, title: str, console: Console | None = None) -> None:
+        self.rounds, self.title = rounds, title
+        self.console = console or Console(stderr=True)
+        self._lock = threading.Lock()
+        self._rows: list[tuple[str, ...]] = []
+        self._progress = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=self.console,
+        )
+        self._task = self._progress.add_task("waiting for the plan", total=None)
+        self._started = 0.0
+        self._live: Live | None = None
+
+    def __enter__(self) -> RoundProgress:
+        if self.console.is_terminal:
+            self._live = Live(self._render(), console=self.console, refresh_per_second=4)
+            self._live.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._live is not None:
+            self._live.update(self._render())
+            self._live.__exit__(None, None, None)
+
+    def _table(self) -> Table:
+        table = Table(title=self.title, title_justify="left")
+        for name in ("round", "accuracy", "loss", "trained", "wall s"):
+            table.add_column(name, justify="right")
+        for row in self._rows:
+            table.add_row(*row)
+        return table
+
+    def _render(self) -> Group:
+        return Group(self._table(), self._progress)
+
+    def _refresh(self) -> None:
+        if self._live is not None:
+            self._live.update(self._render())
+
+    # ---------------------------------------------------------------- RoundObserver
+    def round_started(self, number: int, devices: list[str]) -> None:
+        with self._lock:
+            self._started = time.monotonic()
+            self._progress.reset(
+                self._task,
+                total=len(devices),
+                completed=0,
+                description=f"round {number}/{self.rounds}: devices done",
+            )
+            self._refresh()
+
+    def device_answered(self, device: str) -> None:
+        with self._lock:
+            self._progress.advance(self._task)
+            self._refresh()
+
+    def round_committed(self, number: int, evaluation: dict[str, float], results: Any) -> None:
+        trained = sum(1 for r in results if not r.failure)
+        row = (
+            str(number),
+            f"{evaluation.get('accuracy', float('nan')):.4f}",
+            f"{evaluation.get('loss', float('nan')):.4f}",
+            f"{trained}/{len(results)}",
+            f"{time.monotonic() - self._started:.1f}",
+        )
+        with self._lock:
+            self._rows.append(row)
+            if self._live is None:
+                self.console.print(
+                    f"round {row[0]}/{self.rounds}: accuracy {row[1]}, loss {row[2]}, "
+                    f"{row[3]} devices trained, {row[4]} s"
+                )
+            self._refresh()

@@ -1,0 +1,162 @@
+"""What a simulation reports: ``summary.json``, ``rounds.csv``, ``plan.txt`` and ``curves.png``.
+
+Simulated time is what the run would take on the declared devices, from the plan's FLOPs and
+bytes per sample and each client's FLOP/s and uplink:
+
+- local-loss: a client computes its prefix and head (3x forward FLOPs a sample, forward and
+  backward) and uploads its cut; the two overlap (the client never waits), so a client's round
+  takes the larger of the two;
+- splitfed (backprop): every batch waits for its gradient, so compute, upload and the gradient's
+  download (taken at the uplink's rate: profiles declare one link speed) add up;
+- the slowest client bounds the round; the GPU server is taken to keep up (its FLOP/s are
+  orders above a client's).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["client_rows", "round_rows", "simulated_round_seconds", "write_outputs"]
+
+log = logging.getLogger(__name__)
+
+
+def simulated_round_seconds(
+    results: Sequence[Any],
+    edges: Mapping[str, Mapping[str, Any]],
+    profiles: Mapping[str, Any],
+    backprop: bool,
+) -> float:
+    """The round's time on the declared devices (see the module docstring)."""
+    slowest = 0.0
+    for result in results:
+        edge, profile = edges.get(result.device), profiles.get(result.device)
+        if edge is None or profile is None or result.failure:
+            continue
+        compute = 3 * result.examples * edge["flops_per_sample"] / profile.flops
+        upload = result.examples * edge["cut_bytes_per_sample"] / profile.uplink
+        if backprop:
+            download = result.examples * edge["cut_bytes_per_sample"] / profile.uplink
+            slowest = max(slowest, compute + upload + download)
+        else:
+            slowest = max(slowest, compute, upload)
+    return slowest
+
+
+def _by_device(points: Sequence[Any]) -> dict[str, float]:
+    totals: dict[str, float] = {}
+    for point in points:
+        if point.device is not None:
+            totals[point.device] = totals.get(point.device, 0.0) + point.value
+    return totals
+
+
+def round_rows(
+    store: Any,
+    run_id: str,
+    edges: Mapping[str, Mapping[str, Any]],
+    profiles: Mapping[str, Any],
+    backprop: bool,
+) -> list[dict[str, Any]]:
+    rows = []
+    for record in store.list_rounds(run_id):
+        trained = [r for r in record.results if not r.failure and r.device in profiles]
+        rows.append(
+            {
+                "round": record.number,
+                "accuracy": record.evaluation.get("accuracy"),
+                "loss": record.evaluation.get("loss"),
+                "participants": len(trained),
+                "bytes_up": sum(r.bytes_sent for r in record.results),
+                "bytes_down": sum(r.bytes_received for r in record.results),
+                "wall_seconds": record.metrics.get("wall_seconds"),
+                "simulated_seconds": simulated_round_seconds(
+                    record.results, edges, profiles, backprop
+                ),
+            }
+        )
+    return rows
+
+
+def client_rows(
+    store: Any,
+    run_id: str,
+    edges: Mapping[str, Mapping[str, Any]],
+    profiles: Mapping[str, Any],
+    measured: Mapping[tuple[int, int], int | None],
+) -> list[dict[str, Any]]:
+    """One row per client; ``measured``: the peak measured for each distinct block range."""
+    rounds = store.list_rounds(run_id)
+    cut_up = _by_device(store.metrics(run_id, "cut_bytes_sent"))
+    cut_down = _by_device(store.metrics(run_id, "cut_bytes_received"))
+    clients = []
+    for name, profile in profiles.items():
+        edge = edges.get(name, {})
+        blocks = tuple(edge["blocks"]) if "blocks" in edge else None
+        results = [r for record in rounds for r in record.results if r.device == name]
+        clients.append(
+            {
+                "name": name,
+                "profile": profile.name,
+                "blocks": list(blocks) if blocks else None,
+                "budget_bytes": profile.memory,
+                "estimated_peak_bytes": edge.get("estimated_peak_bytes"),
+                "measured_peak_bytes": measured.get(blocks) if blocks else None,
+                "bytes_up": sum(r.bytes_sent for r in results),
+                "bytes_down": sum(r.bytes_received for r in results),
+                "cut_bytes_up": int(cut_up.get(name, 0)),
+                "cut_bytes_down": int(cut_down.get(name, 0)),
+                "examples": sum(r.examples for r in results if not r.failure),
+                "rounds_trained": sum(1 for r in results if not r.failure),
+            }
+        )
+    return clients
+
+
+def write_outputs(out: Path, summary: Mapping[str, Any], plan_text: str) -> None:
+    """``summary.json``, ``plan.txt``, ``rounds.csv`` and ``curves.png`` into ``out``."""
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (out / "plan.txt").write_text(plan_text + "\n")
+    rows = summary["rounds"]
+    with (out / "rounds.csv").open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]) if rows else ["round"])
+        writer.writeheader()
+        writer.writerows(rows)
+    write_curves(out / "curves.png", summary)
+
+
+def write_curves(path: Path, summary: Mapping[str, Any]) -> bool:
+    """Accuracy and loss against round and against simulated time; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # an optional extra in a trimmed install: the numbers are in the CSV
+        log.warning("matplotlib is not installed: %s not written", path.name)
+        return False
+    rows = [r for r in summary["rounds"] if r.get("accuracy") is not None]
+    rounds = [r["round"] for r in rows]
+    elapsed, clock = [], 0.0
+    for row in rows:
+        clock += row.get("simulated_seconds") or 0.0
+        elapsed.append(clock)
+    figure, axes = plt.subplots(2, 2, figsize=(10, 6.5), layout="constrained")
+    for column, (xs, label) in enumerate(
+        ((rounds, "round"), (elapsed, "simulated time on the declared devices (s)"))
+    ):
+        for line, (key, name) in enumerate((("accuracy", "test accuracy"), ("loss", "test loss"))):
+            axis = axes[line][column]
+            axis.plot(xs, [r[key] for r in rows], marker="o")
+            axis.set_xlabel(label)
+            axis.set_ylabel(name)
+            axis.grid(alpha=0.3)
+    figure.suptitle(f"edgesplit simulate: {summary['method']}, run {summary['run_id']}")
+    figure.savefig(path, dpi=90)
+    plt.close(figure)
+    return True

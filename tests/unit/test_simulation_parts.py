@@ -1,0 +1,127 @@
+"""Pure parts of the simulation and the coordinator's routing: the segment pool, the stream
+layout of chained GPU servers, availability draws, simulated time and the progress display."""
+
+from __future__ import annotations
+
+import io
+import threading
+import time
+from dataclasses import dataclass
+
+import pytest
+from rich.console import Console
+
+from coordinator.progress import RoundProgress
+from coordinator.service import _Assignment, _route
+from coordinator.sim_report import simulated_round_seconds
+from coordinator.simulate import Availability
+from edge_client.pool import SegmentPool
+
+pytestmark = pytest.mark.unit
+
+
+def test_pool_builds_once_per_worker_and_bounds_concurrency() -> None:
+    pool: SegmentPool[object] = SegmentPool(2)
+    running, most = 0, 0
+    lock = threading.Lock()
+
+    def client() -> None:
+        nonlocal running, most
+        with pool.borrow("task", object):
+            with lock:
+                running += 1
+                most = max(most, running)
+            time.sleep(0.01)
+            with lock:
+                running -= 1
+
+    threads = [threading.Thread(target=client) for _ in range(12)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert most == 2
+    assert pool.built == 2  # twelve clients, two built objects
+
+
+def test_pool_keeps_tasks_apart_and_rejects_no_workers() -> None:
+    pool: SegmentPool[list[str]] = SegmentPool(1)
+    with pool.borrow("a", lambda: ["a"]) as first:
+        pass
+    with pool.borrow("b", lambda: ["b"]) as second:
+        pass
+    with pool.borrow("a", lambda: ["new"]) as again:
+        pass
+    assert (first, second, again) == (["a"], ["b"], ["a"]) and again is first
+    with pytest.raises(ValueError, match="workers"):
+        SegmentPool(0)
+
+
+def _edge(name: str, cut: int) -> _Assignment:
+    return _Assignment(name, 0, cut, 0, "edge")
+
+
+def _gpu(name: str, start: int, end: int) -> _Assignment:
+    return _Assignment(name, start, end, 0, "gpu")
+
+
+def test_route_of_shared_servers_is_one_stream() -> None:
+    streams, routes = _route([_edge("e1", 1), _edge("e2", 3)], [_gpu("g1", 1, 6), _gpu("g2", 1, 6)])
+    assert streams == {"e1": "seg-0", "e2": "seg-0"}
+    assert routes["g1"] == (["e1", "e2"], ["g1", "g2"], "seg-0", None)
+    assert routes["g2"] == (["e1", "e2"], ["g1", "g2"], "seg-0", None)
+
+
+def test_route_of_a_chain_feeds_each_piece_its_cuts_and_the_piece_before() -> None:
+    servers = [_gpu("g1", 1, 3), _gpu("g2", 3, 5), _gpu("g3", 5, 7)]
+    streams, routes = _route([_edge("e1", 1), _edge("e2", 4)], servers)
+    assert streams == {"e1": "seg-0", "e2": "seg-1"}
+    assert routes["g1"] == (["e1"], ["g1"], "seg-0", "seg-1")
+    assert routes["g2"] == (["e2", "g1"], ["g2"], "seg-1", "seg-2")
+    assert routes["g3"] == (["g2"], ["g3"], "seg-2", None)
+    # nobody streams into the first piece: it hears no one and passes nothing on
+    _, routes = _route([_edge("e2", 4)], servers)
+    assert routes["g1"][0] == [] and routes["g2"][0] == ["e2"]
+
+
+def test_availability_draws_are_seeded_and_follow_the_trace() -> None:
+    names = [f"c{i}" for i in range(200)]
+    draws = Availability(online=0.75)
+    offline = draws.offline_in(1, names, seed=0)
+    assert offline == draws.offline_in(1, names, seed=0)
+    assert offline != draws.offline_in(2, names, seed=0)
+    assert 30 <= len(offline) <= 70  # about a quarter of 200
+    trace = Availability(offline={"c1": (2,)})
+    assert trace.offline_in(1, names, 0) == set() and trace.offline_in(2, names, 0) == {"c1"}
+
+
+@dataclass
+class _Result:
+    device: str
+    examples: int
+    failure: str | None = None
+
+
+@dataclass
+class _Profile:
+    flops: float
+    uplink: float
+
+
+def test_simulated_time_overlaps_in_local_loss_and_adds_up_in_splitfed() -> None:
+    edges = {"a": {"flops_per_sample": 1e6, "cut_bytes_per_sample": 1000}}
+    profiles = {"a": _Profile(flops=3e8, uplink=1e5)}  # compute 1 s, upload 1 s per 100 samples
+    results = [_Result("a", 100), _Result("b", 100), _Result("a", 100, failure="offline")]
+    assert simulated_round_seconds(results, edges, profiles, backprop=False) == pytest.approx(1.0)
+    assert simulated_round_seconds(results, edges, profiles, backprop=True) == pytest.approx(3.0)
+
+
+def test_progress_prints_a_line_per_round_without_a_terminal() -> None:
+    buffer = io.StringIO()
+    progress = RoundProgress(2, "test", Console(file=buffer, force_terminal=False))
+    with progress:
+        progress.round_started(1, ["a", "b"])
+        progress.device_answered("a")
+        progress.device_answered("b")
+        progress.round_committed(1, {"accuracy": 0.5, "loss": 1.25}, [_Result("a", 10)])
+    assert "round 1/2: accuracy 0.5000, loss 1.2500, 1/1 devices trained" in buffer.getvalue()
