@@ -7,8 +7,9 @@ stages of equal compute. Every process runs one torch thread.
 
 - ``end-to-end``: one process trains the whole model with back-propagation, batch after batch.
 - ``pipeline K``: the edge (``edge_client.EdgeTrainer``) trains stage 1 with its local loss and
-  streams the detached activations; with K = 3 a relay process trains stage 2 with its own local
-  loss and streams on; the GPU server (``gpu_server.BackTrainer``) trains the last stage with the
+  streams the detached activations; with K = 3 a first GPU server (``gpu_server.BackTrainer``
+  holding a piece of a chained back) trains stage 2 with its own local loss and passes its
+  output on; the last GPU server (``gpu_server.BackTrainer``) trains the last stage with the
   task loss. No process waits for a gradient; credits (window 4) bound what is in flight.
 
 Throughput is training samples per second of the whole model: samples / (time the last stage
@@ -145,59 +146,32 @@ def _tensors(x: np.ndarray, y: np.ndarray) -> tuple[Any, Any]:
 
 
 def relay(args: argparse.Namespace, url: str, cuts: tuple[int, int], ready: Any) -> None:
-    """A middle stage: trains blocks [a, b) with a local loss on the edge's stream and streams
-    its own output on (the same parts an edge and a server are made of)."""
+    """A middle stage: a GPU server holding a piece of a chained back (``BackTrainer`` with an
+    ``end``): trains blocks [a, b) with a local loss on the edge's stream and passes its output
+    on to the last stage."""
     _setup()
-    import queue
-    import threading
-
-    import torch
-
-    from split_models.segment import OptimizerConfig, Segment
-    from wire import topics
+    from gpu_server.trainer import BackTrainer
+    from split_models.segment import OptimizerConfig
     from wire.channel import Channel
-    from wire.flow import CreditGate, CreditGranter
 
     start, end = cuts
-    segment = Segment.from_model(
-        _model(args.width, args.layers), start, end, "linear", OptimizerConfig("sgd")
-    )
-    inbound = Channel(_transport(url, "relay-in"), "relay")
-    outbound = Channel(_transport(url, "relay-out"), "relay")
-    granter = CreditGranter(inbound, RUN)
-    gate = CreditGate(outbound, RUN, "relay")
-    gate.start_round(1)
-    work: queue.Queue[Any] = queue.Queue()
-    inbound.subscribe(
-        topics.activations_filter(RUN, "seg-0"), work.put, kinds=frozenset({"activations"})
+    back = BackTrainer(
+        Channel(_transport(url, "relay"), "relay"),
+        _model(args.width, args.layers),
+        start=start,
+        run=RUN,
+        segment="seg-0",
+        optimizer=OptimizerConfig("sgd"),
+        end=end,
+        local_loss="linear",
+        forward="seg-1",
+        encoding=args.encoding,
     )
     ready.wait()
-    granter.open("edge", 1)
-
-    def run() -> None:
-        while True:
-            envelope = work.get()
-            x = torch.from_numpy(np.array(envelope.tensors["x"]))
-            y = torch.from_numpy(np.array(envelope.tensors["y"]))
-            result = segment.train_step(x, y)
-            granter.processed("edge", 1)
-            gate.acquire(120)
-            outbound.send(
-                topics.activations(RUN, "seg-1", "relay"),
-                "activations",
-                RUN,
-                round=1,
-                tensors={"x": result.output.numpy(), "y": y.numpy()},
-                meta={"cut": end, "last": envelope.meta.get("last") is True},
-                encoding=args.encoding,
-            )
-            if envelope.meta.get("last") is True:
-                outbound.transport.flush()
-                return
-
-    worker = threading.Thread(target=run)
-    worker.start()
-    worker.join()
+    time.sleep(0.5)  # (the subscriptions' acknowledgements are asynchronous)
+    back.begin_round(1, ["edge"])
+    back.wait_round(["edge"], 600)
+    back.granter.channel.transport.flush()
 
 
 def server(

@@ -53,7 +53,7 @@ class GpuAgent:
         forward = str(forward) if forward else None
         key = (
             f"{task.model}|{task.input_shape}|{task.num_classes}|{task.start}|{task.end}|"
-            f"{task.segment}|{forward}|{task.local_loss}|{task.optimizer}"
+            f"{task.segment}|{forward}|{task.local_loss}|{task.optimizer}|{task.compression}"
         )
         known = self._backs.get(task.run)
         if known is None or known[0] != key:
@@ -69,6 +69,7 @@ class GpuAgent:
                 end=task.end,
                 local_loss=task.local_loss,
                 forward=forward,
+                encoding=task.compression,
             )
             self._backs[task.run] = (key, trainer)
         return self._backs[task.run][1]

@@ -66,9 +66,11 @@ class BackTrainer:
         end: int | None = None,
         local_loss: str = "linear",
         forward: str | None = None,
+        encoding: str = "fp32",
     ) -> None:
         """``end`` below the model's last block makes this a piece of a chain: it trains with
-        a ``local_loss`` head and passes its output on to the stream ``forward``."""
+        a ``local_loss`` head and passes its output on to the stream ``forward`` (at
+        ``encoding``)."""
         end = model.num_blocks if end is None else end
         if not 0 < start < end <= model.num_blocks:
             raise ValueError(
@@ -81,14 +83,10 @@ class BackTrainer:
                 "its output on to (forward), and only such a server has one"
             )
         self.model, self.start, self.end, self.forward = model, start, end, forward
+        self.encoding = encoding
         self.device = torch.device(device)
-        self.segment = Segment.from_model(
-            model,
-            start,
-            end,
-            local_loss if end < model.num_blocks else None,
-            optimizer=optimizer,
-        )
+        # the last piece gets the task loss, any other a local-loss head
+        self.segment = Segment.from_model(model, start, end, local_loss, optimizer=optimizer)
         self.segment.module.to(self.device)  # in place: the optimizer keeps its parameters
         self.granter = CreditGranter(channel, run, window)
         self.stats = BackStats()
@@ -362,5 +360,6 @@ class BackTrainer:
             round=round_number,
             tensors={"x": output.cpu().numpy(), "y": labels.cpu().numpy()},
             meta={"cut": self.end, "last": last},
+            encoding=self.encoding,
         )
         self._forwarded += 1
