@@ -23,8 +23,8 @@ from flwr.clientapp import ClientApp
 
 from coordinator.aggregation import build_strategy
 from coordinator.rounds import run_rounds
-from coordinator.service import evaluate_weights
 from split_models.data import Dataset
+from split_models.evaluation import evaluate_weights
 from split_models.memory import estimate_segment_memory
 from split_models.segment import OptimizerConfig, Segment
 from split_models.weights import load_segment_state, segment_state

@@ -17,6 +17,8 @@ compression: fp16               # fp32 | fp16 | bf16 | int8
 strategy: {name: fedavg}        # any name in coordinator.aggregation.STRATEGIES, with options
 round_deadline: 300s
 seed: 0
+federated_eval: 0.2             # optional: share of each edge's data held out; edges evaluate
+                                # the assembled model on it every round (0, the default: off)
 ```
 """
 
@@ -151,6 +153,7 @@ class RunConfig:
     strategy_options: dict[str, Any] = field(default_factory=dict)
     round_deadline_seconds: float = 300.0
     seed: int = 0
+    federated_eval: float = 0.0
 
     _REQUIRED = frozenset({"run_id", "model", "input_shape", "num_classes", "devices", "rounds"})
     _OPTIONAL = frozenset(
@@ -165,6 +168,7 @@ class RunConfig:
             "strategy",
             "round_deadline",
             "seed",
+            "federated_eval",
         }
     )
 
@@ -209,6 +213,14 @@ class RunConfig:
             raise ConfigError(
                 f"eval_data: expected a dataset spec such as npz:PATH, got {eval_data!r}"
             )
+        federated = fields.get("federated_eval", 0.0)
+        if isinstance(federated, bool) or not isinstance(federated, int | float):
+            federated = -1
+        if not 0 <= federated < 1:
+            raise ConfigError(
+                "federated_eval: expected the share of each edge's data to hold out for "
+                f"evaluation, in [0, 1) (0: off), got {fields.get('federated_eval')!r}"
+            )
         try:
             optimizer_config = OptimizerConfig(**optimizer)
         except TypeError as error:
@@ -233,6 +245,7 @@ class RunConfig:
                 fields.get("round_deadline", 300), "round_deadline"
             ),
             seed=_integer(merged, "seed", 0),
+            federated_eval=float(federated),
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -31,23 +31,23 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
 from coordinator.aggregation import build_strategy
 from coordinator.config import RunConfig
 from coordinator.partitioner import PartitionConfig, plan_split
-from split_models.data import Dataset, load_dataset
+from split_models.data import load_dataset
 from split_models.devices import DeviceSpec
 from split_models.errors import ConfigError, InfeasiblePlanError, SplitError
+from split_models.evaluation import evaluate_weights
 from split_models.isolated import profile_in_fresh_process
 from split_models.memory import estimate_segment_memory
 from split_models.plan import Plan
 from split_models.profiler import ModelProfile
 from split_models.segment import Segment
 from split_models.units import format_bytes
-from split_models.weights import load_segment_state, segment_state
+from split_models.weights import segment_state
 from split_models.zoo import build_model
 from storage.base import RunStore
 from storage.errors import NotFoundError
@@ -94,29 +94,6 @@ def initial_weights(
             if k.startswith("head")
         }
     return weights
-
-
-def evaluate_weights(
-    model_name: str,
-    input_shape: tuple[int, ...],
-    num_classes: int,
-    weights: Mapping[str, np.ndarray],
-    data: Dataset,
-    batch: int = 512,
-) -> dict[str, float]:
-    """Accuracy and mean cross-entropy of the assembled model on ``data``."""
-    model = build_model(model_name, input_shape, num_classes, seed=0)
-    whole = Segment.from_model(model, 0, model.num_blocks)
-    load_segment_state(whole, weights)
-    correct, loss = 0, 0.0
-    for begin in range(0, len(data), batch):
-        x = torch.from_numpy(data.x[begin : begin + batch])
-        y = torch.from_numpy(data.y[begin : begin + batch])
-        logits = whole.forward(x)
-        correct += int((logits.argmax(1) == y).sum())
-        loss += float(F.cross_entropy(logits, y, reduction="sum"))
-    count = max(1, len(data))
-    return {"accuracy": correct / count, "loss": loss / count}
 
 
 def _keys_for(
@@ -363,6 +340,8 @@ class Coordinator:
         extra: dict[str, Any] = {"servers": list(servers)} if servers else {}
         if forward is not None:
             extra["next"] = forward
+        if assignment.role == "edge" and config.federated_eval > 0:
+            extra["eval_fraction"] = config.federated_eval
         return Task(
             run=config.run_id,
             model=config.model,
@@ -656,6 +635,9 @@ class Coordinator:
                     if self.eval_data is not None
                     else {}
                 )
+                if config.federated_eval > 0:
+                    trained = [a for a in selected if a.device in edges_ok]
+                    evaluation |= self._federated_evaluation(number, merged, trained)
                 self._commit(number, merged, results, evaluation, started, server_names)
                 return merged
             store.record_results(config.run_id, number, results)
@@ -666,6 +648,35 @@ class Coordinator:
             f"round {number} failed {self.max_attempts} times; see `edgesplit status --run "
             f"{config.run_id}` and the run's events"
         )
+
+    def _federated_evaluation(
+        self, number: int, weights: dict[str, np.ndarray], edges: list[_Assignment]
+    ) -> dict[str, float]:
+        """The assembled model evaluated by ``edges`` on the data they hold out: accuracy and
+        loss weighted by their examples (keys ``federated_*``); edges that do not answer in
+        time are left out."""
+        arrays = array_record(weights)
+        messages = {
+            a.device: self._message(a, arrays, self._task(a), "evaluate", number) for a in edges
+        }
+        replies = self._collect(messages, self.config.round_deadline_seconds / 2)
+        totals = {"examples": 0.0, "accuracy": 0.0, "loss": 0.0}
+        for device, reply in replies.items():
+            if reply.has_error():
+                log.warning("federated evaluation on %s failed: %s", device, reply.error.reason)
+                continue
+            metrics = reply.content.metric_records["metrics"]
+            count = float(metrics["num-examples"])  # type: ignore[arg-type]
+            totals["examples"] += count
+            totals["accuracy"] += count * float(metrics["accuracy"])  # type: ignore[arg-type]
+            totals["loss"] += count * float(metrics["loss"])  # type: ignore[arg-type]
+        if not totals["examples"]:
+            return {}
+        return {
+            "federated_accuracy": totals["accuracy"] / totals["examples"],
+            "federated_loss": totals["loss"] / totals["examples"],
+            "federated_examples": totals["examples"],
+        }
 
     def _attempt_failed(self, number: int, attempt: int, reason: str) -> None:
         log.warning("round %d attempt %d/%d failed: %s", number, attempt, self.max_attempts, reason)

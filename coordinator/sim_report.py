@@ -66,11 +66,17 @@ def round_rows(
     rows = []
     for record in store.list_rounds(run_id):
         trained = [r for r in record.results if not r.failure and r.device in profiles]
+        federated = {
+            key: record.evaluation[key]
+            for key in ("federated_accuracy", "federated_loss")
+            if key in record.evaluation
+        }
         rows.append(
             {
                 "round": record.number,
                 "accuracy": record.evaluation.get("accuracy"),
                 "loss": record.evaluation.get("loss"),
+                **federated,
                 "participants": len(trained),
                 "bytes_up": sum(r.bytes_sent for r in record.results),
                 "bytes_down": sum(r.bytes_received for r in record.results),

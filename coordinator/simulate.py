@@ -75,7 +75,13 @@ DEFAULTS: dict[str, Any] = {
     "strategy": {"name": "fedavg"},
     "seed": 0,
 }
-_KEYS = set(DEFAULTS) | {"test_data", "availability", "workers", "measure_memory"}
+_KEYS = set(DEFAULTS) | {
+    "test_data",
+    "availability",
+    "workers",
+    "measure_memory",
+    "federated_eval",
+}
 
 
 @dataclass(frozen=True)
@@ -253,6 +259,7 @@ def run_config(config: SimConfig, run_id: str, eval_data: str | None = None) -> 
             "strategy": raw["strategy"],
             "round_deadline": 600,
             "seed": raw["seed"],
+            "federated_eval": raw.get("federated_eval", 0.0),
         }
     )
 

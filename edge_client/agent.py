@@ -10,6 +10,7 @@ round's start) and reports it with the estimate.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -26,6 +27,7 @@ from flwr.clientapp import ClientApp
 from edge_client.pool import SegmentPool
 from edge_client.trainer import EdgeTrainer, EdgeTrainerConfig
 from split_models.data import Dataset
+from split_models.evaluation import evaluate_weights
 from split_models.measure import PeakMeter, peak_supported
 from split_models.segment import OptimizerConfig, Segment
 from split_models.units import format_bytes
@@ -102,6 +104,7 @@ class EdgeAgent:
         self._gates_lock = threading.Lock()
         self._built: _Built | None = None
         self._own: tuple[str, Segment] | None = None
+        self._split: tuple[tuple[float, int], Dataset, Dataset] | None = None
         self.pool = pool
         self.rounds = 0
         # One subscription for every run, made before the node goes online: a server may
@@ -139,6 +142,17 @@ class EdgeAgent:
                 f"{format_bytes(task.estimated_peak_bytes)}, the budget is {format_bytes(budget)}"
             )
 
+    def _datasets(self, task: Task) -> tuple[Dataset, Dataset | None]:
+        """The data this agent trains on and, with federated evaluation (``eval_fraction`` in
+        the task), the share it holds out for evaluating the assembled model."""
+        fraction = task.extra.get("eval_fraction")
+        if not isinstance(fraction, float | int) or not 0 < fraction < 1 or len(self.data) < 2:
+            return self.data, None
+        key = (float(fraction), task.seed)
+        if self._split is None or self._split[0] != key:
+            self._split = (key, *self.data.split(float(fraction), seed=task.seed))
+        return self._split[1], self._split[2]
+
     def _build_segment(self, task: Task) -> Segment:
         model = build_model(task.model, task.input_shape, task.num_classes, seed=task.seed)
         segment = Segment.from_model(
@@ -173,7 +187,8 @@ class EdgeAgent:
                 credit_timeout=task.deadline_seconds,
                 mode=task.mode,
             )
-            trainer = EdgeTrainer(self.channel, self._gate(task.run), segment, self.data, config)
+            train, _ = self._datasets(task)
+            trainer = EdgeTrainer(self.channel, self._gate(task.run), segment, train, config)
             self._built = _Built(key_text, trainer)
         self._built.trainer.segment = segment
         return self._built.trainer
@@ -242,5 +257,22 @@ class EdgeAgent:
             )
             content = RecordDict({"arrays": array_record(arrays), "metrics": metrics})
             return Message(content, reply_to=message)
+
+        @app.evaluate()
+        def evaluate(message: Message, _context: Context) -> Message:
+            task = Task.parse(str(message.content.config_records["config"]["task"]))
+            _, held_out = self._datasets(task)
+            if held_out is None:
+                result, count = {"accuracy": 0.0, "loss": 0.0}, 0
+            else:
+                weights = numpy_arrays(message)
+                slot = self.pool.slot() if self.pool is not None else contextlib.nullcontext()
+                with slot:  # in a simulation, as many evaluate at once as train at once
+                    result = evaluate_weights(
+                        task.model, task.input_shape, task.num_classes, weights, held_out, 64
+                    )
+                count = len(held_out)
+            metrics = MetricRecord({"num-examples": count, **result})
+            return Message(RecordDict({"metrics": metrics}), reply_to=message)
 
         return app

@@ -49,6 +49,12 @@ class SegmentPool(Generic[T]):
                 with self._lock:
                     self._free.setdefault(key, []).append(item)
 
+    @contextmanager
+    def slot(self) -> Iterator[None]:
+        """A training slot without a built object (other work that should not run wider)."""
+        with self._slots:
+            yield
+
     def forget(self) -> None:
         """Drop every idle built object (a new task replaces the old ones)."""
         with self._lock:

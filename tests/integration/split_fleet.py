@@ -8,12 +8,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from coordinator.service import evaluate_weights
 from edge_client import EdgeTrainer, EdgeTrainerConfig
 from edge_client.app import edge_app
 from gpu_server import BackTrainer
 from gpu_server.app import gpu_app
 from split_models import Dataset, OptimizerConfig, Segment, build_model, partition
+from split_models.evaluation import evaluate_weights
 from split_models.weights import segment_state
 from wire.channel import Channel
 from wire.flow import CreditGate

@@ -145,6 +145,26 @@ def test_modes_train_the_assembled_model(
         assert all(t.config.mode == "backprop" for t in trainers)
 
 
+def test_federated_evaluation_on_the_data_edges_hold_out(
+    tmp_path: Path, store: RunStore, profile: ModelProfile
+) -> None:
+    hub = InProcessHub()
+    run = config(tmp_path, federated_eval=0.2)
+    start_fleet(hub, tmp_path, dict.fromkeys(EDGES, 1 << 30), {})
+    assert Coordinator(run, store, hub.connect("coordinator"), profile=lambda _: profile).run()
+    rounds = store.list_rounds("svc-1")
+    for record in rounds:
+        evaluation = record.evaluation
+        # each edge holds out 120 of its 600 digits and trains on the other 480
+        assert evaluation["federated_examples"] == 240
+        assert {r.examples for r in record.results if r.device in EDGES} == {480}
+        assert 0 < evaluation["federated_accuracy"] <= 1 and evaluation["federated_loss"] > 0
+    # the same model on other digits of the same distribution: close to the server's figure
+    last = rounds[-1].evaluation
+    assert last["federated_accuracy"] > 0.5
+    assert abs(last["federated_accuracy"] - last["accuracy"]) < 0.15, last
+
+
 def test_missing_devices_are_named_after_the_wait(tmp_path: Path, store: RunStore) -> None:
     hub = InProcessHub()
     run = config(tmp_path, devices={"edges": ["pi-01", "pi-09"], "wait": "1s"})

@@ -67,6 +67,8 @@ def test_minimal_config_gets_defaults_and_named_edges() -> None:
         ({"local_loss": "hinge"}, r"local_loss: 'hinge'"),
         ({"strategy": {"name": "fedmagic"}}, r"strategy: 'fedmagic'"),
         ({"rounds": 0}, r"rounds: expected an integer >= 1"),
+        ({"federated_eval": 1.0}, r"federated_eval: expected the share"),
+        ({"federated_eval": True}, r"federated_eval: expected the share"),
         ({"batch_size": "32"}, r"batch_size: expected an integer"),
         ({"input_shape": [1, 0, 28]}, r"input_shape"),
         ({"run_id": "a/b"}, r"run_id: 'a/b' cannot be used in a topic"),

@@ -1,0 +1,41 @@
+"""Evaluation of an assembled model: the coordinator's held-out set and the edges' federated
+evaluation use the same function."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from split_models.data import Dataset
+from split_models.segment import Segment
+from split_models.weights import load_segment_state
+from split_models.zoo import build_model
+
+__all__ = ["evaluate_weights"]
+
+
+def evaluate_weights(
+    model_name: str,
+    input_shape: tuple[int, ...],
+    num_classes: int,
+    weights: Mapping[str, np.ndarray],
+    data: Dataset,
+    batch: int = 512,
+) -> dict[str, float]:
+    """Accuracy and mean cross-entropy of the assembled model (``weights`` of every block;
+    local heads are ignored) on ``data``, in batches of ``batch`` without autograd."""
+    model = build_model(model_name, input_shape, num_classes, seed=0)
+    whole = Segment.from_model(model, 0, model.num_blocks)
+    load_segment_state(whole, weights)
+    correct, loss = 0, 0.0
+    for begin in range(0, len(data), batch):
+        x = torch.from_numpy(data.x[begin : begin + batch])
+        y = torch.from_numpy(data.y[begin : begin + batch])
+        logits = whole.forward(x)
+        correct += int((logits.argmax(1) == y).sum())
+        loss += float(F.cross_entropy(logits, y, reduction="sum"))
+    count = max(1, len(data))
+    return {"accuracy": correct / count, "loss": loss / count}
