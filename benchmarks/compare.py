@@ -28,11 +28,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
 from _report import Report, machine
 
 from edgesplit.runtime import configure_process
+
+configure_process()  # the CLI's process settings, applied before torch loads
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
 # benchmarks/storage.py would shadow the `storage` package the simulation imports
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
@@ -109,7 +112,6 @@ def _peak(summary: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    configure_process()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path)

@@ -8,6 +8,7 @@ weights and only the remaining rounds run, numbered on from where the run stoppe
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 
 import numpy as np
@@ -45,13 +46,22 @@ def run_rounds(
         return 0
     store.set_run_status(run_id, "training")
 
+    clock = [time.monotonic()]  # when the round now running began
+
     def commit(server_round: int, arrays: ArrayRecord) -> MetricRecord:
         current = {key: value.numpy() for key, value in arrays.items()}
         metrics = evaluate(current)
         if server_round > 0:  # Flower evaluates the initial weights as round 0
             number = done + server_round
             store.open_round(run_id, number, participants)
-            store.commit_round(run_id, number, {WEIGHTS_SEGMENT: current}, evaluation=metrics)
+            store.commit_round(
+                run_id,
+                number,
+                {WEIGHTS_SEGMENT: current},
+                metrics={"wall_seconds": time.monotonic() - clock[0]},
+                evaluation=metrics,
+            )
+        clock[0] = time.monotonic()
         return MetricRecord(dict(metrics))
 
     strategy.start(
