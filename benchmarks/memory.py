@@ -29,6 +29,7 @@ configure_process()
 import torch  # noqa: E402
 
 from split_models import ModelProfile, estimate_segment_memory, format_bytes  # noqa: E402
+from split_models.measure import MEASURE_ENV  # noqa: E402
 
 # model, input shape, segments (the cuts of a three-part split)
 CASES = [
@@ -46,7 +47,7 @@ SMALL_SEGMENT = 4 * 2**20
 def measure(
     model: str, shape: tuple[int, ...], start: int, end: int, batch: int, optimizer: str
 ) -> dict[str, object]:
-    env = {**os.environ, **RUNTIME_ENV, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    env = {**os.environ, **RUNTIME_ENV, **MEASURE_ENV}
     command = [
         sys.executable,
         "-m",
@@ -86,7 +87,7 @@ def fresh_profile(model: str, shape: tuple[int, ...], batch: int) -> ModelProfil
         "linear",
         "--json",
     ]
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    env = {**os.environ, **MEASURE_ENV}
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
     return ModelProfile.from_dict(json.loads(done.stdout))
 

@@ -36,6 +36,7 @@ def profile_in_fresh_process(
     """:func:`~split_models.profiler.profile_model` of ``build_model(model, ...)`` in a child
     process; a bad model or shape raises :class:`ConfigError` with the child's message."""
     from edgesplit.runtime import RUNTIME_ENV
+    from split_models.measure import MEASURE_ENV
 
     command = [
         sys.executable,
@@ -52,7 +53,7 @@ def profile_in_fresh_process(
     if batch_size is not None:
         command += ["--batch-size", str(batch_size)]
     path = os.pathsep.join(p for p in (os.getcwd(), *sys.path) if p)
-    env = {**os.environ, **RUNTIME_ENV, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": path}
+    env = {**os.environ, **RUNTIME_ENV, **MEASURE_ENV, "PYTHONPATH": path}
     try:
         done = subprocess.run(
             command, env=env, capture_output=True, text=True, timeout=timeout, check=False
