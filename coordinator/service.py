@@ -659,7 +659,7 @@ class Coordinator:
         messages = {
             a.device: self._message(a, arrays, self._task(a), "evaluate", number) for a in edges
         }
-        replies = self._collect(messages, self.config.round_deadline_seconds / 2)
+        replies = self._collect(messages, self.config.round_deadline_seconds / 2, observed=False)
         totals = {"examples": 0.0, "accuracy": 0.0, "loss": 0.0}
         for device, reply in replies.items():
             if reply.has_error():
@@ -682,7 +682,9 @@ class Coordinator:
         log.warning("round %d attempt %d/%d failed: %s", number, attempt, self.max_attempts, reason)
         self.store.add_event(self.config.run_id, Event("round-failed", reason, round=number))
 
-    def _collect(self, messages: dict[str, Message], deadline: float) -> dict[str, Message]:
+    def _collect(
+        self, messages: dict[str, Message], deadline: float, observed: bool = True
+    ) -> dict[str, Message]:
         """Replies by device, until all came, the deadline passed, or every device still
         missing is offline (its last will arrived)."""
         ids = dict(zip(self.grid.push_messages(messages.values()), messages, strict=True))
@@ -692,7 +694,8 @@ class Coordinator:
         while len(replies) < len(messages) and time.monotonic() < until:
             for reply in self.grid.pull_messages([i for i, d in ids.items() if d not in replies]):
                 replies[ids[reply.metadata.reply_to_message_id]] = reply
-                self.observer.device_answered(ids[reply.metadata.reply_to_message_id])
+                if observed:
+                    self.observer.device_answered(ids[reply.metadata.reply_to_message_id])
             waiting = [d for d in messages if d not in replies]
             online = set(self.grid.get_node_ids())
             if waiting and not any(nodes[d] in online for d in waiting):
