@@ -10,14 +10,13 @@ round's start) and reports it with the estimate.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import logging
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -266,7 +265,9 @@ class EdgeAgent:
                 result, count = {"accuracy": 0.0, "loss": 0.0}, 0
             else:
                 weights = numpy_arrays(message)
-                slot = self.pool.slot() if self.pool is not None else contextlib.nullcontext()
+                slot: AbstractContextManager[None] = (
+                    self.pool.slot() if self.pool is not None else nullcontext()
+                )
                 with slot:  # in a simulation, as many evaluate at once as train at once
                     result = evaluate_weights(
                         task.model, task.input_shape, task.num_classes, weights, held_out, 64
