@@ -119,6 +119,7 @@ def simulate_command(args: argparse.Namespace) -> int:
         "test_data": args.test_data,
         "seed": args.seed,
         "workers": args.workers,
+        "batched": args.batched,
     }
     config = load_sim_config(args.config, overrides)
     out = Path(args.out)

@@ -18,6 +18,7 @@ import logging
 import math
 import os
 import random
+import re
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -81,6 +82,8 @@ _KEYS = set(DEFAULTS) | {
     "workers",
     "measure_memory",
     "federated_eval",
+    "batched",
+    "client_device",
 }
 
 
@@ -150,6 +153,8 @@ class SimConfig:
     availability: Availability | None = None
     workers: int = 1
     measure_memory: bool = True
+    batched: bool = False
+    client_device: str = "cpu"
 
     @property
     def method(self) -> str:
@@ -203,6 +208,12 @@ def parse_sim_config(data: object, overrides: Mapping[str, Any] | None = None) -
     measure = merged.get("measure_memory", True)
     if not isinstance(measure, bool):
         raise ConfigError(f"measure_memory: expected true or false, got {measure!r}")
+    batched = merged.get("batched", False)
+    if not isinstance(batched, bool):
+        raise ConfigError(f"batched: expected true or false, got {batched!r}")
+    device = merged.get("client_device", "cpu")
+    if not isinstance(device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?|mps", device):
+        raise ConfigError(f"client_device: expected cpu, cuda, cuda:N or mps, got {device!r}")
     rounds = merged["rounds"]
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise ConfigError(f"rounds: expected an integer >= 1, got {rounds!r}")
@@ -216,6 +227,8 @@ def parse_sim_config(data: object, overrides: Mapping[str, Any] | None = None) -
         availability=_availability(merged.get("availability"), clients, rounds),
         workers=workers,
         measure_memory=measure,
+        batched=batched,
+        client_device=device,
     )
     run_config(config, "check")  # the shared keys are validated by the run configuration
     return config
@@ -294,7 +307,12 @@ class _Fleet(RoundObserver):
         connect: Callable[..., Transport],
     ) -> None:
         self.config, self.data, self.profiles, self.connect = config, data, profiles, connect
-        self.pool: SegmentPool[Segment] = SegmentPool(config.workers)
+        self.pool: SegmentPool[Segment] = SegmentPool(
+            config.workers,
+            stacked=config.batched,
+            capacity=config.clients,
+            device=config.client_device,
+        )
         self.coordinator: Coordinator | None = None
         self._agents: dict[str, tuple[EdgeAgent, Transport, Transport]] = {}
         self._generation = 0
@@ -462,6 +480,7 @@ def simulate(
         "setup_wall_seconds": trained - started - sum(r["wall_seconds"] or 0.0 for r in rows),
         "total_simulated_seconds": sum(r["simulated_seconds"] or 0.0 for r in rows),
         "workers": config.workers,
+        "batched": fleet.pool.stack_counts if config.batched else None,
         "rounds": rows,
         "clients": clients,
     }

@@ -220,14 +220,28 @@ class EdgeAgent:
             self.check(task)
             weights = numpy_arrays(message)
             received = sum(w.nbytes for w in weights.values())
-            with self._segment(task) as segment:
-                trainer = self._trainer(task, segment)
-                load_segment_state(segment, weights)
-                segment.reset_optimizer()
-                meter = PeakMeter().start() if self.measure_peak and peak_supported() else None
-                report = trainer.train_round(round_of(message), seed=task.seed)
-                peak = meter.peak() if meter is not None else -1
-                arrays = segment_state(segment)
+            key, build = _segment_key(task), lambda: self._build_segment(task)
+            stacked = (
+                self.pool is not None
+                and task.mode != "backprop"
+                and self.pool.can_stack(key, build)
+            )
+            if stacked and self.pool is not None:  # trains together with other clients
+                with self.pool.member(key, weights) as member:
+                    trainer = self._trainer(task, member.segment)
+                    number = round_of(message)
+                    report = trainer.train_round(number, seed=task.seed, step=member.train_step)
+                    arrays, peak = member.finish(), -1
+            else:
+                with self._segment(task) as segment:
+                    trainer = self._trainer(task, segment)
+                    load_segment_state(segment, weights)
+                    segment.reset_optimizer()
+                    measure = self.measure_peak and peak_supported()
+                    meter = PeakMeter().start() if measure else None
+                    report = trainer.train_round(round_of(message), seed=task.seed)
+                    peak = meter.peak() if meter is not None else -1
+                    arrays = segment_state(segment)
             sent = report.bytes_sent + sum(a.nbytes for a in arrays.values())
             self.rounds += 1
             log.info(

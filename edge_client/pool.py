@@ -1,5 +1,10 @@
 """Built segments shared by the many clients one simulation host runs.
 
+With ``stacked``, clients whose segments can be stacked (``edge_client.stack``) do not take
+turns: each joins a slot of one :class:`~edge_client.stack.SegmentStack` for its round and
+their steps run together, one vmapped call for all the clients stepping at that moment (on
+``device``, a GPU on a GPU host).
+
 A deployment runs one edge agent a device, each holding its own built segment. A simulation runs
 hundreds of clients in one process; holding a model copy, optimizer and warm-up per client makes
 the cost grow with the number of clients instead of with the data trained. Agents are stateless
@@ -13,9 +18,15 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
-__all__ = ["SegmentPool"]
+import numpy as np
+import torch
+
+from edge_client.stack import SegmentStack, StepGroup, stackable
+from split_models.segment import Segment, StepResult
+
+__all__ = ["SegmentPool", "StackMember"]
 
 T = TypeVar("T")
 
@@ -23,10 +34,15 @@ T = TypeVar("T")
 class SegmentPool(Generic[T]):
     """``workers`` training slots and the built objects they reuse, by task key."""
 
-    def __init__(self, workers: int) -> None:
+    def __init__(
+        self, workers: int, stacked: bool = False, capacity: int = 1, device: str = "cpu"
+    ) -> None:
+        """``capacity``: how many clients may hold a slot of a stack at once."""
         if workers < 1:
             raise ValueError(f"workers: expected an integer >= 1, got {workers}")
         self.workers = workers
+        self.stacked, self.capacity, self.device = stacked, max(1, capacity), device
+        self._groups: dict[str, StepGroup | None] = {}
         self._slots = threading.BoundedSemaphore(workers)
         self._lock = threading.Lock()
         self._free: dict[str, list[T]] = {}
@@ -55,7 +71,60 @@ class SegmentPool(Generic[T]):
         with self._slots:
             yield
 
+    def can_stack(self, key: str, build: Callable[[], Segment]) -> bool:
+        """Whether clients of ``key`` train stacked (the first call builds the stack)."""
+        if not self.stacked:
+            return False
+        with self._lock:
+            if key not in self._groups:
+                template = build()
+                self._groups[key] = (
+                    StepGroup(SegmentStack(template, self.capacity, self.device))
+                    if stackable(template)
+                    else None
+                )
+            return self._groups[key] is not None
+
+    @contextmanager
+    def member(self, key: str, weights: Any) -> Iterator[StackMember]:
+        """A slot of ``key``'s stack for one client's round, loaded with ``weights``."""
+        group = self._groups.get(key)
+        if group is None:
+            raise ValueError(f"no stack for {key}; ask can_stack first")
+        member = StackMember(group, group.join(weights))
+        try:
+            yield member
+        finally:
+            member.finish()
+
+    @property
+    def stack_counts(self) -> dict[str, int]:
+        """Stacked steps run and client steps they served, over all stacks."""
+        groups = [g for g in self._groups.values() if g is not None]
+        return {
+            "calls": sum(g.calls for g in groups),
+            "client_steps": sum(g.client_steps for g in groups),
+        }
+
     def forget(self) -> None:
         """Drop every idle built object (a new task replaces the old ones)."""
         with self._lock:
             self._free.clear()
+
+
+class StackMember:
+    """One client's slot in a stack for a round."""
+
+    def __init__(self, group: StepGroup, slot: int) -> None:
+        self.group, self.slot = group, slot
+        self.segment = group.stack.segment  # blocks, head and cut: read-only here
+        self._state: dict[str, np.ndarray] | None = None
+
+    def train_step(self, inputs: torch.Tensor, labels: torch.Tensor) -> StepResult:
+        return self.group.train_step(self.slot, inputs, labels)
+
+    def finish(self) -> dict[str, np.ndarray]:
+        """Leave the stack (once); this client's weights after its round."""
+        if self._state is None:
+            self._state = self.group.leave(self.slot)
+        return self._state

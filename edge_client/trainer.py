@@ -11,13 +11,14 @@ from __future__ import annotations
 import logging
 import queue
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from split_models.data import Dataset
-from split_models.segment import Segment
+from split_models.segment import Segment, StepResult
 from wire import topics
 from wire.channel import Channel
 from wire.codec import Envelope
@@ -120,8 +121,16 @@ class EdgeTrainer:
             encoding=self.config.encoding,
         )
 
-    def train_round(self, round_number: int, seed: int = 0) -> EdgeRoundReport:
-        """``local_epochs`` passes over the local data; raises TimeoutError without credits."""
+    def train_round(
+        self,
+        round_number: int,
+        seed: int = 0,
+        step: Callable[[torch.Tensor, torch.Tensor], StepResult] | None = None,
+    ) -> EdgeRoundReport:
+        """``local_epochs`` passes over the local data; raises TimeoutError without credits.
+        ``step`` trains one batch (default: the segment's own step; a simulation host passes
+        one that trains this client together with others, see ``edge_client.stack``)."""
+        step = step or self.segment.train_step
         started, sent_before = time.perf_counter(), self.channel.stats.bytes_sent
         received_before = self.channel.stats.bytes_received
         stats = self.channel.stats
@@ -153,7 +162,7 @@ class EdgeTrainer:
                 gradient = self._gradient_for(seq, output, round_number)
                 self.segment.backward_from(output, gradient)
             else:
-                result = self.segment.train_step(inputs, labels)
+                result = step(inputs, labels)
                 self._send(result.output, labels, round_number, last)
                 losses.append(result.loss)
             examples += len(batch)

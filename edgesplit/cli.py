@@ -167,6 +167,12 @@ def _simulate_parser(commands: argparse._SubParsersAction) -> None:  # type: ign
     sim.add_argument(
         "--workers", type=int, help="clients training at once (default: one per CPU core)"
     )
+    sim.add_argument(
+        "--batched",
+        action="store_true",
+        default=None,
+        help="train clients of the same cut together, one vmapped step (see edge_client.stack)",
+    )
     sim.add_argument("-q", "--quiet", action="store_true", help="only the result table")
     sim.add_argument("-v", "--verbose", action="store_true", help="log every step")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -82,6 +83,8 @@ def test_splitfed_over_an_embedded_broker(tmp_path: Path) -> None:
         ("availability: {offline: {pi: [1]}}\n", (), "'pi' is not a client"),
         ("availability: {offline: {client-001: [9]}}\n", (), "expected a list of rounds in 1..3"),
         ("workers: 0\n", (), "workers: expected an integer >= 1"),
+        ("batched: 3\n", (), "batched: expected true or false"),
+        ("client_device: tpu\n", (), "client_device: expected cpu, cuda"),
     ],
 )
 def test_bad_simulation_configs_are_rejected_by_name(
@@ -156,4 +159,21 @@ def test_clients_offline_by_the_trace_sit_out_their_rounds(tmp_path: Path) -> No
     assert all(0 < r["federated_accuracy"] <= 1 for r in summary["rounds"])
     # without a terminal the progress display prints one line per committed round
     assert "round 2/3: accuracy" in done.stderr
+    assert summary["final_accuracy"] >= 0.8, summary["rounds"]
+
+
+def test_batched_clients_train_together_and_still_learn(tmp_path: Path) -> None:
+    pytest.importorskip("sklearn")
+    out = tmp_path / "sim"
+    done = run_cli("simulate", "--out", str(out), "--batched", "--rounds", "2", "-q")
+    assert done.returncode == 0, done.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    counts = summary["batched"]
+    # every client step ran exactly once, and stacked calls served several clients at a time
+    batches = sum(
+        c["rounds_trained"] * math.ceil(c["examples"] / c["rounds_trained"] / 32)
+        for c in summary["clients"]
+    )
+    assert counts["client_steps"] == batches
+    assert counts["calls"] < counts["client_steps"]
     assert summary["final_accuracy"] >= 0.8, summary["rounds"]

@@ -1,0 +1,108 @@
+"""Stacked client segments: each slot of a SegmentStack trains exactly as its own Segment would
+(the equivalence the batched simulation relies on), and a StepGroup serves concurrent clients."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from edge_client.stack import SegmentStack, StepGroup, stackable
+from split_models.segment import OptimizerConfig, Segment
+from split_models.weights import segment_state
+from split_models.zoo import build_model
+
+pytestmark = pytest.mark.unit
+
+SHAPES = {"cnn": (1, 8, 8), "mlp": (1, 28, 28), "resnet8": (3, 32, 32)}
+
+
+def _segments(name: str, optimizer: str, count: int) -> list[Segment]:
+    config = OptimizerConfig(optimizer, lr=0.01, weight_decay=0.01)
+    return [
+        Segment.from_model(build_model(name, SHAPES[name], 10, seed=seed), 0, 2, "linear", config)
+        for seed in range(count)
+    ]
+
+
+def _assert_same_weights(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
+    assert set(got) == set(want)
+    for key in want:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=2e-5, err_msg=key)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "sgd-momentum", "adam"])
+@pytest.mark.parametrize("model", ["cnn", "mlp"])
+def test_each_slot_trains_as_its_own_segment(model: str, optimizer: str) -> None:
+    reference = _segments(model, optimizer, 3)
+    stack = SegmentStack(_segments(model, optimizer, 4)[3], slots=4)
+    for slot, segment in enumerate(reference):
+        stack.load(slot, segment_state(segment))
+    generator = torch.Generator().manual_seed(0)
+    for step in range(3):
+        xs = torch.randn(3, 8, *SHAPES[model], generator=generator)
+        ys = torch.randint(0, 10, (3, 8), generator=generator)
+        active = [0, 2] if step == 1 else [0, 1, 2]  # slot 1 sits one step out
+        outputs, losses = stack.step(active, xs[active], ys[active])
+        for i, slot in enumerate(active):
+            want = reference[slot].train_step(xs[slot], ys[slot])
+            torch.testing.assert_close(outputs[i], want.output, atol=2e-5, rtol=1e-4)
+            assert losses[i] == pytest.approx(want.loss, rel=1e-5, abs=2e-5)
+    for slot, segment in enumerate(reference):
+        _assert_same_weights(stack.state(slot), segment_state(segment))
+
+
+def test_loading_a_slot_clears_its_optimizer_state() -> None:
+    fresh, used = _segments("cnn", "adam", 2)
+    stack = SegmentStack(_segments("cnn", "adam", 3)[2], slots=1)
+    x, y = torch.randn(1, 4, 1, 8, 8), torch.randint(0, 10, (1, 4))
+    stack.load(0, segment_state(used))
+    stack.step([0], x, y)
+    stack.load(0, segment_state(fresh))  # a new round: new weights, no moments
+    stack.step([0], x, y)
+    fresh.train_step(x[0], y[0])
+    _assert_same_weights(stack.state(0), segment_state(fresh))
+
+
+def test_segments_with_batch_norm_are_not_stacked() -> None:
+    segment = _segments("resnet8", "sgd", 1)[0]
+    assert not stackable(segment)
+    with pytest.raises(ValueError, match="BatchNorm"):
+        SegmentStack(segment, slots=2)
+
+
+def test_a_step_group_serves_concurrent_clients_of_different_lengths() -> None:
+    reference = _segments("cnn", "sgd-momentum", 3)
+    group = StepGroup(SegmentStack(_segments("cnn", "sgd-momentum", 4)[3], slots=3))
+    lengths = [4, 2, 3]  # clients finish at different steps; the others go on without them
+    generator = torch.Generator().manual_seed(1)
+    data = [
+        [
+            (torch.randn(6, 1, 8, 8, generator=generator), torch.randint(0, 10, (6,)))
+            for _ in range(n)
+        ]
+        for n in lengths
+    ]
+    slots = [group.join(segment_state(segment)) for segment in reference]
+    results: dict[int, dict[str, np.ndarray]] = {}
+
+    def client(index: int) -> None:
+        for x, y in data[index]:
+            group.train_step(slots[index], x, y)
+        results[index] = group.leave(slots[index])
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert not any(thread.is_alive() for thread in threads)
+    for index, segment in enumerate(reference):
+        for x, y in data[index]:
+            segment.train_step(x, y)
+        _assert_same_weights(results[index], segment_state(segment))
+    with pytest.raises(ValueError, match="slots are taken"):
+        for _ in range(4):
+            group.join(segment_state(reference[0]))
