@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -22,14 +21,14 @@ from pathlib import Path
 
 from _report import Report, machine
 
-from edgesplit.runtime import RUNTIME_ENV, configure_process
+from edgesplit.runtime import configure_process
 
 configure_process()
 
 import torch  # noqa: E402
 
 from split_models import ModelProfile, estimate_segment_memory, format_bytes  # noqa: E402
-from split_models.measure import MEASURE_ENV  # noqa: E402
+from split_models.measure import measure_child_env  # noqa: E402
 
 # model, input shape, segments (the cuts of a three-part split)
 CASES = [
@@ -47,7 +46,7 @@ SMALL_SEGMENT = 4 * 2**20
 def measure(
     model: str, shape: tuple[int, ...], start: int, end: int, batch: int, optimizer: str
 ) -> dict[str, object]:
-    env = {**os.environ, **RUNTIME_ENV, **MEASURE_ENV}
+    env = measure_child_env()
     command = [
         sys.executable,
         "-m",
@@ -87,7 +86,7 @@ def fresh_profile(model: str, shape: tuple[int, ...], batch: int) -> ModelProfil
         "linear",
         "--json",
     ]
-    env = {**os.environ, **MEASURE_ENV}
+    env = measure_child_env()
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
     return ModelProfile.from_dict(json.loads(done.stdout))
 

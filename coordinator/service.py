@@ -229,7 +229,6 @@ class Coordinator:
         self.grid = TransportGrid(transport)
         self._profile = profile or _profile_fresh
         self._announcements: dict[str, Announcement] = {}
-        self._traffic: dict[str, dict[str, float]] = {}  # this round's cut bytes by device
         self._lock = threading.Lock()
         self.refusals: dict[str, str] = {}
         options = dict(config.strategy_options)
@@ -592,7 +591,7 @@ class Coordinator:
                 a.device: self._message(
                     a,
                     array_record(_keys_for(weights, 0, a.end, a.end)),
-                    replace(self._task(a), segment=streams[a.device]),
+                    self._task(a, segment=streams[a.device]),
                     "train",
                     number,
                 )
@@ -614,7 +613,7 @@ class Coordinator:
             server_names = [b.device for b in servers if b.device in messages]
             self.observer.round_started(number, list(messages))
             replies = self._collect(messages, config.round_deadline_seconds)
-            results, ok = self._results(messages, replies, started)
+            results, ok, traffic = self._results(messages, replies, started)
             edges_ok = [d for d in ok if d not in server_names]
             spans = {_span(b) for b in servers if b.device in messages}
             spans_ok = {_span(b) for b in servers if b.device in ok}
@@ -638,7 +637,7 @@ class Coordinator:
                 if config.federated_eval > 0:
                     trained = [a for a in selected if a.device in edges_ok]
                     evaluation |= self._federated_evaluation(number, merged, trained)
-                self._commit(number, merged, results, evaluation, started, server_names)
+                self._commit(number, merged, results, traffic, evaluation, started, server_names)
                 return merged
             store.record_results(config.run_id, number, results)
             failed = [f"{r.device}: {r.failure}" for r in results if r.failure]
@@ -706,10 +705,11 @@ class Coordinator:
 
     def _results(
         self, messages: dict[str, Message], replies: dict[str, Message], started: float
-    ) -> tuple[list[DeviceResult], list[str]]:
+    ) -> tuple[list[DeviceResult], list[str], dict[str, dict[str, float]]]:
+        """Each device's result, the devices that trained, and their cut-layer bytes."""
         online = set(self.grid.get_node_ids())
         results, ok = [], []
-        self._traffic = {}
+        traffic: dict[str, dict[str, float]] = {}  # cut-layer bytes by device
         for device in messages:
             reply = replies.get(device)
             if reply is None:
@@ -720,7 +720,7 @@ class Coordinator:
                 results.append(DeviceResult(device, failure=(reply.error.reason or "failed")[:500]))
                 continue
             metrics = reply.content.metric_records["metrics"]
-            self._traffic[device] = {
+            traffic[device] = {
                 name.replace("-", "_"): float(metrics[name])  # type: ignore[arg-type]
                 for name in ("cut-bytes-sent", "cut-bytes-received")
                 if name in metrics
@@ -739,13 +739,14 @@ class Coordinator:
                 )
             )
             ok.append(device)
-        return results, ok
+        return results, ok, traffic
 
     def _commit(
         self,
         number: int,
         weights: dict[str, np.ndarray],
         results: list[DeviceResult],
+        traffic: Mapping[str, Mapping[str, float]],
         evaluation: dict[str, float],
         started: float,
         servers: Sequence[str],
@@ -766,7 +767,7 @@ class Coordinator:
         points += [
             MetricPoint(name, value, number, r.device)
             for r in trained
-            for name, value in self._traffic.get(r.device, {}).items()
+            for name, value in traffic.get(r.device, {}).items()
         ]
         if points:
             store.add_metrics(config.run_id, points)

@@ -471,13 +471,14 @@ def simulate(
         if fleet is not None:
             fleet.close()
         closer()
+    training = sum(r["wall_seconds"] or 0.0 for r in rows)
     summary = {
         "run_id": run_id,
         "method": config.method,
         "final_accuracy": rows[-1]["accuracy"] if rows else None,
         "total_wall_seconds": time.perf_counter() - started,
-        "training_wall_seconds": sum(r["wall_seconds"] or 0.0 for r in rows),
-        "setup_wall_seconds": trained - started - sum(r["wall_seconds"] or 0.0 for r in rows),
+        "training_wall_seconds": training,
+        "setup_wall_seconds": trained - started - training,
         "total_simulated_seconds": sum(r["simulated_seconds"] or 0.0 for r in rows),
         "workers": config.workers,
         "batched": fleet.pool.stack_counts if config.batched else None,

@@ -106,11 +106,6 @@ class SegmentPool(Generic[T]):
             "client_steps": sum(g.client_steps for g in groups),
         }
 
-    def forget(self) -> None:
-        """Drop every idle built object (a new task replaces the old ones)."""
-        with self._lock:
-            self._free.clear()
-
 
 class StackMember:
     """One client's slot in a stack for a round."""

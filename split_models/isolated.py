@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Iterable, Sequence
@@ -35,8 +34,7 @@ def profile_in_fresh_process(
 ) -> ModelProfile:
     """:func:`~split_models.profiler.profile_model` of ``build_model(model, ...)`` in a child
     process; a bad model or shape raises :class:`ConfigError` with the child's message."""
-    from edgesplit.runtime import RUNTIME_ENV
-    from split_models.measure import MEASURE_ENV
+    from split_models.measure import measure_child_env
 
     command = [
         sys.executable,
@@ -52,11 +50,14 @@ def profile_in_fresh_process(
     ]
     if batch_size is not None:
         command += ["--batch-size", str(batch_size)]
-    path = os.pathsep.join(p for p in (os.getcwd(), *sys.path) if p)
-    env = {**os.environ, **RUNTIME_ENV, **MEASURE_ENV, "PYTHONPATH": path}
     try:
         done = subprocess.run(
-            command, env=env, capture_output=True, text=True, timeout=timeout, check=False
+            command,
+            env=measure_child_env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
         )
     except subprocess.TimeoutExpired as error:
         raise ConfigError(f"profiling {model} took longer than {timeout:.0f} s") from error

@@ -21,6 +21,7 @@ from pathlib import Path
 __all__ = [
     "MEASURE_ENV",
     "PeakMeter",
+    "measure_child_env",
     "measure_in_fresh_process",
     "peak_supported",
     "release_freed_memory",
@@ -145,6 +146,15 @@ def _measure(args: argparse.Namespace) -> dict[str, object]:
     return {"runtime_bytes": runtime, "peak_bytes": max(peaks), "step_peaks": peaks}
 
 
+def measure_child_env() -> dict[str, str]:
+    """The environment of a child process that measures memory: this one's, with edgesplit's
+    runtime settings, :data:`MEASURE_ENV` and this process's import path."""
+    from edgesplit.runtime import RUNTIME_ENV
+
+    path = os.pathsep.join(p for p in (os.getcwd(), *sys.path) if p)
+    return {**os.environ, **RUNTIME_ENV, **MEASURE_ENV, "PYTHONPATH": path}
+
+
 def measure_in_fresh_process(
     model: str,
     input_shape: tuple[int, ...] | list[int],
@@ -162,8 +172,6 @@ def measure_in_fresh_process(
     where the peak cannot be measured (not Linux) or the child failed."""
     import subprocess
 
-    from edgesplit.runtime import RUNTIME_ENV
-
     if not peak_supported():
         return None
     command = [
@@ -180,11 +188,14 @@ def measure_in_fresh_process(
         f"--local-loss={local_loss}",
         f"--mode={mode}",
     ]
-    path = os.pathsep.join(p for p in (os.getcwd(), *sys.path) if p)
-    env = {**os.environ, **RUNTIME_ENV, **MEASURE_ENV, "PYTHONPATH": path}
     try:
         done = subprocess.run(
-            command, env=env, capture_output=True, text=True, timeout=timeout, check=False
+            command,
+            env=measure_child_env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
         )
         return int(json.loads(done.stdout)["peak_bytes"]) if done.returncode == 0 else None
     except (subprocess.TimeoutExpired, ValueError, KeyError):
