@@ -1,7 +1,8 @@
 """The edge's training loop: train the front segment with its local loss and stream the cut.
 
 Each batch: wait for a credit from the GPU servers, take one optimizer step on the local loss,
-send the detached activations and labels. No gradient ever comes back (local-loss mode). In
+wait until the broker has acknowledged the previous batch, send the detached activations and
+labels. No gradient ever comes back (local-loss mode). In
 ``backprop`` mode (classic SplitFed, for comparison) the edge sends the activations, waits for
 the server's gradient of them and back-propagates it through its prefix.
 """
@@ -111,6 +112,12 @@ class EdgeTrainer:
         meta: dict[str, object] = {"cut": self.segment.end, "last": last}
         if backprop:
             meta["backprop"] = True
+        # At most one batch in the transport's hands: the previous batch's message and packet
+        # are released (the broker has acknowledged them) before this one is encoded. The
+        # upload of batch k still overlaps the training step of batch k+1, but a slow uplink
+        # cannot pile up the credit window's worth of payloads on top of the step, which the
+        # plan's estimate (three payloads beyond the step) does not hold.
+        self.channel.transport.flush(self.config.credit_timeout)
         return self.channel.send(
             self.topic,
             "activations",

@@ -1,0 +1,54 @@
+"""The edge's training loop keeps at most one batch in the transport's hands."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from edge_client.trainer import EdgeTrainer, EdgeTrainerConfig
+from split_models.data import Dataset
+from split_models.segment import OptimizerConfig, Segment
+from split_models.zoo import build_model
+from wire.channel import Channel
+from wire.codec import Envelope
+from wire.flow import CreditGate
+from wire.transport import InProcessHub, InProcessTransport
+
+pytestmark = pytest.mark.unit
+
+
+class _SlowAcks(InProcessTransport):
+    """A transport whose broker acknowledges only when asked to flush (a slow uplink)."""
+
+    def __init__(self, hub: InProcessHub) -> None:
+        super().__init__(hub, "pi-01-stream")
+        self.unacknowledged = 0
+        self.held_at_publish: list[int] = []
+
+    def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
+        if "/act/" in topic:
+            self.held_at_publish.append(self.unacknowledged)
+        self.unacknowledged += 1
+        super().publish(topic, payload, retain)
+
+    def flush(self, timeout: float = 30.0) -> None:
+        self.unacknowledged = 0
+
+
+def test_a_batch_is_published_only_after_the_previous_one_was_acknowledged() -> None:
+    transport = _SlowAcks(InProcessHub())
+    channel = Channel(transport, "pi-01")
+    gate = CreditGate(channel, "run", "pi-01")
+    gate.on_credit(Envelope("credit", "run", "gpu-a", 0, round=1, meta={"credits": 100}))
+    rng = np.random.default_rng(0)
+    data = Dataset(
+        rng.normal(size=(40, 1, 8, 8)).astype(np.float32),
+        rng.integers(0, 10, size=40).astype(np.int64),
+        10,
+    )
+    model = build_model("mlp", (1, 8, 8), 10, seed=0)
+    segment = Segment.from_model(model, 0, 1, "linear", OptimizerConfig("sgd"))
+    config = EdgeTrainerConfig("run", "pi-01", "seg-0", batch_size=8, encoding="fp16")
+    report = EdgeTrainer(channel, gate, segment, data, config).train_round(1)
+    assert report.examples == 40
+    assert transport.held_at_publish == [0] * 5, transport.held_at_publish
