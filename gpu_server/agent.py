@@ -57,6 +57,8 @@ class GpuAgent:
         )
         known = self._backs.get(task.run)
         if known is None or known[0] != key:
+            if known is not None:  # re-planned: the old piece leaves its streams first (the
+                known[1].close()  # new one may subscribe to the same filters)
             model = build_model(task.model, task.input_shape, task.num_classes, seed=task.seed)
             trainer = BackTrainer(
                 Channel(self.stream, self.device),

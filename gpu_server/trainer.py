@@ -109,13 +109,21 @@ class BackTrainer:
         self._early_done: dict[tuple[int, str], int] = {}
         self._early_counts: dict[tuple[int, str], dict[str, int]] = {}
         control = frozenset({"round_control"})
-        channel.subscribe(topics.run_topic(run, "done") + "/+", self._on_done, kinds=control)
-        channel.subscribe(topics.run_topic(run, "processed") + "/+", self._on_counts, kinds=control)
-        channel.subscribe(
+        self.channel = channel
+        self._filters = (
+            topics.run_topic(run, "done") + "/+",
+            topics.run_topic(run, "processed") + "/+",
             topics.shared(group, topics.activations_filter(run, segment)),
-            self._on_batch,
-            kinds=frozenset({"activations"}),
         )
+        channel.subscribe(self._filters[0], self._on_done, kinds=control)
+        channel.subscribe(self._filters[1], self._on_counts, kinds=control)
+        channel.subscribe(self._filters[2], self._on_batch, kinds=frozenset({"activations"}))
+
+    def close(self) -> None:
+        """Leave the run's streams: a replaced trainer must not keep taking a share of the
+        activations (the broker would still deliver a shared subscription's batches to it)."""
+        for topic_filter in self._filters:
+            self.channel.transport.unsubscribe(topic_filter)
 
     @staticmethod
     def _specs(model: SplittableModel, start: int, end: int) -> dict[int, TensorSpec]:

@@ -15,6 +15,7 @@ import pytest
 from edge_client import EdgeRoundReport, EdgeTrainer, EdgeTrainerConfig
 from gpu_server import BackTrainer
 from split_models import OptimizerConfig, Segment, build_model, load_dataset, partition
+from wire import topics
 from wire.broker import Broker
 from wire.channel import Channel
 from wire.codec import Envelope, encode
@@ -133,6 +134,63 @@ def test_split_training_over_mqtt(broker: Broker) -> None:
 
     try:
         train_split(connect)
+    finally:
+        for transport in made:
+            transport.close()
+
+
+def _closed_trainer_gets_nothing(connect: Callable[[str], Transport]) -> None:
+    """A GPU server re-planned within a run replaces its trainer; the old one must leave the
+    shared activation stream, or the broker keeps handing it a share of the batches."""
+    run = f"run-{uuid.uuid4().hex[:6]}"
+    old, new = (
+        BackTrainer(
+            Channel(connect(name), "gpu-a"),
+            build_model("cnn", (1, 28, 28), 10, seed=0),
+            start=1,
+            run=run,
+            segment="seg-0",
+        )
+        for name in ("gpu-a-old", "gpu-a-new")
+    )
+    old.close()
+    new.begin_round(1, ["pi-01"])
+    edge = Channel(connect("pi-01"), "pi-01")
+    time.sleep(0.3)
+    rng = np.random.default_rng(0)
+    for _ in range(6):
+        edge.send(
+            topics.activations(run, "seg-0", "pi-01"),
+            "activations",
+            run,
+            round=1,
+            tensors={
+                "x": rng.normal(size=(4, 32, 28, 28)).astype(np.float32),
+                "y": rng.integers(0, 10, size=4),
+            },
+            meta={"cut": 1},
+        )
+    deadline = time.monotonic() + 30
+    while new.stats.batches < 6 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert (old.stats.batches, new.stats.batches) == (0, 6)
+
+
+def test_a_replaced_back_trainer_leaves_the_stream_in_process() -> None:
+    hub = InProcessHub()
+    _closed_trainer_gets_nothing(lambda name: hub.connect(name))
+
+
+def test_a_replaced_back_trainer_leaves_the_stream_over_mqtt(broker: Broker) -> None:
+    config = MqttConfig.from_url(broker.url)
+    made: list[MqttTransport] = []
+
+    def connect(name: str) -> Transport:
+        made.append(MqttTransport(config, f"{name}-{uuid.uuid4().hex[:6]}"))
+        return made[-1]
+
+    try:
+        _closed_trainer_gets_nothing(connect)
     finally:
         for transport in made:
             transport.close()
