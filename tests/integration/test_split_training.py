@@ -3,10 +3,11 @@ server, over the in-process transport and over a real mosquitto."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -124,7 +125,9 @@ def test_split_training_in_process() -> None:
     train_split(lambda name: hub.connect(name))
 
 
-def test_split_training_over_mqtt(broker: Broker) -> None:
+@contextlib.contextmanager
+def _mqtt_clients(broker: Broker) -> Iterator[Callable[[str], Transport]]:
+    """Connects named clients to ``broker``; all are closed on exit."""
     config = MqttConfig.from_url(broker.url)
     made: list[MqttTransport] = []
 
@@ -133,10 +136,15 @@ def test_split_training_over_mqtt(broker: Broker) -> None:
         return made[-1]
 
     try:
-        train_split(connect)
+        yield connect
     finally:
         for transport in made:
             transport.close()
+
+
+def test_split_training_over_mqtt(broker: Broker) -> None:
+    with _mqtt_clients(broker) as connect:
+        train_split(connect)
 
 
 def _closed_trainer_gets_nothing(connect: Callable[[str], Transport]) -> None:
@@ -182,15 +190,5 @@ def test_a_replaced_back_trainer_leaves_the_stream_in_process() -> None:
 
 
 def test_a_replaced_back_trainer_leaves_the_stream_over_mqtt(broker: Broker) -> None:
-    config = MqttConfig.from_url(broker.url)
-    made: list[MqttTransport] = []
-
-    def connect(name: str) -> Transport:
-        made.append(MqttTransport(config, f"{name}-{uuid.uuid4().hex[:6]}"))
-        return made[-1]
-
-    try:
+    with _mqtt_clients(broker) as connect:
         _closed_trainer_gets_nothing(connect)
-    finally:
-        for transport in made:
-            transport.close()
