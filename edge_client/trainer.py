@@ -128,6 +128,28 @@ class EdgeTrainer:
             encoding=self.config.encoding,
         )
 
+    def _batch(
+        self,
+        batch: np.ndarray,
+        round_number: int,
+        last: bool,
+        step: Callable[[torch.Tensor, torch.Tensor], StepResult],
+    ) -> float | None:
+        """Train and send one batch. Its tensors die with this call: the output of batch k
+        (as large as the cut activations in fp32) must not stay alive through the step of
+        batch k+1, which the plan's estimate does not hold."""
+        inputs = torch.from_numpy(self.data.x[batch])
+        labels = torch.from_numpy(self.data.y[batch])
+        if self.config.mode == "backprop":
+            output = self.segment.forward_for_backprop(inputs)
+            seq = self._send(output.detach(), labels, round_number, last, backprop=True)
+            gradient = self._gradient_for(seq, output, round_number)
+            self.segment.backward_from(output, gradient)
+            return None
+        result = step(inputs, labels)
+        self._send(result.output, labels, round_number, last)
+        return result.loss
+
     def train_round(
         self,
         round_number: int,
@@ -160,18 +182,9 @@ class EdgeTrainer:
                 raise TimeoutError(
                     f"no credit from the GPU servers within {self.config.credit_timeout:.0f} s"
                 )
-            inputs = torch.from_numpy(self.data.x[batch])
-            labels = torch.from_numpy(self.data.y[batch])
-            last = number == len(batches) - 1
-            if self.config.mode == "backprop":
-                output = self.segment.forward_for_backprop(inputs)
-                seq = self._send(output.detach(), labels, round_number, last, backprop=True)
-                gradient = self._gradient_for(seq, output, round_number)
-                self.segment.backward_from(output, gradient)
-            else:
-                result = step(inputs, labels)
-                self._send(result.output, labels, round_number, last)
-                losses.append(result.loss)
+            loss = self._batch(batch, round_number, number == len(batches) - 1, step)
+            if loss is not None:  # none in backprop mode
+                losses.append(loss)
             examples += len(batch)
         # Every GPU server hears this (a batch marked last reaches only one of them).
         self.channel.send(
