@@ -2,9 +2,9 @@
 
 Each batch: wait for a credit from the GPU servers, take one optimizer step on the local loss,
 wait until the broker has acknowledged the previous batch, send the detached activations and
-labels. No gradient ever comes back (local-loss mode). In
-``backprop`` mode (classic SplitFed, for comparison) the edge sends the activations, waits for
-the server's gradient of them and back-propagates it through its prefix.
+labels. No gradient ever comes back (local-loss mode). In ``backprop`` mode (classic SplitFed,
+for comparison) the edge sends the activations, waits for the server's gradient of them and
+back-propagates it through its prefix.
 """
 
 from __future__ import annotations

@@ -109,7 +109,6 @@ class BackTrainer:
         self._early_done: dict[tuple[int, str], int] = {}
         self._early_counts: dict[tuple[int, str], dict[str, int]] = {}
         control = frozenset({"round_control"})
-        self.channel = channel
         self._filters = (
             topics.run_topic(run, "done") + "/+",
             topics.run_topic(run, "processed") + "/+",
@@ -123,7 +122,7 @@ class BackTrainer:
         """Leave the run's streams: a replaced trainer must not keep taking a share of the
         activations (the broker would still deliver a shared subscription's batches to it)."""
         for topic_filter in self._filters:
-            self.channel.transport.unsubscribe(topic_filter)
+            self.granter.channel.transport.unsubscribe(topic_filter)
 
     @staticmethod
     def _specs(model: SplittableModel, start: int, end: int) -> dict[int, TensorSpec]:
