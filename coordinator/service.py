@@ -450,6 +450,39 @@ class Coordinator:
         shallowest = min(a.end for a in assigned)
         return plan, assigned, self._servers(profile, servers, shallowest, plan)
 
+    def _stored_plan(
+        self, edges: list[Announcement], servers: list[Announcement]
+    ) -> tuple[list[_Assignment], list[_Assignment]] | None:
+        """A resumed run's stored plan, when the same devices are online, each still announces
+        the memory its blocks need, and every edge accepts its blocks again; else None (plan
+        anew). Keeping it keeps the cuts, so the local heads trained so far stay in use."""
+        stored = self.store.get_run(self.config.run_id).plan
+        if not stored:
+            return None
+        memory = {a.device: a.memory for a in [*edges, *servers]}
+        assigned = [
+            _Assignment(e["name"], 0, e["blocks"][1], e["estimated_peak_bytes"], "edge")
+            for e in stored.get("edges", [])
+        ]
+        backs = [
+            _Assignment(s["name"], s["blocks"][0], s["blocks"][1], s["estimated_peak_bytes"], "gpu")
+            for s in stored.get("servers", [])
+        ]
+        kept = [*assigned, *backs]
+        if sorted(a.device for a in kept) != sorted(memory):
+            log.info("the devices online differ from the stored plan's: planning anew")
+            return None
+        short = [a.device for a in kept if memory[a.device] < a.estimate]
+        if short:
+            log.info("%s announce less memory than the stored plan needs: planning anew", short)
+            return None
+        refusals = self._ask(assigned)
+        if refusals:
+            log.info("edges refuse their stored blocks (%s): planning anew", sorted(refusals))
+            return None
+        log.info("resumed run %s keeps its stored plan", self.config.run_id)
+        return assigned, backs
+
     def _servers(
         self, profile: ModelProfile, servers: list[Announcement], start: int, plan: Plan
     ) -> list[_Assignment]:
@@ -510,7 +543,11 @@ class Coordinator:
         store.set_run_status(config.run_id, "planning")
         try:
             edges, servers = self.wait_for_devices()
-            plan, assigned, backs = self.plan(edges, servers)
+            kept = None if resumed is None else self._stored_plan(edges, servers)
+            if kept is not None:
+                plan, (assigned, backs) = None, kept
+            else:
+                plan, assigned, backs = self.plan(edges, servers)
         except (CoordinatorError, SplitError) as error:
             store.set_run_status(config.run_id, "failed")
             store.add_event(config.run_id, Event("planning-failed", str(error)))

@@ -123,6 +123,45 @@ def test_an_edge_that_refuses_is_replanned_within_the_budget_it_reports(
     assert store.get_run("svc-1").status == "finished"
 
 
+def test_a_resumed_run_keeps_its_stored_plan_while_its_devices_still_fit(
+    tmp_path: Path, store: RunStore, profile: ModelProfile
+) -> None:
+    memory = Problem.build(profile, PartitionConfig(batch_size=16, optimizer="adam")).edge_memory
+    deepest = max(range(1, len(memory) - 1), key=lambda s: memory[s])
+    shallow = min(range(1, len(memory) - 1), key=lambda s: memory[s])
+    profiled: list[str] = []
+
+    def profile_once(_config: RunConfig) -> ModelProfile:
+        profiled.append("profile")
+        return profile
+
+    runs = [config(tmp_path, rounds=rounds) for rounds in (1, 2, 3)]  # writes the edges' data
+    roomy = {name: memory[deepest] + 1024 for name in EDGES}
+    hub = InProcessHub()
+    start_fleet(hub, tmp_path, roomy, {})
+    first = Coordinator(runs[0], store, hub.connect("c1"), profile=profile_once)
+    assert first.run() == 1
+    planned = store.get_run("svc-1")
+    assert planned.plan is not None and planned.plan_version == 1
+
+    # restarted with the same devices: same plan, no new profile, the remaining round trains
+    again = Coordinator(runs[1], store, hub.connect("c2"), profile=profile_once)
+    assert again.run() == 1
+    kept = store.get_run("svc-1")
+    assert (kept.plan_version, kept.plan, profiled) == (1, planned.plan, ["profile"])
+
+    # restarted after pi-01 lost memory: its stored blocks no longer fit, so plan anew
+    hub = InProcessHub()
+    start_fleet(hub, tmp_path, {**roomy, "pi-01": memory[shallow] + 1024}, {})
+    third = Coordinator(runs[2], store, hub.connect("c3"), profile=profile_once)
+    assert third.run() == 1
+    replanned = store.get_run("svc-1")
+    assert replanned.plan_version == 2 and len(profiled) == 2
+    blocks = {edge["name"]: edge["blocks"] for edge in (replanned.plan or {})["edges"]}
+    assert memory[blocks["pi-01"][1]] <= memory[shallow] + 1024, blocks
+    assert replanned.status == "finished"
+
+
 @pytest.mark.parametrize("mode", ["local-loss", "backprop"])
 def test_modes_train_the_assembled_model(
     tmp_path: Path, store: RunStore, profile: ModelProfile, mode: str
