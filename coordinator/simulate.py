@@ -332,9 +332,7 @@ class _Fleet(RoundObserver):
 
     def _stop(self, name: str) -> None:
         _agent, control, stream = self._agents.pop(name)
-        will = node_will(node_id_for(name), name)
-        control.publish(will.topic, will.payload, will.retain)  # what the broker would do
-        control.close()
+        control.kill()  # the broker publishes its will: the coordinator sees it leave
         stream.close()
 
     def round_starting(self, number: int) -> None:

@@ -87,6 +87,11 @@ class Transport(abc.ABC):
     def close(self) -> None:
         """Disconnect cleanly (the will is not published)."""
 
+    @abc.abstractmethod
+    def kill(self) -> None:
+        """Vanish without a clean disconnect, as a crash would: the broker publishes the
+        will (a simulated client going offline, fault tests)."""
+
     def _check_size(self, payload: bytes) -> None:
         if len(payload) > self.max_payload:
             raise TransportError(

@@ -140,15 +140,20 @@ def test_fedavg_flags_clients_the_whole_model_does_not_fit(tmp_path: Path) -> No
     assert "does not fit its budget" in done.stdout
 
 
-def test_clients_offline_by_the_trace_sit_out_their_rounds(tmp_path: Path) -> None:
+@pytest.mark.parametrize("transport", ["in-process", "mqtt"])
+def test_clients_offline_by_the_trace_sit_out_their_rounds(
+    tmp_path: Path, transport: str, request: pytest.FixtureRequest
+) -> None:
     pytest.importorskip("sklearn")
+    # over MQTT a client going offline drops its connection and the broker publishes its will
+    broker = request.getfixturevalue("broker").url if transport == "mqtt" else "none"
     config = tmp_path / "sim.yaml"
     config.write_text(
         "rounds: 3\nworkers: 1\nmeasure_memory: false\nfederated_eval: 0.2\n"
         "availability: {offline: {client-001: [2], client-003: [2, 3]}}\n"
     )
     out = tmp_path / "sim"
-    done = run_cli("simulate", "--config", str(config), "--out", str(out))
+    done = run_cli("simulate", "--config", str(config), "--out", str(out), "--broker", broker)
     assert done.returncode == 0, done.stderr
     summary = json.loads((out / "summary.json").read_text())
     assert [r["participants"] for r in summary["rounds"]] == [4, 2, 3]

@@ -74,7 +74,7 @@ class TransportContract:
         observer = connect("observer")
         observer.subscribe(topics.presence(device), watcher)
         assert watcher.wait(1) == [(topics.presence(device), b"online")]  # retained
-        agent.kill()  # type: ignore[attr-defined]
+        agent.kill()
         assert watcher.wait(2, timeout=60)[-1] == (topics.presence(device), b"offline")
         late = Inbox()
         connect("late").subscribe(topics.presence(device), late)
