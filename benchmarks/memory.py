@@ -15,8 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 from _report import Report, machine
@@ -28,7 +26,7 @@ configure_process()
 import torch  # noqa: E402
 
 from split_models import ModelProfile, estimate_segment_memory, format_bytes  # noqa: E402
-from split_models.measure import measure_child_env  # noqa: E402
+from split_models.measure import run_measuring_child  # noqa: E402
 
 # model, input shape, segments (the cuts of a three-part split)
 CASES = [
@@ -46,48 +44,46 @@ SMALL_SEGMENT = 4 * 2**20
 def measure(
     model: str, shape: tuple[int, ...], start: int, end: int, batch: int, optimizer: str
 ) -> dict[str, object]:
-    env = measure_child_env()
-    command = [
-        sys.executable,
-        "-m",
-        "split_models.measure",
-        "--model",
-        model,
-        "--input-shape",
-        ",".join(map(str, shape)),
-        "--start",
-        str(start),
-        "--end",
-        str(end),
-        "--batch-size",
-        str(batch),
-        "--optimizer",
-        optimizer,
-    ]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+    done = run_measuring_child(
+        [
+            "split_models.measure",
+            "--model",
+            model,
+            "--input-shape",
+            ",".join(map(str, shape)),
+            "--start",
+            str(start),
+            "--end",
+            str(end),
+            "--batch-size",
+            str(batch),
+            "--optimizer",
+            optimizer,
+        ]
+    )
+    done.check_returncode()
     return json.loads(done.stdout)  # type: ignore[no-any-return]
 
 
 def fresh_profile(model: str, shape: tuple[int, ...], batch: int) -> ModelProfile:
     """Profile in a new process, as the coordinator does: kernels that an earlier profile in
     the same process generated would hide this model's one-time kernel setup."""
-    command = [
-        sys.executable,
-        "-m",
-        "edgesplit",
-        "profile",
-        "--model",
-        model,
-        "--input-shape",
-        ",".join(map(str, shape)),
-        "--batch-size",
-        str(batch),
-        "--local-loss",
-        "linear",
-        "--json",
-    ]
-    env = measure_child_env()
-    done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+    done = run_measuring_child(
+        [
+            "edgesplit",
+            "profile",
+            "--model",
+            model,
+            "--input-shape",
+            ",".join(map(str, shape)),
+            "--batch-size",
+            str(batch),
+            "--local-loss",
+            "linear",
+            "--json",
+        ]
+    )
+    done.check_returncode()
     return ModelProfile.from_dict(json.loads(done.stdout))
 
 

@@ -34,11 +34,9 @@ def profile_in_fresh_process(
 ) -> ModelProfile:
     """:func:`~split_models.profiler.profile_model` of ``build_model(model, ...)`` in a child
     process; a bad model or shape raises :class:`ConfigError` with the child's message."""
-    from split_models.measure import measure_child_env
+    from split_models.measure import run_measuring_child
 
-    command = [
-        sys.executable,
-        "-m",
+    arguments = [
         "split_models.isolated",
         "--model",
         model,
@@ -49,16 +47,9 @@ def profile_in_fresh_process(
         *(f"--local-loss={kind}" for kind in local_losses),
     ]
     if batch_size is not None:
-        command += ["--batch-size", str(batch_size)]
+        arguments += ["--batch-size", str(batch_size)]
     try:
-        done = subprocess.run(
-            command,
-            env=measure_child_env(),
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=False,
-        )
+        done = run_measuring_child(arguments, timeout)
     except subprocess.TimeoutExpired as error:
         raise ConfigError(f"profiling {model} took longer than {timeout:.0f} s") from error
     if done.returncode == _ERROR_EXIT:

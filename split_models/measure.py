@@ -14,6 +14,7 @@ import ctypes.util
 import gc
 import json
 import os
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ __all__ = [
     "peak_supported",
     "release_freed_memory",
     "resident_bytes",
+    "run_measuring_child",
 ]
 
 _STATUS = Path("/proc/self/status")
@@ -155,6 +157,21 @@ def measure_child_env() -> dict[str, str]:
     return {**os.environ, **RUNTIME_ENV, **MEASURE_ENV, "PYTHONPATH": path}
 
 
+def run_measuring_child(
+    arguments: list[str], timeout: float | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m ARGUMENTS`` in a child process with :func:`measure_child_env`, its
+    output captured as text; the caller judges the exit code (``TimeoutExpired`` passes)."""
+    return subprocess.run(
+        [sys.executable, "-m", *arguments],
+        env=measure_child_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
 def measure_in_fresh_process(
     model: str,
     input_shape: tuple[int, ...] | list[int],
@@ -170,13 +187,9 @@ def measure_in_fresh_process(
     """The measured peak bytes of training blocks ``[start, end)`` for a few steps, in a child
     process started for it (a long-running process's heap hides part of the peak); ``None``
     where the peak cannot be measured (not Linux) or the child failed."""
-    import subprocess
-
     if not peak_supported():
         return None
-    command = [
-        sys.executable,
-        "-m",
+    arguments = [
         "split_models.measure",
         f"--model={model}",
         "--input-shape=" + ",".join(str(int(d)) for d in input_shape),
@@ -189,14 +202,7 @@ def measure_in_fresh_process(
         f"--mode={mode}",
     ]
     try:
-        done = subprocess.run(
-            command,
-            env=measure_child_env(),
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=False,
-        )
+        done = run_measuring_child(arguments, timeout)
         return int(json.loads(done.stdout)["peak_bytes"]) if done.returncode == 0 else None
     except (subprocess.TimeoutExpired, ValueError, KeyError):
         return None
