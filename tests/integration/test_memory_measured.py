@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-from edgesplit.runtime import RUNTIME_ENV
 from split_models import estimate_segment_memory
 from split_models.errors import ConfigError
 from split_models.isolated import profile_in_fresh_process
-from split_models.measure import peak_supported
+from split_models.measure import peak_supported, run_measuring_child
 
 pytestmark = [
     pytest.mark.integration,
@@ -26,11 +22,9 @@ def test_estimate_is_within_15_percent_of_measured_peak(start: int, end: int, ba
     # profiled in a fresh process: this one's heap holds whatever earlier tests freed
     profile = profile_in_fresh_process("cnn", (1, 28, 28), 10, ("linear",), batch)
     estimate = estimate_segment_memory(profile, start, end, batch, "sgd-momentum").total
-    env = {**os.environ, **RUNTIME_ENV, "MALLOC_MMAP_THRESHOLD_": "65536"}
-    done = subprocess.run(
+    # measured as benchmarks/memory.py does: a fresh process with the measurement allocator
+    done = run_measuring_child(
         [
-            sys.executable,
-            "-m",
             "split_models.measure",
             "--model",
             "cnn",
@@ -41,12 +35,9 @@ def test_estimate_is_within_15_percent_of_measured_peak(start: int, end: int, ba
             "--batch-size",
             str(batch),
         ],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
         timeout=300,
     )
+    done.check_returncode()
     measured = json.loads(done.stdout)["peak_bytes"]
     error = (estimate - measured) / measured
     assert -0.10 <= error <= 0.15, f"estimate {estimate} vs measured {measured}: {error:+.1%}"
