@@ -27,11 +27,13 @@ def _tensors(round_number: int) -> dict[str, dict[str, np.ndarray]]:
     }
 
 
-def _commit_forever(database: Path) -> None:
-    """Child process: open the store and commit rounds until killed."""
+def _commit_forever(database: Path, ready: int) -> None:
+    """Child process: open the store and commit rounds until killed; writes to ``ready`` once
+    the store is open, so the parent's kill lands among commits, not during start-up."""
     with open_store(str(database)) as store:
         run = store.get_run("crash")
         number = (run.current_round or 0) + 1
+        os.write(ready, b"1")
         while True:
             store.open_round("crash", number, ["pi-01"])
             store.commit_round(
@@ -51,12 +53,17 @@ def test_sigkill_during_commits_leaves_a_consistent_resumable_store(tmp_path: Pa
     rng = random.Random(0)
     survived, last_round = 0, 0
     for _ in range(KILLS):
+        read_end, write_end = os.pipe()
         child = os.fork()
         if child == 0:  # pragma: no cover - the child never returns
             try:
-                _commit_forever(database)
+                os.close(read_end)
+                _commit_forever(database, write_end)
             finally:
                 os._exit(1)
+        os.close(write_end)
+        assert os.read(read_end, 1) == b"1", "the child could not open the store"
+        os.close(read_end)
         time.sleep(rng.uniform(0.005, 0.08))
         os.kill(child, signal.SIGKILL)
         os.waitpid(child, 0)
