@@ -11,7 +11,7 @@ from typing import Any
 from sqlalchemy import Engine, create_engine, event, func, select
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session, selectinload, sessionmaker
 
 from storage.base import RunStore, validate_result
 from storage.checkpoints import CheckpointFiles
@@ -430,7 +430,14 @@ class SqlRunStore(RunStore):
                         f"run {run.id!r}: current round {run.current_round} but "
                         f"last committed round is {committed}"
                     )
-            for row in session.scalars(select(RoundRow).where(RoundRow.state == "committed")):
+            # One query for all rounds' checkpoints, not one per round: a run of a few hundred
+            # rounds took 0.2-0.4 s to check with lazy loading.
+            committed_rounds = (
+                select(RoundRow)
+                .where(RoundRow.state == "committed")
+                .options(selectinload(RoundRow.checkpoints))
+            )
+            for row in session.scalars(committed_rounds):
                 kinds = {c.kind for c in row.checkpoints}
                 if "weights" not in kinds:
                     problems.append(

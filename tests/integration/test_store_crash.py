@@ -16,6 +16,10 @@ from storage import open_store
 pytestmark = pytest.mark.integration
 
 KILLS = 200
+# Hashing every checkpoint file ever written after every kill made the test quadratic (over two
+# minutes); the newest round's contents are checked after every kill through resume() anyway,
+# and every checkpoint's existence and size by the shallow check.
+DEEP_CHECK_EVERY = 20
 SEGMENTS = ("edge-0-2", "server-2-6")
 
 
@@ -52,7 +56,7 @@ def test_sigkill_during_commits_leaves_a_consistent_resumable_store(tmp_path: Pa
         store.create_run("crash", {"model": "cnn"}, seed=0)
     rng = random.Random(0)
     survived, last_round = 0, 0
-    for _ in range(KILLS):
+    for kill in range(1, KILLS + 1):
         read_end, write_end = os.pipe()
         child = os.fork()
         if child == 0:  # pragma: no cover - the child never returns
@@ -67,8 +71,9 @@ def test_sigkill_during_commits_leaves_a_consistent_resumable_store(tmp_path: Pa
         time.sleep(rng.uniform(0.005, 0.08))
         os.kill(child, signal.SIGKILL)
         os.waitpid(child, 0)
+        deep = kill % DEEP_CHECK_EVERY == 0
         with open_store(str(database)) as store:
-            assert store.integrity_problems(deep=True) == []
+            assert store.integrity_problems(deep=deep) == []
             state = store.resume("crash")
             if state is not None:
                 number = state.round.number
@@ -79,7 +84,8 @@ def test_sigkill_during_commits_leaves_a_consistent_resumable_store(tmp_path: Pa
                 assert state.round.metrics == {"loss": 1.0 / number}
                 last_round = number
             store.collect_garbage(older_than_seconds=0)
-            assert store.integrity_problems(deep=True) == []
+            if deep:  # garbage collection removed nothing a committed round refers to
+                assert store.integrity_problems(deep=True) == []
         survived += 1
     print(f"\nstore crash test: {survived} SIGKILLs survived, {last_round} rounds committed")
     assert survived == KILLS and last_round > 10
