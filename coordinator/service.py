@@ -1,7 +1,9 @@
 """The coordinator service: one run from device discovery to the last committed round.
 
 1. Create the run in the store, or resume it (same run id, committed rounds): its last
-   committed weights become the starting point and only the remaining rounds run.
+   committed weights become the starting point and only the remaining rounds run. Each process
+   announces a new session id (retained, :mod:`wire.session`), so devices still waiting inside
+   a round of a crashed predecessor give it up instead of waiting for its deadline.
 2. Wait for the declared devices: each announces its capabilities (retained) and keeps a Flower
    node online; after ``devices.wait`` the coordinator stops with a message naming who is missing.
 3. Plan: profile the model in a fresh process, split it over the devices' memory and speed
@@ -56,6 +58,7 @@ from wire import topics
 from wire.errors import WireError
 from wire.flower import TransportGrid, array_record
 from wire.roles import Announcement, Task, node_id_for
+from wire.session import new_session
 from wire.transport import Transport
 
 __all__ = [
@@ -227,6 +230,7 @@ class Coordinator:
         self.observer = observer or RoundObserver()
         self.max_attempts = max_attempts
         self.grid = TransportGrid(transport)
+        self.session = new_session()  # devices drop work an earlier process asked for
         self._profile = profile or _profile_fresh
         self._announcements: dict[str, Announcement] = {}
         self._lock = threading.Lock()
@@ -336,7 +340,9 @@ class Coordinator:
         forward: str | None = None,
     ) -> Task:
         config = self.config
-        extra: dict[str, Any] = {"servers": list(servers)} if servers else {}
+        extra: dict[str, Any] = {"session": self.session}
+        if servers:
+            extra["servers"] = list(servers)
         if forward is not None:
             extra["next"] = forward
         if assignment.role == "edge" and config.federated_eval > 0:
@@ -534,6 +540,8 @@ class Coordinator:
             log.info("resuming run %s after round %s", config.run_id, run.current_round or 0)
         except NotFoundError:
             store.create_run(config.run_id, config.to_dict(), config.seed)
+        # Before any message: devices still inside a round of a crashed predecessor give it up.
+        self.transport.publish(topics.coordinator(config.run_id), self.session.encode(), True)
         resumed = store.resume(config.run_id)
         done = 0 if resumed is None else resumed.round.number
         if done >= config.rounds:

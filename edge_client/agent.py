@@ -15,16 +15,16 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
-from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from edge_client.pool import SegmentPool
-from edge_client.trainer import EdgeTrainer, EdgeTrainerConfig
+from edge_client.trainer import EdgeTrainer, EdgeTrainerConfig, RoundAbandoned
 from split_models.data import Dataset
 from split_models.evaluation import evaluate_weights
 from split_models.measure import PeakMeter, peak_supported
@@ -38,6 +38,7 @@ from wire.codec import Envelope, encode
 from wire.flow import CreditGate
 from wire.flower import array_record, numpy_arrays, round_of
 from wire.roles import Announcement, Task, go_online
+from wire.session import SessionWatch
 from wire.transport import Transport
 
 __all__ = ["AssignmentRefused", "EdgeAgent"]
@@ -99,6 +100,7 @@ class EdgeAgent:
         # (simulation runs many agents in one process and turns it off).
         self.measure_peak = measure_peak
         self.channel = Channel(stream, self.device)
+        self.sessions = SessionWatch(stream)
         self._gates: dict[str, CreditGate] = {}
         self._gates_lock = threading.Lock()
         self._built: _Built | None = None
@@ -215,61 +217,16 @@ class EdgeAgent:
 
         @app.train()
         def train(message: Message, _context: Context) -> Message:
-            started = time.perf_counter()
             task = Task.parse(str(message.content.config_records["config"]["task"]))
             self.check(task)
-            weights = numpy_arrays(message)
-            received = sum(w.nbytes for w in weights.values())
-            key, build = _segment_key(task), lambda: self._build_segment(task)
-            stacked = (
-                self.pool is not None
-                and task.mode != "backprop"
-                and self.pool.can_stack(key, build)
-            )
-            if stacked and self.pool is not None:  # trains together with other clients
-                with self.pool.member(key, weights) as member:
-                    trainer = self._trainer(task, member.segment)
-                    number = round_of(message)
-                    report = trainer.train_round(number, seed=task.seed, step=member.train_step)
-                    arrays, peak = member.finish(), -1
-            else:
-                with self._segment(task) as segment:
-                    trainer = self._trainer(task, segment)
-                    load_segment_state(segment, weights)
-                    segment.reset_optimizer()
-                    measure = self.measure_peak and peak_supported()
-                    meter = PeakMeter().start() if measure else None
-                    report = trainer.train_round(round_of(message), seed=task.seed)
-                    peak = meter.peak() if meter is not None else -1
-                    arrays = segment_state(segment)
-            sent = report.bytes_sent + sum(a.nbytes for a in arrays.values())
-            self.rounds += 1
-            log.info(
-                "round %d: %d examples, loss %.4f, peak %s (estimate %s, budget %s)",
-                round_of(message),
-                report.examples,
-                report.mean_loss,
-                format_bytes(peak) if peak >= 0 else "not measured",
-                format_bytes(task.estimated_peak_bytes),
-                format_bytes(self.budget),
-            )
-            metrics = MetricRecord(
-                {
-                    "num-examples": report.examples,
-                    "loss": report.mean_loss,
-                    "bytes-sent": sent,
-                    "bytes-received": received + report.bytes_received,
-                    "cut-bytes-received": report.cut_bytes_received,
-                    "cut-bytes-sent": report.cut_bytes_sent,
-                    "peak-memory": peak,
-                    "estimated-peak": task.estimated_peak_bytes,
-                    "budget": self.budget,
-                    "credit-wait-seconds": report.credit_wait_seconds,
-                    "wall-seconds": time.perf_counter() - started,
-                }
-            )
-            content = RecordDict({"arrays": array_record(arrays), "metrics": metrics})
-            return Message(content, reply_to=message)
+            session = task.extra.get("session")
+            session = str(session) if session is not None else None
+            self.sessions.watch(task.run)
+            try:
+                return self._train(message, task, lambda: self.sessions.replaced(task.run, session))
+            except RoundAbandoned as abandoned:
+                log.warning("%s", abandoned)
+                return Message(Error(code=2, reason=str(abandoned)), reply_to=message)
 
         @app.evaluate()
         def evaluate(message: Message, _context: Context) -> Message:
@@ -291,3 +248,59 @@ class EdgeAgent:
             return Message(RecordDict({"metrics": metrics}), reply_to=message)
 
         return app
+
+    def _train(self, message: Message, task: Task, cancelled: Callable[[], bool]) -> Message:
+        """Train one round of ``task``; ``cancelled`` turns true when its session is replaced."""
+        started = time.perf_counter()
+        weights = numpy_arrays(message)
+        received = sum(w.nbytes for w in weights.values())
+        key, build = _segment_key(task), lambda: self._build_segment(task)
+        stacked = (
+            self.pool is not None and task.mode != "backprop" and self.pool.can_stack(key, build)
+        )
+        if stacked and self.pool is not None:  # trains together with other clients
+            with self.pool.member(key, weights) as member:
+                trainer = self._trainer(task, member.segment)
+                number = round_of(message)
+                report = trainer.train_round(
+                    number, seed=task.seed, step=member.train_step, cancelled=cancelled
+                )
+                arrays, peak = member.finish(), -1
+        else:
+            with self._segment(task) as segment:
+                trainer = self._trainer(task, segment)
+                load_segment_state(segment, weights)
+                segment.reset_optimizer()
+                measure = self.measure_peak and peak_supported()
+                meter = PeakMeter().start() if measure else None
+                report = trainer.train_round(round_of(message), seed=task.seed, cancelled=cancelled)
+                peak = meter.peak() if meter is not None else -1
+                arrays = segment_state(segment)
+        sent = report.bytes_sent + sum(a.nbytes for a in arrays.values())
+        self.rounds += 1
+        log.info(
+            "round %d: %d examples, loss %.4f, peak %s (estimate %s, budget %s)",
+            round_of(message),
+            report.examples,
+            report.mean_loss,
+            format_bytes(peak) if peak >= 0 else "not measured",
+            format_bytes(task.estimated_peak_bytes),
+            format_bytes(self.budget),
+        )
+        metrics = MetricRecord(
+            {
+                "num-examples": report.examples,
+                "loss": report.mean_loss,
+                "bytes-sent": sent,
+                "bytes-received": received + report.bytes_received,
+                "cut-bytes-received": report.cut_bytes_received,
+                "cut-bytes-sent": report.cut_bytes_sent,
+                "peak-memory": peak,
+                "estimated-peak": task.estimated_peak_bytes,
+                "budget": self.budget,
+                "credit-wait-seconds": report.credit_wait_seconds,
+                "wall-seconds": time.perf_counter() - started,
+            }
+        )
+        content = RecordDict({"arrays": array_record(arrays), "metrics": metrics})
+        return Message(content, reply_to=message)

@@ -25,9 +25,14 @@ from wire.channel import Channel
 from wire.codec import Envelope
 from wire.flow import CreditGate
 
-__all__ = ["EdgeRoundReport", "EdgeTrainer", "EdgeTrainerConfig"]
+__all__ = ["EdgeRoundReport", "EdgeTrainer", "EdgeTrainerConfig", "RoundAbandoned"]
 
 log = logging.getLogger(__name__)
+_POLL = 0.1
+
+
+class RoundAbandoned(RuntimeError):
+    """The coordinator that asked for this round was replaced; nobody waits for its end."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,7 @@ class EdgeTrainer:
         self.data, self.config = data, config
         self.topic = topics.activations(config.run, config.segment, config.device)
         self._gradients: queue.Queue[Envelope] = queue.Queue()
+        self._cancelled: Callable[[], bool] | None = None
         self.rejected_gradients = 0
         if config.mode == "backprop":
             channel.subscribe(
@@ -86,9 +92,10 @@ class EdgeTrainer:
         deadline = time.monotonic() + self.config.credit_timeout
         while (remaining := deadline - time.monotonic()) > 0:
             try:
-                envelope = self._gradients.get(timeout=remaining)
+                envelope = self._gradients.get(timeout=min(remaining, _POLL))
             except queue.Empty:
-                break
+                self._check_cancelled(round_number)
+                continue
             gradient = envelope.tensors.get("g")
             if envelope.meta.get("seq") != seq or envelope.round != round_number:
                 continue  # a gradient of an earlier batch or attempt
@@ -100,6 +107,12 @@ class EdgeTrainer:
         raise TimeoutError(
             f"no gradient from the GPU servers within {self.config.credit_timeout:.0f} s"
         )
+
+    def _check_cancelled(self, round_number: int) -> None:
+        if self._cancelled is not None and self._cancelled():
+            raise RoundAbandoned(
+                f"round {round_number} abandoned: the coordinator that asked for it was replaced"
+            )
 
     def _send(
         self,
@@ -155,10 +168,14 @@ class EdgeTrainer:
         round_number: int,
         seed: int = 0,
         step: Callable[[torch.Tensor, torch.Tensor], StepResult] | None = None,
+        cancelled: Callable[[], bool] | None = None,
     ) -> EdgeRoundReport:
         """``local_epochs`` passes over the local data; raises TimeoutError without credits.
         ``step`` trains one batch (default: the segment's own step; a simulation host passes
-        one that trains this client together with others, see ``edge_client.stack``)."""
+        one that trains this client together with others, see ``edge_client.stack``).
+        ``cancelled`` is asked while waiting for the servers; when it turns true the round
+        ends with :class:`RoundAbandoned`."""
+        self._cancelled = cancelled
         step = step or self.segment.train_step
         started, sent_before = time.perf_counter(), self.channel.stats.bytes_sent
         received_before = self.channel.stats.bytes_received
@@ -178,7 +195,8 @@ class EdgeTrainer:
             for begin in range(0, len(order), self.config.batch_size)
         ]
         for number, batch in enumerate(batches):
-            if not self.gate.acquire(self.config.credit_timeout):
+            if not self.gate.acquire(self.config.credit_timeout, cancelled):
+                self._check_cancelled(round_number)
                 raise TimeoutError(
                     f"no credit from the GPU servers within {self.config.credit_timeout:.0f} s"
                 )

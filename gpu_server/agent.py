@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 
-from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from gpu_server.trainer import BackTrainer
@@ -22,6 +22,7 @@ from split_models.zoo import build_model
 from wire.channel import Channel
 from wire.flower import array_record, numpy_arrays, round_of
 from wire.roles import Announcement, Task, go_online
+from wire.session import SessionWatch
 from wire.transport import Transport
 
 __all__ = ["GpuAgent", "server_wait_seconds"]
@@ -44,6 +45,7 @@ class GpuAgent:
         self.announcement = announcement
         self.device = announcement.device
         self.stream = stream
+        self.sessions = SessionWatch(stream)
         self._backs: dict[str, tuple[str, BackTrainer]] = {}  # run -> (task key, trainer)
         self.node = go_online(announcement, control, self.client_app())
 
@@ -90,8 +92,20 @@ class GpuAgent:
             peers = (
                 [str(s) for s in servers if s != self.device] if isinstance(servers, list) else []
             )
+            session = task.extra.get("session")
+            session = str(session) if session is not None else None
+            self.sessions.watch(task.run)
+
+            def cancelled() -> bool:
+                return self.sessions.replaced(task.run, session)
+
             back.begin_round(number, task.edges, weights, peers=peers)
-            examples, loss = back.wait_round(task.edges, server_wait_seconds(task.deadline_seconds))
+            wait = server_wait_seconds(task.deadline_seconds)
+            examples, loss = back.wait_round(task.edges, wait, cancelled)
+            if cancelled():
+                reason = f"round {number} abandoned: the coordinator that asked for it was replaced"
+                log.warning("%s", reason)
+                return Message(Error(code=2, reason=reason), reply_to=message)
             finished = sorted(back.finished)
             late = sorted(set(task.edges) - set(finished))
             if late:

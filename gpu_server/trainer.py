@@ -18,7 +18,7 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -178,13 +178,21 @@ class BackTrainer:
         for device in self._senders:
             self.granter.open(device, round_number)
 
-    def wait_round(self, devices: Iterable[str], timeout: float) -> tuple[int, float]:
-        """Block until every device sent its last batch of the round (or the timeout passes);
-        return the examples trained in the round and their mean loss."""
+    def wait_round(
+        self,
+        devices: Iterable[str],
+        timeout: float,
+        cancelled: Callable[[], bool] | None = None,
+    ) -> tuple[int, float]:
+        """Block until every device sent its last batch of the round (or the timeout passes,
+        or ``cancelled()`` turns true); return the examples trained in the round and their
+        mean loss."""
         wanted = set(devices)
         deadline = time.monotonic() + timeout
         with self._round_done:
             while not wanted <= self._finished and time.monotonic() < deadline:
+                if cancelled is not None and cancelled():
+                    break
                 self._round_done.wait(0.1)
             losses = self._round_losses
             return self._round_examples, float(np.mean(losses)) if losses else float("nan")

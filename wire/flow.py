@@ -75,13 +75,18 @@ class CreditGate:
         with self._condition:
             return self._credits
 
-    def acquire(self, timeout: float | None = None) -> bool:
-        """Take one credit, waiting up to ``timeout`` seconds; False if none came."""
+    def acquire(
+        self, timeout: float | None = None, cancelled: Callable[[], bool] | None = None
+    ) -> bool:
+        """Take one credit, waiting up to ``timeout`` seconds; False if none came, or at once
+        when ``cancelled()`` turns true while waiting (the round was abandoned)."""
         started = self._clock()
         with self._condition:
             while self._credits == 0:
                 remaining = None if timeout is None else timeout - (self._clock() - started)
                 if remaining is not None and remaining <= 0:
+                    return False
+                if cancelled is not None and cancelled():
                     return False
                 # Short waits: a grant wakes us at once, and the (injectable) clock decides
                 # when the timeout has passed.

@@ -13,6 +13,7 @@ __all__ = [
     "activations_filter",
     "capabilities",
     "check_name",
+    "coordinator",
     "credit",
     "credit_filter",
     "done",
@@ -67,6 +68,11 @@ def credit(run: str, device: str) -> str:
 def gradients(run: str, device: str) -> str:
     """Backprop mode: the gradient of ``device``'s cut activations, server -> edge."""
     return run_topic(run, "grad", device)
+
+
+def coordinator(run: str) -> str:
+    """Retained: the session id of the coordinator process driving ``run`` (wire.session)."""
+    return run_topic(run, "coordinator")
 
 
 def done(run: str, device: str) -> str:

@@ -88,6 +88,10 @@ def test_coordinator_killed_twice_resumes_and_finishes(
         assert status["status"] == "finished"
         assert [r["state"] for r in status["rounds"]] == ["committed"] * 3
         assert "resuming run e2e-1 after round 1" in deployment.log("coordinator")
+        for name in [*EDGES, "gpu-a"]:  # a round the killed process began was given up at
+            log = deployment.log(name)  # once, not waited out to its deadline
+            assert "no credit from the GPU servers within" not in log, log
+            assert "no last batch from" not in log, log
     finally:
         deployment.stop()
 

@@ -1,0 +1,125 @@
+"""Coordinator sessions: a device gives up a round that a replaced coordinator asked for."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from edge_client.trainer import EdgeTrainer, EdgeTrainerConfig, RoundAbandoned
+from split_models.data import Dataset
+from split_models.segment import OptimizerConfig, Segment
+from split_models.zoo import build_model
+from wire import topics
+from wire.channel import Channel
+from wire.flow import CreditGate
+from wire.session import SessionWatch, new_session
+from wire.transport import InProcessHub, InProcessTransport
+
+pytestmark = pytest.mark.unit
+
+
+def _watch(hub: InProcessHub, run: str = "run") -> SessionWatch:
+    watch = SessionWatch(InProcessTransport(hub, "device"))
+    watch.watch(run)
+    return watch
+
+
+def _announce(hub: InProcessHub, session: str | bytes, run: str = "run") -> None:
+    payload = session.encode() if isinstance(session, str) else session
+    InProcessTransport(hub, "coordinator").publish(topics.coordinator(run), payload, retain=True)
+
+
+def _until(condition: object, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:  # type: ignore[operator]
+        time.sleep(0.01)
+
+
+def test_session_ids_order_by_start_time() -> None:
+    early, late = new_session(lambda: 1_000), new_session(lambda: 2_000)
+    assert early < late
+    assert new_session(lambda: 9) < new_session(lambda: 10)  # fixed width, not text order
+    assert len({new_session(lambda: 5) for _ in range(20)}) > 1  # random tail
+
+
+def test_only_a_newer_session_replaces_a_task() -> None:
+    hub = InProcessHub()
+    old, new = new_session(lambda: 100), new_session(lambda: 200)
+    _announce(hub, old)
+    watch = _watch(hub)  # the retained announcement arrives on subscribing
+    _until(lambda: watch.replaced("run", new_session(lambda: 50)))
+    assert watch.replaced("run", new_session(lambda: 50))
+    assert not watch.replaced("run", old)
+    assert not watch.replaced("run", new)  # a task that overtook its announcement
+    assert not watch.replaced("run", None)  # work without a session is never abandoned
+    assert not watch.replaced("other-run", old)
+    _announce(hub, new)
+    _until(lambda: watch.replaced("run", old))
+    assert watch.replaced("run", old) and not watch.replaced("run", new)
+    _announce(hub, new_session(lambda: 150))  # an older id arriving late changes nothing
+    time.sleep(0.1)
+    assert not watch.replaced("run", new)
+
+
+@pytest.mark.parametrize("payload", [b"not-a-session", b"\xff" * 30, b"0" * 1000, b""])
+def test_bad_announcements_are_dropped(payload: bytes, caplog: pytest.LogCaptureFixture) -> None:
+    hub = InProcessHub()
+    watch = _watch(hub)
+    _announce(hub, payload)
+    _announce(hub, new_session(lambda: 300))  # delivered in order, after the bad one
+    _until(lambda: watch.replaced("run", new_session(lambda: 1)))
+    assert watch.replaced("run", new_session(lambda: 1))
+    assert not watch.replaced("run", new_session(lambda: 300 + 1))
+    if payload:
+        assert "dropped a bad coordinator session" in caplog.text
+
+
+def test_a_gate_stops_waiting_when_cancelled() -> None:
+    gate = CreditGate(Channel(InProcessTransport(InProcessHub(), "e"), "e"), "run", "e")
+    cancel = threading.Event()
+    threading.Timer(0.2, cancel.set).start()
+    started = time.monotonic()
+    assert gate.acquire(60.0, cancel.is_set) is False
+    assert time.monotonic() - started < 30.0  # long before the timeout
+
+
+def _trainer(hub: InProcessHub, credit_timeout: float) -> EdgeTrainer:
+    channel = Channel(InProcessTransport(hub, "pi-01"), "pi-01")
+    gate = CreditGate(channel, "run", "pi-01")  # no GPU server: no credit ever comes
+    rng = np.random.default_rng(0)
+    data = Dataset(
+        rng.normal(size=(16, 1, 8, 8)).astype(np.float32),
+        rng.integers(0, 10, size=16).astype(np.int64),
+        10,
+    )
+    segment = Segment.from_model(
+        build_model("mlp", (1, 8, 8), 10, seed=0), 0, 1, "linear", OptimizerConfig("sgd")
+    )
+    config = EdgeTrainerConfig("run", "pi-01", "seg-0", batch_size=8, credit_timeout=credit_timeout)
+    return EdgeTrainer(channel, gate, segment, data, config)
+
+
+def test_an_edge_gives_up_a_round_of_a_replaced_coordinator() -> None:
+    hub = InProcessHub()
+    mine = new_session(lambda: 100)
+    _announce(hub, mine)
+    watch = _watch(hub)
+    trainer = _trainer(hub, credit_timeout=60.0)
+    threading.Timer(0.3, lambda: _announce(hub, new_session(lambda: 200))).start()
+    started = time.monotonic()
+    with pytest.raises(RoundAbandoned, match="round 3 abandoned"):
+        trainer.train_round(3, cancelled=lambda: watch.replaced("run", mine))
+    assert time.monotonic() - started < 30.0
+
+
+def test_an_edge_of_the_current_session_still_times_out() -> None:
+    hub = InProcessHub()
+    mine = new_session(lambda: 100)
+    _announce(hub, mine)
+    watch = _watch(hub)
+    trainer = _trainer(hub, credit_timeout=0.3)
+    with pytest.raises(TimeoutError, match="no credit"):
+        trainer.train_round(1, cancelled=lambda: watch.replaced("run", mine))
