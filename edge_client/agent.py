@@ -219,11 +219,11 @@ class EdgeAgent:
         def train(message: Message, _context: Context) -> Message:
             task = Task.parse(str(message.content.config_records["config"]["task"]))
             self.check(task)
-            session = task.extra.get("session")
-            session = str(session) if session is not None else None
             self.sessions.watch(task.run)
             try:
-                return self._train(message, task, lambda: self.sessions.replaced(task.run, session))
+                return self._train(
+                    message, task, lambda: self.sessions.replaced(task.run, task.session)
+                )
             except RoundAbandoned as abandoned:
                 log.warning("%s", abandoned)
                 return Message(Error(code=2, reason=str(abandoned)), reply_to=message)

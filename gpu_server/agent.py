@@ -92,12 +92,10 @@ class GpuAgent:
             peers = (
                 [str(s) for s in servers if s != self.device] if isinstance(servers, list) else []
             )
-            session = task.extra.get("session")
-            session = str(session) if session is not None else None
             self.sessions.watch(task.run)
 
             def cancelled() -> bool:
-                return self.sessions.replaced(task.run, session)
+                return self.sessions.replaced(task.run, task.session)
 
             back.begin_round(number, task.edges, weights, peers=peers)
             wait = server_wait_seconds(task.deadline_seconds)

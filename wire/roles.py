@@ -134,6 +134,12 @@ class Task:
     segment: str = "seg-0"
     extra: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def session(self) -> str | None:
+        """The session of the coordinator that asked for this task (``wire.session``)."""
+        session = self.extra.get("session")
+        return None if session is None else str(session)
+
     def to_json(self) -> str:
         data = asdict(self)
         data["input_shape"] = list(self.input_shape)
