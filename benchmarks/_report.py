@@ -8,7 +8,15 @@ from pathlib import Path
 
 
 def machine() -> str:
-    return f"{platform.machine()}, {os.cpu_count()} cores"
+    """The machine in a few words, with the instruction set torch's kernels use: the same
+    model can need different memory on another ISA (oneDNN generates different kernels)."""
+    text = f"{platform.machine()}, {os.cpu_count()} cores"
+    try:
+        import torch
+
+        return f"{text}, torch CPU capability {torch.backends.cpu.get_cpu_capability()}"
+    except (ImportError, AttributeError):
+        return text
 
 
 class Report:
