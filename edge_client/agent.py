@@ -24,7 +24,7 @@ from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, Record
 from flwr.clientapp import ClientApp
 
 from edge_client.pool import SegmentPool
-from edge_client.trainer import EdgeTrainer, EdgeTrainerConfig, RoundAbandoned
+from edge_client.trainer import EdgeTrainer, EdgeTrainerConfig
 from split_models.data import Dataset
 from split_models.evaluation import evaluate_weights
 from split_models.measure import PeakMeter, peak_supported
@@ -38,7 +38,7 @@ from wire.codec import Envelope, encode
 from wire.flow import CreditGate
 from wire.flower import array_record, numpy_arrays, round_of
 from wire.roles import Announcement, Task, go_online
-from wire.session import SessionWatch
+from wire.session import RoundAbandoned, SessionWatch
 from wire.transport import Transport
 
 __all__ = ["AssignmentRefused", "EdgeAgent"]
@@ -219,11 +219,8 @@ class EdgeAgent:
         def train(message: Message, _context: Context) -> Message:
             task = Task.parse(str(message.content.config_records["config"]["task"]))
             self.check(task)
-            self.sessions.watch(task.run)
             try:
-                return self._train(
-                    message, task, lambda: self.sessions.replaced(task.run, task.session)
-                )
+                return self._train(message, task, self.sessions.follow(task.run, task.session))
             except RoundAbandoned as abandoned:
                 log.warning("%s", abandoned)
                 return Message(Error(code=2, reason=str(abandoned)), reply_to=message)

@@ -24,15 +24,12 @@ from wire import topics
 from wire.channel import Channel
 from wire.codec import Envelope
 from wire.flow import CreditGate
+from wire.session import RoundAbandoned
 
-__all__ = ["EdgeRoundReport", "EdgeTrainer", "EdgeTrainerConfig", "RoundAbandoned"]
+__all__ = ["EdgeRoundReport", "EdgeTrainer", "EdgeTrainerConfig"]
 
 log = logging.getLogger(__name__)
 _POLL = 0.1
-
-
-class RoundAbandoned(RuntimeError):
-    """The coordinator that asked for this round was replaced; nobody waits for its end."""
 
 
 @dataclass(frozen=True)
@@ -77,7 +74,6 @@ class EdgeTrainer:
         self.data, self.config = data, config
         self.topic = topics.activations(config.run, config.segment, config.device)
         self._gradients: queue.Queue[Envelope] = queue.Queue()
-        self._cancelled: Callable[[], bool] | None = None
         self.rejected_gradients = 0
         if config.mode == "backprop":
             channel.subscribe(
@@ -86,7 +82,13 @@ class EdgeTrainer:
                 kinds=frozenset({"gradients"}),
             )
 
-    def _gradient_for(self, seq: int, output: torch.Tensor, round_number: int) -> torch.Tensor:
+    def _gradient_for(
+        self,
+        seq: int,
+        output: torch.Tensor,
+        round_number: int,
+        cancelled: Callable[[], bool] | None,
+    ) -> torch.Tensor:
         """Wait for the server's gradient of batch ``seq``; others (a retried round's, or a
         malformed one) are dropped with a count."""
         deadline = time.monotonic() + self.config.credit_timeout
@@ -94,7 +96,7 @@ class EdgeTrainer:
             try:
                 envelope = self._gradients.get(timeout=min(remaining, _POLL))
             except queue.Empty:
-                self._check_cancelled(round_number)
+                _check(cancelled, round_number)
                 continue
             gradient = envelope.tensors.get("g")
             if envelope.meta.get("seq") != seq or envelope.round != round_number:
@@ -107,12 +109,6 @@ class EdgeTrainer:
         raise TimeoutError(
             f"no gradient from the GPU servers within {self.config.credit_timeout:.0f} s"
         )
-
-    def _check_cancelled(self, round_number: int) -> None:
-        if self._cancelled is not None and self._cancelled():
-            raise RoundAbandoned(
-                f"round {round_number} abandoned: the coordinator that asked for it was replaced"
-            )
 
     def _send(
         self,
@@ -147,6 +143,7 @@ class EdgeTrainer:
         round_number: int,
         last: bool,
         step: Callable[[torch.Tensor, torch.Tensor], StepResult],
+        cancelled: Callable[[], bool] | None = None,
     ) -> float | None:
         """Train and send one batch. Its tensors die with this call: the output of batch k
         (as large as the cut activations in fp32) must not stay alive through the step of
@@ -156,7 +153,7 @@ class EdgeTrainer:
         if self.config.mode == "backprop":
             output = self.segment.forward_for_backprop(inputs)
             seq = self._send(output.detach(), labels, round_number, last, backprop=True)
-            gradient = self._gradient_for(seq, output, round_number)
+            gradient = self._gradient_for(seq, output, round_number, cancelled)
             self.segment.backward_from(output, gradient)
             return None
         result = step(inputs, labels)
@@ -175,7 +172,6 @@ class EdgeTrainer:
         one that trains this client together with others, see ``edge_client.stack``).
         ``cancelled`` is asked while waiting for the servers; when it turns true the round
         ends with :class:`RoundAbandoned`."""
-        self._cancelled = cancelled
         step = step or self.segment.train_step
         started, sent_before = time.perf_counter(), self.channel.stats.bytes_sent
         received_before = self.channel.stats.bytes_received
@@ -196,11 +192,12 @@ class EdgeTrainer:
         ]
         for number, batch in enumerate(batches):
             if not self.gate.acquire(self.config.credit_timeout, cancelled):
-                self._check_cancelled(round_number)
+                _check(cancelled, round_number)
                 raise TimeoutError(
                     f"no credit from the GPU servers within {self.config.credit_timeout:.0f} s"
                 )
-            loss = self._batch(batch, round_number, number == len(batches) - 1, step)
+            last = number == len(batches) - 1
+            loss = self._batch(batch, round_number, last, step, cancelled)
             if loss is not None:  # none in backprop mode
                 losses.append(loss)
             examples += len(batch)
@@ -223,3 +220,8 @@ class EdgeTrainer:
             credit_wait_seconds=self.gate.waited_seconds - waited_before,
             wall_seconds=time.perf_counter() - started,
         )
+
+
+def _check(cancelled: Callable[[], bool] | None, round_number: int) -> None:
+    if cancelled is not None and cancelled():
+        raise RoundAbandoned(round_number)

@@ -22,7 +22,7 @@ from split_models.zoo import build_model
 from wire.channel import Channel
 from wire.flower import array_record, numpy_arrays, round_of
 from wire.roles import Announcement, Task, go_online
-from wire.session import SessionWatch
+from wire.session import RoundAbandoned, SessionWatch
 from wire.transport import Transport
 
 __all__ = ["GpuAgent", "server_wait_seconds"]
@@ -92,18 +92,14 @@ class GpuAgent:
             peers = (
                 [str(s) for s in servers if s != self.device] if isinstance(servers, list) else []
             )
-            self.sessions.watch(task.run)
-
-            def cancelled() -> bool:
-                return self.sessions.replaced(task.run, task.session)
-
+            cancelled = self.sessions.follow(task.run, task.session)
             back.begin_round(number, task.edges, weights, peers=peers)
             wait = server_wait_seconds(task.deadline_seconds)
             examples, loss = back.wait_round(task.edges, wait, cancelled)
             if cancelled():
-                reason = f"round {number} abandoned: the coordinator that asked for it was replaced"
-                log.warning("%s", reason)
-                return Message(Error(code=2, reason=reason), reply_to=message)
+                abandoned = RoundAbandoned(number)
+                log.warning("%s", abandoned)
+                return Message(Error(code=2, reason=str(abandoned)), reply_to=message)
             finished = sorted(back.finished)
             late = sorted(set(task.edges) - set(finished))
             if late:

@@ -22,10 +22,19 @@ from collections.abc import Callable
 from wire import topics
 from wire.transport import Transport
 
-__all__ = ["SessionWatch", "new_session"]
+__all__ = ["RoundAbandoned", "SessionWatch", "new_session"]
 
 log = logging.getLogger(__name__)
 _SESSION = re.compile(r"^[0-9a-f]{16}-[0-9a-f]{8}$")
+
+
+class RoundAbandoned(RuntimeError):
+    """The coordinator that asked for this round was replaced; nobody waits for its end."""
+
+    def __init__(self, round_number: int) -> None:
+        super().__init__(
+            f"round {round_number} abandoned: the coordinator that asked for it was replaced"
+        )
 
 
 def new_session(clock: Callable[[], int] = time.time_ns) -> str:
@@ -61,6 +70,12 @@ class SessionWatch:
         with self._lock:
             if text > self._newest.get(run, ""):
                 self._newest[run] = text
+
+    def follow(self, run: str, session: str | None) -> Callable[[], bool]:
+        """Watch ``run`` and return the question a device waiting in a round of ``session``
+        asks: has a newer session replaced it?"""
+        self.watch(run)
+        return lambda: self.replaced(run, session)
 
     def replaced(self, run: str, session: str | None) -> bool:
         """Whether a coordinator session newer than ``session`` has announced itself for

@@ -8,14 +8,14 @@ import time
 import numpy as np
 import pytest
 
-from edge_client.trainer import EdgeTrainer, EdgeTrainerConfig, RoundAbandoned
+from edge_client.trainer import EdgeTrainer, EdgeTrainerConfig
 from split_models.data import Dataset
 from split_models.segment import OptimizerConfig, Segment
 from split_models.zoo import build_model
 from wire import topics
 from wire.channel import Channel
 from wire.flow import CreditGate
-from wire.session import SessionWatch, new_session
+from wire.session import RoundAbandoned, SessionWatch, new_session
 from wire.transport import InProcessHub, InProcessTransport
 
 pytestmark = pytest.mark.unit
