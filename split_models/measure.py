@@ -5,15 +5,19 @@ resident size by writing ``5`` to ``/proc/self/clear_refs``. Run with
 ``MALLOC_MMAP_THRESHOLD_=65536`` so freed tensors go back to the kernel and the mark follows
 tensor lifetimes (``tracemalloc`` sees nothing of torch's allocations).
 
-The kernel raises the mark from an approximate count: it keeps a process's resident pages in
-per-CPU counters that are folded into the total in batches of 32 pages, and when an unmap raises
-``VmHWM`` it uses that folded total, not the exact sum that ``VmRSS`` shows. Taking ``VmRSS`` at
-the start as the baseline therefore under-read every peak by what was still unfolded then:
-18-93 pages (72-372 KiB) in fresh processes on Linux 6.18 with 2 CPUs, a different amount in
-every process and the same through one process. :class:`PeakMeter` measures that lag when it
-starts (:func:`counter_lag`: touch and unmap a region of known size) and lowers its baseline by
-it. What is left is the part of the last 32-page batch not yet folded at the peak (a region of
-N pages now reads N - N mod 32 pages, the same in every process; test
+The kernel keeps a process's resident pages in per-CPU counters that it folds into a total in
+batches of 32 pages. ``VmRSS`` is the exact sum, but the high-water mark is raised (at every unmap)
+and reset (by ``clear_refs``) from the folded total alone, and ``VmHWM`` shows the larger of that
+mark and the exact ``VmRSS`` now. The two counts differ by what is unfolded: 18-93 pages (72-372
+KiB) in fresh processes on Linux 6.18 with 2 CPUs, a different amount in every process and the
+same through one process (unmapping regions on every CPU did not fold it away). A meter that
+takes the exact size as its baseline under-reads every peak an unmap recorded by that much; one
+that takes the folded total over-reads by as much every peak still resident when it is read (a
+small block's training pass read 28, 104 and 164 KiB in three processes). :class:`PeakMeter`
+measures the lag when it starts (:func:`counter_lag`: touch and unmap a region of known size)
+and takes each reading against the baseline of the count it came from. What is left is the part
+of the last 32-page batch not yet folded at the peak: a region of N pages reads N - N mod 32
+pages when an unmap recorded its peak and N while it is still mapped (test
 ``tests/unit/test_peak_meter.py``).
 """
 
@@ -70,11 +74,33 @@ def release_freed_memory(threshold: int = 65536) -> bool:
         return False
 
 
-def _status_bytes(field: str) -> int:
+def trim_heap() -> bool:
+    """Give the heap's free pages back to the kernel, wherever they are in it (glibc's
+    ``malloc_trim``), so that what a measured step allocates is counted as the pages it needs,
+    not hidden in holes that earlier work left resident; whether it could."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+        return True
+    except (OSError, AttributeError):
+        return False
+
+
+def _status_fields(*fields: str) -> tuple[int, ...]:
+    """Fields of ``/proc/self/status`` in bytes, from one reading of it."""
+    found = {}
     for line in _STATUS.read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise OSError(f"{field} not found in {_STATUS}")
+        name, _, value = line.partition(":")
+        if name in fields:
+            found[name] = int(value.split()[0]) * 1024
+    missing = [f for f in fields if f not in found]
+    if missing:
+        raise OSError(f"{', '.join(missing)} not found in {_STATUS}")
+    return tuple(found[f] for f in fields)
+
+
+def _status_bytes(field: str) -> int:
+    return _status_fields(field)[0]
 
 
 def resident_bytes() -> int:
@@ -130,20 +156,33 @@ def counter_lag() -> int:
 
 @dataclass
 class PeakMeter:
-    """Measures the peak resident bytes above the level at ``start()``."""
+    """Measures the peak resident bytes above the level at ``start()``.
+
+    ``baseline`` is the exact resident size at the start (lower it to count memory that exists
+    before the start as part of the peak); ``lag`` is what the kernel's folded count was behind
+    it then.
+    """
 
     baseline: int = 0
+    lag: int = 0
 
     def start(self) -> PeakMeter:
-        # The baseline is the kernel's own approximate count now, so a later reading of the
-        # high-water mark (also taken from that count) does not carry its lag.
-        self.baseline = resident_bytes() - counter_lag()
+        trim_heap()
+        self.lag = counter_lag()
+        self.baseline = resident_bytes()
         _clear_peak()
         return self
 
     def peak(self) -> int:
         """Peak resident bytes since ``start()``, minus the baseline at ``start()``."""
-        return max(0, _status_bytes("VmHWM") - self.baseline)
+        mark, resident = _status_fields("VmHWM", "VmRSS")
+        now = resident - self.baseline
+        if mark > resident:  # an unmap raised the mark, from the folded count
+            return max(0, now, mark - (self.baseline - self.lag))
+        # The exact size now is the largest the kernel shows. A mark below it, lower by less
+        # than the lag, could still stand for a higher peak; that cannot be seen, so this reads
+        # at most the lag short in that case, never over.
+        return max(0, now)
 
 
 def _measure(args: argparse.Namespace) -> dict[str, object]:
