@@ -23,7 +23,7 @@ class Report:
     """Prints the header at once and each row as it is measured (long runs show progress)."""
 
     def __init__(self, header: str) -> None:
-        self.header, self.rows = header, []
+        self.header, self.rows = header, list[str]()
         print(header, flush=True)
 
     def row(self, text: str) -> None:

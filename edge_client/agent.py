@@ -271,7 +271,10 @@ class EdgeAgent:
                 measure = self.measure_peak and peak_supported()
                 meter = PeakMeter().start() if measure else None
                 report = trainer.train_round(round_of(message), seed=task.seed, cancelled=cancelled)
-                peak = meter.peak() if meter is not None else -1
+                peak = -1
+                if meter is not None:
+                    peak = meter.peak()
+                    meter.close()
                 arrays = segment_state(segment)
         sent = report.bytes_sent + sum(a.nbytes for a in arrays.values())
         self.rounds += 1

@@ -14,11 +14,11 @@ same through one process (unmapping regions on every CPU did not fold it away). 
 takes the exact size as its baseline under-reads every peak an unmap recorded by that much; one
 that takes the folded total over-reads by as much every peak still resident when it is read (a
 small block's training pass read 28, 104 and 164 KiB in three processes). :class:`PeakMeter`
-measures the lag when it starts (:func:`counter_lag`: touch and unmap a region of known size)
-and takes each reading against the baseline of the count it came from. What is left is the part
-of the last 32-page batch not yet folded at the peak: a region of N pages reads N - N mod 32
-pages when an unmap recorded its peak and N while it is still mapped (test
-``tests/unit/test_peak_meter.py``).
+measures the lag when it starts (:func:`counter_lag`: touch and unmap a region of known size),
+takes each reading against the baseline of the count it came from, and keeps a mark hidden below
+the exact size from being lost (see the class). What is left is the part of the last 32-page
+batch not yet folded at the peak: a region of N pages reads N - N mod 32 pages when an unmap
+recorded its peak and N while it is still mapped (test ``tests/unit/test_peak_meter.py``).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import mmap
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = [
@@ -154,6 +154,13 @@ def counter_lag() -> int:
     return exact + pages * mmap.PAGESIZE - _status_bytes("VmHWM")
 
 
+def _touched(pages: int) -> mmap.mmap:
+    region = mmap.mmap(-1, pages * mmap.PAGESIZE)
+    for index in range(pages):
+        region[index * mmap.PAGESIZE] = 1
+    return region
+
+
 @dataclass
 class PeakMeter:
     """Measures the peak resident bytes above the level at ``start()``.
@@ -161,28 +168,62 @@ class PeakMeter:
     ``baseline`` is the exact resident size at the start (lower it to count memory that exists
     before the start as part of the peak); ``lag`` is what the kernel's folded count was behind
     it then.
+
+    A mark the kernel raised from its folded count is hidden while the exact size now is above
+    it: a step whose memory stays resident (weights, gradients, optimizer state) hides the part
+    of its peak that was freed again whenever that part is smaller than the lag (a segment that
+    peaked 230 KiB above what it kept read 1.6 instead of 1.8 MiB, with a lag of 240-264 KiB).
+    So the meter holds a ballast region, larger than the lag, from before its baseline; a
+    reading unmaps it, which raises the mark from the folded count now and lowers the exact
+    size below the mark, then maps it again. :meth:`close` (or leaving a ``with`` block) unmaps
+    it for good; a meter started while another one's ballast is still mapped reads that ballast
+    short when it goes.
     """
 
     baseline: int = 0
     lag: int = 0
+    _ballast: mmap.mmap | None = field(default=None, repr=False)
 
     def start(self) -> PeakMeter:
         trim_heap()
         self.lag = counter_lag()
+        self._ballast = _touched(self._ballast_pages())
         self.baseline = resident_bytes()
         _clear_peak()
         return self
 
+    def close(self) -> None:
+        """Unmap the ballast; the meter reads nothing after this."""
+        if self._ballast is not None:
+            self._ballast.close()
+            self._ballast = None
+
+    def __enter__(self) -> PeakMeter:
+        return self.start()
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    def _ballast_pages(self) -> int:
+        # Whole fold batches (the unmap then leaves this CPU's count as it was), above the lag
+        # by what a step can leave unfolded on the CPUs it runs on (three counters each).
+        batch_bytes = _FOLD_BATCH * mmap.PAGESIZE
+        cpus = min(len(os.sched_getaffinity(0)), 4)
+        return _FOLD_BATCH * (-(-max(0, self.lag) // batch_bytes) + 3 * cpus)
+
     def peak(self) -> int:
         """Peak resident bytes since ``start()``, minus the baseline at ``start()``."""
+        ballast = 0
+        if self._ballast is not None:
+            ballast = len(self._ballast)
+            self._ballast.close()
         mark, resident = _status_fields("VmHWM", "VmRSS")
-        now = resident - self.baseline
-        if mark > resident:  # an unmap raised the mark, from the folded count
+        if ballast:
+            self._ballast = _touched(ballast // mmap.PAGESIZE)
+        now = resident + ballast - self.baseline
+        if mark > resident:  # the mark, raised from the folded count
             return max(0, now, mark - (self.baseline - self.lag))
-        # The exact size now is the largest the kernel shows. A mark below it, lower by less
-        # than the lag, could still stand for a higher peak; that cannot be seen, so this reads
-        # at most the lag short in that case, never over.
-        return max(0, now)
+        return max(0, now)  # a mark hidden below the exact size (a meter never started)
 
 
 def _measure(args: argparse.Namespace) -> dict[str, object]:
@@ -223,17 +264,17 @@ def _measure(args: argparse.Namespace) -> dict[str, object]:
     # part of the peak, as the estimate does, by lowering the baseline by their size.
     resident = sum(t.numel() * t.element_size() for t in segment.state_tensors())
     resident += inputs.numel() * inputs.element_size() + labels.numel() * labels.element_size()
-    meter = PeakMeter().start()
-    meter.baseline -= resident
     peaks = []
-    for _ in range(args.steps):
-        if args.mode == "backprop":  # the gradient arrives from the next segment
-            output = segment.forward_for_backprop(inputs)
-            segment.backward_from(output, torch.ones_like(output) / output.numel())
-            del output
-        else:
-            segment.train_step(inputs, labels)
-        peaks.append(meter.peak())
+    with PeakMeter() as meter:
+        meter.baseline -= resident
+        for _ in range(args.steps):
+            if args.mode == "backprop":  # the gradient arrives from the next segment
+                output = segment.forward_for_backprop(inputs)
+                segment.backward_from(output, torch.ones_like(output) / output.numel())
+                del output
+            else:
+                segment.train_step(inputs, labels)
+            peaks.append(meter.peak())
     return {"runtime_bytes": runtime, "peak_bytes": max(peaks), "step_peaks": peaks}
 
 

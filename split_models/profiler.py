@@ -10,7 +10,7 @@ The working set of backward (gradient buffers, kernel workspaces) depends on the
 is measured too: on Linux the block runs forward and backward alone at two batch sizes while the
 process's resident high-water mark is tracked, and the per-sample slope is kept. The first pass at
 a new batch size also leaves kernels and caches resident (oneDNN generates code per shape); that
-is measured as the difference between a first and a repeated pass. Where none of this can be
+is measured as the growth of the exact resident size over that pass. Where none of this can be
 measured, three times the largest activation stands in for the working set.
 """
 
@@ -27,7 +27,13 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from split_models.heads import LOCAL_LOSSES, make_head
-from split_models.measure import PeakMeter, peak_supported, release_freed_memory
+from split_models.measure import (
+    PeakMeter,
+    peak_supported,
+    release_freed_memory,
+    resident_bytes,
+    trim_heap,
+)
 from split_models.zoo import SplittableModel
 
 __all__ = ["BlockProfile", "ModelProfile", "profile_model", "profile_module"]
@@ -62,6 +68,7 @@ class BlockProfile:
     first_backward_bytes: int = 0  # the same two when the input needs no gradient (segment start)
     first_backward_fixed_bytes: int = 0
     kernel_setup_bytes: int = 0  # left resident by the first pass at the profiled batch size
+    first_kernel_setup_bytes: int = 0  # the same when the input needs no gradient
     summary: str = ""
 
     @classmethod
@@ -186,16 +193,26 @@ class _Pass:
         module = copy.deepcopy(self.module)
         inputs = torch.randn(batch, *self.shape, requires_grad=self.input_grad)
         weight = torch.randn(batch, *self.out_shape)
-        meter = PeakMeter().start()
-        (module(inputs) * weight).sum().backward()
-        return meter.peak()
+        with PeakMeter() as meter:
+            (module(inputs) * weight).sum().backward()
+            return meter.peak()
 
-    def first_and_repeat(self, batch: int) -> tuple[int, int]:
-        """The first pass at ``batch`` and the steady state after it: the least of three
-        repeats, since what disturbs a reading (heap pages touched for the first time, the
-        meter's own objects) only adds to it."""
-        first = self.peak(batch)
-        return first, min(self.peak(batch) for _ in range(3))
+    def repeat(self, batch: int) -> int:
+        """The steady-state pass at ``batch`` (after a first one): the largest of three. The
+        meter reads a peak short by the part of its last 32-page batch the kernel had not folded
+        yet (0-124 KiB, differing from pass to pass); the heap is trimmed before each pass, so
+        no pass reads high by reusing or growing it."""
+        return max(self.peak(batch) for _ in range(3))
+
+    def setup(self, batch: int) -> int:
+        """Bytes the first pass at ``batch`` leaves resident: kernels generated and cached for
+        that shape. Read from the exact resident size before and after; a difference of peaks
+        would carry the meter's error twice and miss what is cached after the pass's peak."""
+        trim_heap()
+        before = resident_bytes()
+        self.peak(batch)
+        trim_heap()
+        return max(0, resident_bytes() - before)
 
 
 def _probe_batches(
@@ -231,15 +248,14 @@ def _training_pass(
     passes.peak(_WARM_UP_BATCH)  # lazily loaded code is runtime, measured separately
     small, large = _probe_batches(shape, out_shape, batch)
     target = batch or large
-    first, repeat = passes.first_and_repeat(target)
-    # Setup made per input shape recurs for every new shape; one-time runtime initialisation
-    # does not. Of two unseen shapes, the smaller first-minus-repeat is the per-shape part.
-    other_first, other_repeat = passes.first_and_repeat(target + 1)
-    setup = max(0, min(first - repeat, other_first - other_repeat))
-    at = {target: repeat}
+    # One-time runtime initialisation happened in the warm-up pass; what the first pass at the
+    # planned batch leaves is made for that shape, as the first real step at it makes it.
+    setup = passes.setup(target)
+    at = {target: passes.repeat(target)}
     for size in (small, large):
         if size not in at:
-            at[size] = passes.first_and_repeat(size)[1]
+            passes.peak(size)  # its kernels are made here, not in the steady state
+            at[size] = passes.repeat(size)
     slope = (at[large] - at[small]) // (large - small)
     # Anchor the line at the planned batch, where the pass was measured directly: buffers of
     # BLAS kernels do not grow linearly, so extrapolating from the probe sizes would drift.
@@ -269,11 +285,13 @@ def profile_module(
         flops = _count_flops(module, shape, _PROBE_BATCHES[0])
         per_sample, fixed = _saved_split(small, large)
         largest_activation = large.largest_activation // _PROBE_BATCHES[1]
-        backward, first = (
+        # Without an input gradient first: its kernels are what a segment's first block makes;
+        # the pass with one then adds only the kernels for the input gradient.
+        first, backward = (
             _training_pass(
                 module, shape, out_shape, per_sample, largest_activation, grad, batch_size
             )
-            for grad in (True, False)
+            for grad in (False, True)
         )
     finally:
         module.train(was_training)
@@ -297,8 +315,8 @@ def profile_module(
         backward_fixed_bytes=backward[1],
         first_backward_bytes=first[0],
         first_backward_fixed_bytes=first[1],
-        # Both passes share the forward kernels; whichever ran first paid for them.
-        kernel_setup_bytes=max(backward[2], first[2]),
+        kernel_setup_bytes=first[2] + backward[2],
+        first_kernel_setup_bytes=first[2],
         summary=_summary(module),
     )
 

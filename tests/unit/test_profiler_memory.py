@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from torch import nn
 
@@ -13,7 +15,7 @@ from split_models import (
     profile_module,
     segment_memory_table,
 )
-from split_models.profiler import ModelProfile
+from split_models.profiler import BlockProfile, ModelProfile
 
 pytestmark = pytest.mark.unit
 
@@ -111,3 +113,27 @@ def test_estimate_rejects_bad_input(cnn_profile: ModelProfile) -> None:
     only_linear = profile_model(build_model("mlp", (1, 8, 8), 10), local_losses=("linear",))
     with pytest.raises(ConfigError, match="not profiled"):
         estimate_segment_memory(only_linear, 0, 1, 8, "sgd", "supcon")
+
+
+def test_a_segment_start_counts_the_kernels_of_a_pass_without_an_input_gradient(
+    cnn_profile: ModelProfile,
+) -> None:
+    # A segment's first block gets no input gradient, so it never makes the kernels for one:
+    # its setup is the one measured without an input gradient; later blocks and the head add
+    # their whole setup.
+    def with_setups(block: BlockProfile, first: int, full: int) -> BlockProfile:
+        return replace(block, first_kernel_setup_bytes=first, kernel_setup_bytes=full)
+
+    blocks = tuple(
+        with_setups(block, 1000 * (index + 1), 100_000 * (index + 1))
+        for index, block in enumerate(cnn_profile.blocks)
+    )
+    heads = {
+        kind: tuple(with_setups(head, 7, 700_000) for head in profiles)
+        for kind, profiles in cnn_profile.heads.items()
+    }
+    profile = replace(cnn_profile, blocks=blocks, heads=heads)
+    assert (
+        estimate_segment_memory(profile, 1, 3, 16, "sgd").kernel_setup == 2000 + 300_000 + 700_000
+    )
+    assert estimate_segment_memory(profile, 4, 6, 16, "sgd").kernel_setup == 5000 + 600_000
