@@ -43,8 +43,10 @@ _LABEL_BYTES = 8
 ALLOCATOR_ALLOWANCE = 0.06
 # One training step also allocates what no block profile sees: the autograd graph's nodes, the
 # step's Python objects and the heap pages they touch. On segments of 5-130 KiB of weights the
-# benchmark's meter measured 0-42 KiB above the estimate without this term (it read a floor of
-# about 100 KiB before the meter stopped over-reading peaks still resident when read).
+# benchmark's meter measured 0-42 KiB above the estimate without this term over three steps, and
+# segments of 1-2 MiB crept up by a further 0-90 KiB over 20-30 steps (the heap growing as steps
+# interleave). (The meter read a floor of about 100 KiB before it stopped over-reading peaks
+# still resident when read.)
 STEP_BOOKKEEPING_BYTES = 96 * 1024
 _OPTIMIZER_COPIES = {"sgd": 0, "sgd-momentum": 1, "adam": 2}
 
