@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import ctypes.util
+import functools
 import gc
 import json
 import mmap
@@ -63,14 +64,22 @@ MEASURE_ENV = {
 }
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
 def release_freed_memory(threshold: int = 65536) -> bool:
     """Make glibc serve allocations above ``threshold`` bytes with mmap and trim its heap at
     every free, as :data:`MEASURE_ENV` does, so freed memory leaves the resident set at once."""
+    libc = _libc()
+    settings = ((_M_MMAP_THRESHOLD, threshold), (_M_TRIM_THRESHOLD, 0), (_M_TOP_PAD, 0))
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trimmed = libc.mallopt(_M_TRIM_THRESHOLD, 0) and libc.mallopt(_M_TOP_PAD, 0)
-        return bool(libc.mallopt(_M_MMAP_THRESHOLD, threshold) and trimmed)
-    except (OSError, AttributeError):
+        return libc is not None and all(libc.mallopt(option, value) for option, value in settings)
+    except AttributeError:  # not glibc
         return False
 
 
@@ -78,11 +87,10 @@ def trim_heap() -> bool:
     """Give the heap's free pages back to the kernel, wherever they are in it (glibc's
     ``malloc_trim``), so that what a measured step allocates is counted as the pages it needs,
     not hidden in holes that earlier work left resident; whether it could."""
+    libc = _libc()
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.malloc_trim(0)
-        return True
-    except (OSError, AttributeError):
+        return libc is not None and libc.malloc_trim(0) >= 0
+    except AttributeError:  # not glibc
         return False
 
 
@@ -131,13 +139,15 @@ def _probe_pages() -> int:
     return _FOLD_BATCH * min(max(16, 4 * (os.cpu_count() or 1)), 4096 // _FOLD_BATCH)
 
 
-def _touch_and_unmap(pages: int) -> None:
+def _touched(pages: int) -> mmap.mmap:
     region = mmap.mmap(-1, pages * mmap.PAGESIZE)
-    try:
-        for index in range(pages):
-            region[index * mmap.PAGESIZE] = 1
-    finally:
-        region.close()
+    for index in range(pages):
+        region[index * mmap.PAGESIZE] = 1
+    return region
+
+
+def _touch_and_unmap(pages: int) -> None:
+    _touched(pages).close()
 
 
 def counter_lag() -> int:
@@ -152,13 +162,6 @@ def counter_lag() -> int:
     exact = resident_bytes()
     _touch_and_unmap(pages)
     return exact + pages * mmap.PAGESIZE - _status_bytes("VmHWM")
-
-
-def _touched(pages: int) -> mmap.mmap:
-    region = mmap.mmap(-1, pages * mmap.PAGESIZE)
-    for index in range(pages):
-        region[index * mmap.PAGESIZE] = 1
-    return region
 
 
 @dataclass
@@ -223,7 +226,7 @@ class PeakMeter:
         now = resident + ballast - self.baseline
         if mark > resident:  # the mark, raised from the folded count
             return max(0, now, mark - (self.baseline - self.lag))
-        return max(0, now)  # a mark hidden below the exact size (a meter never started)
+        return max(0, now)  # no ballast (closed, never started): a lower mark is unseen
 
 
 def _measure(args: argparse.Namespace) -> dict[str, object]:
