@@ -33,8 +33,10 @@ import mmap
 import os
 import subprocess
 import sys
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 __all__ = [
     "MEASURE_ENV",
@@ -164,7 +166,7 @@ def counter_lag() -> int:
     return exact + pages * mmap.PAGESIZE - _status_bytes("VmHWM")
 
 
-@dataclass
+@dataclass(eq=False)  # a meter is a thing with a lifetime, equal only to itself
 class PeakMeter:
     """Measures the peak resident bytes above the level at ``start()``.
 
@@ -179,18 +181,22 @@ class PeakMeter:
     So the meter holds a ballast region, larger than the lag, from before its baseline; a
     reading unmaps it, which raises the mark from the folded count now and lowers the exact
     size below the mark, then maps it again. :meth:`close` (or leaving a ``with`` block) unmaps
-    it for good; a meter started while another one's ballast is still mapped reads that ballast
-    short when it goes.
+    it for good. Starting a meter closes the ballast of any other (which then reads as a meter
+    without one): a ballast that went after this meter's baseline would make it read short.
     """
 
     baseline: int = 0
     lag: int = 0
     _ballast: mmap.mmap | None = field(default=None, repr=False)
+    _with_ballast: ClassVar[weakref.WeakSet[PeakMeter]] = weakref.WeakSet()
 
     def start(self) -> PeakMeter:
+        for other in list(PeakMeter._with_ballast):
+            other.close()
         trim_heap()
         self.lag = counter_lag()
         self._ballast = _touched(self._ballast_pages())
+        PeakMeter._with_ballast.add(self)
         self.baseline = resident_bytes()
         _clear_peak()
         return self
@@ -200,6 +206,7 @@ class PeakMeter:
         if self._ballast is not None:
             self._ballast.close()
             self._ballast = None
+        PeakMeter._with_ballast.discard(self)
 
     def __enter__(self) -> PeakMeter:
         return self.start()

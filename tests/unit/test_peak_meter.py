@@ -162,3 +162,26 @@ def test_trim_heap_releases_a_hole_below_the_top_of_the_heap() -> None:
     result = json.loads(done.stdout)
     assert result["trimmed"]
     assert result["released"] >= 3 * 2**20, result
+
+
+def test_a_meter_started_beside_another_one_is_not_read_short_when_that_one_goes() -> None:
+    # The other meter's ballast would go after this one's baseline (when it is dropped), and
+    # this one would read it short: starting a meter closes the other's ballast first.
+    child = textwrap.dedent(
+        """
+        import json, mmap
+        from split_models.measure import PeakMeter
+
+        PAGE = mmap.PAGESIZE
+        old = PeakMeter().start()
+        meter = PeakMeter().start()
+        del old
+        region = mmap.mmap(-1, 320 * PAGE)
+        for index in range(320):
+            region[index * PAGE] = 1
+        region.close()
+        print(json.dumps({"error": (meter.peak() - 320 * PAGE) / PAGE}))
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, check=True)
+    assert abs(json.loads(done.stdout)["error"]) <= 2, done.stdout
