@@ -52,16 +52,20 @@ _CHILD = textwrap.dedent(
 )
 
 
-def _errors_in_pages(unfolded: int, sizes: list[int], held: bool = False) -> dict[str, Any]:
+def _run_child(code: str, *arguments: object, mmap_threshold: int = 65536) -> dict[str, Any]:
+    """Run ``code`` in a fresh Python process and return the JSON object it prints."""
     done = subprocess.run(
-        [sys.executable, "-c", _CHILD, "held" if held else "unmapped", str(unfolded)]
-        + [str(size) for size in sizes],
+        [sys.executable, "-c", code, *map(str, arguments)],
         capture_output=True,
         text=True,
         check=True,
-        env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"},
+        env={**os.environ, "MALLOC_MMAP_THRESHOLD_": str(mmap_threshold)},
     )
     return json.loads(done.stdout)  # type: ignore[no-any-return]
+
+
+def _errors_in_pages(unfolded: int, sizes: list[int], held: bool = False) -> dict[str, Any]:
+    return _run_child(_CHILD, "held" if held else "unmapped", unfolded, *sizes)
 
 
 @pytest.mark.parametrize("unfolded", [0, 7, 19, 30])
@@ -119,14 +123,7 @@ def test_a_peak_freed_by_less_than_the_lag_is_not_hidden() -> None:
     # After the peak only 8 pages go, so the exact size now (312 pages up) stays above the mark
     # the unmap raised from the folded count whenever that count lags by more than 8 pages
     # (it lagged by 9-93 in fresh processes): a meter without its ballast read 312 here.
-    done = subprocess.run(
-        [sys.executable, "-c", _HIDDEN_CHILD],
-        capture_output=True,
-        text=True,
-        check=True,
-        env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"},
-    )
-    result = json.loads(done.stdout)
+    result = _run_child(_HIDDEN_CHILD)
     assert abs(result["error"]) <= 2, result
 
 
@@ -152,14 +149,7 @@ _HOLE_CHILD = textwrap.dedent(
 def test_trim_heap_releases_a_hole_below_the_top_of_the_heap() -> None:
     # Free pages in the middle of the heap stay resident (the top cannot shrink past a live
     # block); a measured step could reuse them and read low. The meter trims them at its start.
-    done = subprocess.run(
-        [sys.executable, "-c", _HOLE_CHILD],
-        capture_output=True,
-        text=True,
-        check=True,
-        env={**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)},
-    )
-    result = json.loads(done.stdout)
+    result = _run_child(_HOLE_CHILD, mmap_threshold=1 << 20)
     assert result["trimmed"]
     assert result["released"] >= 3 * 2**20, result
 
@@ -183,5 +173,5 @@ def test_a_meter_started_beside_another_one_is_not_read_short_when_that_one_goes
         print(json.dumps({"error": (meter.peak() - 320 * PAGE) / PAGE}))
         """
     )
-    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, check=True)
-    assert abs(json.loads(done.stdout)["error"]) <= 2, done.stdout
+    result = _run_child(child)
+    assert abs(result["error"]) <= 2, result
