@@ -1,6 +1,6 @@
 """Batched client segments: a simulation's clients trained one by one (a pool of ``workers``)
 against stacked (``--batched``: clients of the same cut step together in one vmapped call,
-``edge_client.stack``), on the CPU and, where one is present, on a GPU.
+``simulation.stack``), on the CPU and, where one is present, on a GPU.
 
 mnist8k's first 6,000 digits (scikit-learn's digits when ../shared is absent), the ``cnn``,
 local-loss, Adam 1e-3, batch 32, one round, 16 and 100 clients of two device profiles (so two
@@ -19,7 +19,7 @@ from typing import Any
 
 from _report import Report, machine
 
-from edgesplit.runtime import configure_process
+from split_models.runtime import configure_process
 
 configure_process()
 
@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-from coordinator.simulate import parse_sim_config, simulate  # noqa: E402
+from simulation.simulator import parse_sim_config, simulate  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist8k.npz"
 

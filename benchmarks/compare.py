@@ -6,7 +6,7 @@ alpha=0.5), the last 2,000 test; the ``cnn`` model, Adam 1e-3, batch 32, fp32 ac
 equal epochs of data for every method (``--rounds`` rounds of one local epoch; centralized
 trains the same number of epochs on the pooled data). Two device profiles (half small: 64 MiB,
 2 GFLOP/s, 20 Mbit/s; half large: 512 MiB, 50 GFLOP/s, 100 Mbit/s). Every process setting is
-the CLI's (``edgesplit.runtime``: one torch thread a process, passive OpenMP waits).
+the CLI's (``split_models.runtime``: one torch thread a process, passive OpenMP waits).
 
     python benchmarks/compare.py [--rounds 3] [--out docs/benchmarks.md]
 
@@ -30,7 +30,7 @@ from typing import Any
 
 from _report import Report, machine
 
-from edgesplit.runtime import configure_process
+from split_models.runtime import configure_process
 
 configure_process()  # the CLI's process settings, applied before torch loads
 
@@ -39,7 +39,7 @@ import torch  # noqa: E402
 
 # benchmarks/storage.py would shadow the `storage` package the simulation imports
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-from coordinator.simulate import parse_sim_config, simulate  # noqa: E402
+from simulation.simulator import parse_sim_config, simulate  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist8k.npz"
 METHODS = ("local-loss", "splitfed", "fedavg", "centralized")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from _report import Report, machine
 
-from edgesplit.runtime import configure_process
+from split_models.runtime import configure_process
 
 configure_process()
 

@@ -76,7 +76,7 @@ def _cuts(layers: int, stages: int) -> list[int]:
 
 
 def _setup() -> None:
-    from edgesplit.runtime import configure_process
+    from split_models.runtime import configure_process
 
     configure_process(threads=1)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
 
 from coordinator.partitioner import PartitionConfig, plan_split
 from split_models.devices import load_devices
@@ -19,7 +18,6 @@ __all__ = [
     "parse_shape",
     "plan_command",
     "profile_command",
-    "simulate_command",
 ]
 
 
@@ -78,7 +76,7 @@ def coordinator_command(args: argparse.Namespace) -> int:
     """``edgesplit coordinator``: run (or resume) one run to its last round."""
     from coordinator.config import load_run_config
     from coordinator.service import Coordinator, CoordinatorError
-    from edgesplit.agents import configure_logging
+    from split_models.runtime import configure_logging
     from storage import open_store
     from wire.mqtt import MqttConfig, MqttTransport
 
@@ -96,77 +94,3 @@ def coordinator_command(args: argparse.Namespace) -> int:
         store.close()
     print(f"run {config.run_id}: finished ({ran} round(s) now, {config.rounds} in all)")
     return 0
-
-
-def simulate_command(args: argparse.Namespace) -> int:
-    """``edgesplit simulate``: every role in this process; outputs into ``--out``."""
-    import logging
-    from pathlib import Path
-
-    from coordinator.progress import RoundProgress
-    from coordinator.service import RoundObserver
-    from coordinator.simulate import load_sim_config, simulate
-    from edgesplit.agents import configure_logging
-
-    configure_logging(args.verbose)
-    if not args.verbose:  # the progress display says what the log would
-        logging.getLogger().setLevel(logging.WARNING)
-    overrides = {
-        "method": args.method,
-        "rounds": args.rounds,
-        "clients": args.clients,
-        "data": args.data,
-        "test_data": args.test_data,
-        "seed": args.seed,
-        "workers": args.workers,
-        "batched": args.batched,
-    }
-    config = load_sim_config(args.config, overrides)
-    out = Path(args.out)
-    title = f"{config.method}: {config.clients} clients, {config.raw['model']}"
-    if args.quiet or config.method == "centralized":
-        summary = simulate(config, out, broker=args.broker, observer=RoundObserver())
-    else:
-        with RoundProgress(int(config.raw["rounds"]), title) as progress:
-            summary = simulate(config, out, broker=args.broker, observer=progress)
-    _print_summary(summary, out)
-    return 0
-
-
-def _print_summary(summary: dict[str, object], out: object) -> None:
-    rounds: list[dict[str, Any]] = summary["rounds"]  # type: ignore[assignment]
-    clients: list[dict[str, Any]] = summary["clients"]  # type: ignore[assignment]
-    print(f"\nsimulation {summary['run_id']} ({summary['method']}), outputs in {out}/")
-    print(
-        f"{'round':>5} {'accuracy':>9} {'loss':>8} {'trained':>7} {'MB up':>8} {'MB down':>8} "
-        f"{'wall s':>7} {'sim s':>7}"
-    )
-    for row in rounds:
-        print(
-            f"{row['round']:>5} {row['accuracy'] or 0:>9.4f} {row['loss'] or 0:>8.4f} "
-            f"{row.get('participants', 0):>7} "
-            f"{row['bytes_up'] / 1e6:>8.2f} {row['bytes_down'] / 1e6:>8.2f} "
-            f"{row['wall_seconds'] or 0:>7.1f} {row['simulated_seconds'] or 0:>7.2f}"
-        )
-    if clients:
-        print(
-            f"{'client':<12} {'profile':<8} {'blocks':<8} {'budget':>10} {'estimate':>10} "
-            f"{'measured':>10} {'cut MB up':>9} {'examples':>8}"
-        )
-    for client in clients:
-        blocks = client["blocks"] or ["-", "-"]
-        measured = client.get("measured_peak_bytes")
-        print(
-            f"{client['name']:<12} {client['profile']:<8} [{blocks[0]}, {blocks[1]})".ljust(31)
-            + f" {format_bytes(client['budget_bytes']):>10} "
-            f"{format_bytes(client['estimated_peak_bytes'] or 0):>10} "
-            f"{format_bytes(measured) if measured else '-':>10} "
-            f"{client.get('cut_bytes_up', 0) / 1e6:>9.2f} {client['examples']:>8}"
-            + ("  does not fit its budget" if client.get("fits") is False else "")
-        )
-    print(
-        f"final accuracy {summary['final_accuracy']:.4f}, "
-        f"wall {summary['total_wall_seconds']:.1f} s "
-        f"(training {summary.get('training_wall_seconds', 0.0):.1f} s), "
-        f"simulated {summary['total_simulated_seconds']:.1f} s on the declared devices"
-    )

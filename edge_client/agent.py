@@ -23,8 +23,8 @@ import torch
 from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from edge_client.pool import SegmentPool
 from edge_client.trainer import EdgeTrainer, EdgeTrainerConfig
+from simulation.pool import SegmentPool
 from split_models.data import Dataset
 from split_models.evaluation import evaluate_weights
 from split_models.measure import PeakMeter, peak_supported

@@ -6,9 +6,9 @@ import argparse
 import logging
 
 from edge_client.agent import EdgeAgent
-from edgesplit.agents import configure_logging, wait_for_stop
 from split_models.data import load_dataset
 from split_models.measure import release_freed_memory
+from split_models.runtime import configure_logging, wait_for_stop
 from split_models.units import parse_bandwidth, parse_flops, parse_memory
 from wire.flower import node_will
 from wire.mqtt import MqttConfig, MqttTransport

@@ -169,7 +169,7 @@ class EdgeTrainer:
     ) -> EdgeRoundReport:
         """``local_epochs`` passes over the local data; raises TimeoutError without credits.
         ``step`` trains one batch (default: the segment's own step; a simulation host passes
-        one that trains this client together with others, see ``edge_client.stack``).
+        one that trains this client together with others, see ``simulation.stack``).
         ``cancelled`` is asked while waiting for the servers; when it turns true the round
         ends with :class:`RoundAbandoned`."""
         step = step or self.segment.train_step

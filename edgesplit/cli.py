@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from edgesplit import __version__
-from edgesplit.runtime import configure_process
+from split_models.runtime import configure_process
 
 __all__ = ["main"]
 
@@ -171,7 +171,7 @@ def _simulate_parser(commands: argparse._SubParsersAction) -> None:  # type: ign
         "--batched",
         action="store_true",
         default=None,
-        help="train clients of the same cut together, one vmapped step (see edge_client.stack)",
+        help="train clients of the same cut together, one vmapped step (see simulation.stack)",
     )
     sim.add_argument("-q", "--quiet", action="store_true", help="only the result table")
     sim.add_argument("-v", "--verbose", action="store_true", help="log every step")
@@ -237,7 +237,7 @@ _COMMANDS = {
     "plan": "coordinator.commands:plan_command",
     "profile": "coordinator.commands:profile_command",
     "coordinator": "coordinator.commands:coordinator_command",
-    "simulate": "coordinator.commands:simulate_command",
+    "simulate": "simulation.command:simulate_command",
     "edge": "edge_client.command:edge_command",
     "gpu-server": "gpu_server.command:gpu_server_command",
     "export": "coordinator.store_commands:export_command",

@@ -6,9 +6,9 @@ import argparse
 import logging
 from dataclasses import replace
 
-from edgesplit.agents import configure_logging, wait_for_stop
 from gpu_server.agent import GpuAgent
 from split_models.errors import ConfigError
+from split_models.runtime import configure_logging, wait_for_stop
 from split_models.units import parse_flops, parse_memory
 from wire.flower import node_will
 from wire.mqtt import MqttConfig, MqttTransport

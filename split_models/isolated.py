@@ -61,7 +61,7 @@ def profile_in_fresh_process(
 
 
 def main(argv: list[str] | None = None) -> int:
-    from edgesplit.runtime import configure_process
+    from split_models.runtime import configure_process
 
     configure_process()
     from split_models.profiler import profile_model

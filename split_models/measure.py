@@ -291,7 +291,7 @@ def _measure(args: argparse.Namespace) -> dict[str, object]:
 def measure_child_env() -> dict[str, str]:
     """The environment of a child process that measures memory: this one's, with edgesplit's
     runtime settings, :data:`MEASURE_ENV` and this process's import path."""
-    from edgesplit.runtime import RUNTIME_ENV
+    from split_models.runtime import RUNTIME_ENV
 
     path = os.pathsep.join(p for p in (os.getcwd(), *sys.path) if p)
     return {**os.environ, **RUNTIME_ENV, **MEASURE_ENV, "PYTHONPATH": path}

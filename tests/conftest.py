@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from edgesplit.runtime import configure_process
+from split_models.runtime import configure_process
 
 configure_process()
 

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from edgesplit.runtime import RUNTIME_ENV
+from split_models.runtime import RUNTIME_ENV
 from storage import NotFoundError, open_store
 from storage.report import run_status
 from tests.e2e.cli import ROOT, run_cli

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from edge_client.stack import SegmentStack, StepGroup, stackable
+from simulation.stack import SegmentStack, StepGroup, stackable
 from split_models.segment import OptimizerConfig, Segment
 from split_models.weights import segment_state
 from split_models.zoo import build_model

@@ -11,11 +11,11 @@ from dataclasses import dataclass
 import pytest
 from rich.console import Console
 
-from coordinator.progress import RoundProgress
 from coordinator.service import _Assignment, _route
-from coordinator.sim_report import simulated_round_seconds
-from coordinator.simulate import Availability
-from edge_client.pool import SegmentPool
+from simulation.pool import SegmentPool
+from simulation.progress import RoundProgress
+from simulation.report import simulated_round_seconds
+from simulation.simulator import Availability
 
 pytestmark = pytest.mark.unit
 

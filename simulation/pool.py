@@ -1,7 +1,7 @@
 """Built segments shared by the many clients one simulation host runs.
 
-With ``stacked``, clients whose segments can be stacked (``edge_client.stack``) do not take
-turns: each joins a slot of one :class:`~edge_client.stack.SegmentStack` for its round and
+With ``stacked``, clients whose segments can be stacked (``simulation.stack``) do not take
+turns: each joins a slot of one :class:`~simulation.stack.SegmentStack` for its round and
 their steps run together, one vmapped call for all the clients stepping at that moment (on
 ``device``, a GPU on a GPU host).
 
@@ -23,7 +23,7 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 import torch
 
-from edge_client.stack import SegmentStack, StepGroup, stackable
+from simulation.stack import SegmentStack, StepGroup, stackable
 from split_models.segment import Segment, StepResult
 
 __all__ = ["SegmentPool", "StackMember"]

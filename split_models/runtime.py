@@ -1,4 +1,5 @@
-"""Process settings every edgesplit process applies once, before torch is imported.
+"""Process settings every edgesplit process applies once, before torch is imported, and what
+the long-running role commands share (logging, a clean stop).
 
 - ``OMP_WAIT_POLICY=PASSIVE`` and one intra-op thread: on small machines OpenMP spin-waits make
   two busy training processes several times slower.
@@ -12,9 +13,13 @@ Values already set in the environment are kept: a user can override any of them.
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
+import threading
+from collections.abc import Callable
 
-__all__ = ["RUNTIME_ENV", "configure_process"]
+__all__ = ["RUNTIME_ENV", "configure_logging", "configure_process", "wait_for_stop"]
 
 RUNTIME_ENV = {
     "OMP_WAIT_POLICY": "PASSIVE",
@@ -31,3 +36,23 @@ def configure_process(threads: int = 1) -> None:
     import torch
 
     torch.set_num_threads(threads)
+
+
+def configure_logging(verbose: bool = False) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(name)s %(levelname)s: %(message)s",
+    )
+    for noisy in ("flwr", "paho", "alembic"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def wait_for_stop(on_stop: Callable[[], None]) -> int:
+    """Block until SIGTERM or SIGINT, then run ``on_stop``; return exit status 0."""
+    stop = threading.Event()
+    for number in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(number, lambda *_: stop.set())
+    while not stop.wait(0.5):
+        pass
+    on_stop()
+    return 0

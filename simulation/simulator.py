@@ -32,10 +32,10 @@ import yaml
 
 from coordinator.config import RunConfig, _expect_keys
 from coordinator.service import Coordinator, RoundObserver
-from coordinator.sim_report import client_rows, round_rows, write_outputs
 from edge_client.agent import EdgeAgent
-from edge_client.pool import SegmentPool
 from gpu_server.agent import GpuAgent
+from simulation.pool import SegmentPool
+from simulation.report import client_rows, round_rows, write_outputs
 from split_models.data import PARTITIONS, Dataset, load_dataset, partition
 from split_models.errors import ConfigError
 from split_models.measure import measure_in_fresh_process
@@ -508,7 +508,7 @@ def _baseline(
     run_id: str,
     started: float,
 ) -> dict[str, Any]:
-    from coordinator.baselines import train_centralized, train_fedavg, whole_model_bytes
+    from simulation.baselines import train_centralized, train_fedavg, whole_model_bytes
     from split_models.isolated import profile_in_fresh_process
 
     raw = config.raw
