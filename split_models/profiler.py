@@ -267,15 +267,8 @@ def _summary(module: nn.Module) -> str:
     return "+".join(leaves) if len(leaves) <= 4 else f"{type(module).__name__}({len(leaves)})"
 
 
-def profile_module(
-    module: nn.Module, input_shape: Sequence[int], batch_size: int | None = None
-) -> BlockProfile:
-    """Profile one module for inputs of ``input_shape`` (without the batch dimension).
-
-    ``batch_size`` is the batch the profile is for: the backward working set is measured at it,
-    since kernel buffers do not grow linearly with the batch.
-    """
-    shape = tuple(int(d) for d in input_shape)
+def _measure(module: nn.Module, shape: tuple[int, ...], batch_size: int | None) -> dict[str, Any]:
+    """The measured parts of a block's profile, taken in training mode."""
     was_training = module.training
     module.train()
     try:
@@ -293,31 +286,45 @@ def profile_module(
             )
             for grad in (False, True)
         )
+        return {
+            "output_shape": out_shape,
+            "output_bytes": 4 * math.prod(out_shape),
+            "saved_bytes": per_sample,
+            "saved_fixed_bytes": fixed,
+            "saves_input": large.input_key in large.saved,
+            "saves_output": large.output_key in large.saved,
+            "largest_activation_bytes": largest_activation,
+            "flops": flops,
+            "backward_bytes": backward[0],
+            "backward_fixed_bytes": backward[1],
+            "first_backward_bytes": first[0],
+            "first_backward_fixed_bytes": first[1],
+            "kernel_setup_bytes": first[2] + backward[2],
+            "first_kernel_setup_bytes": first[2],
+        }
     finally:
         module.train(was_training)
 
+
+def profile_module(
+    module: nn.Module, input_shape: Sequence[int], batch_size: int | None = None
+) -> BlockProfile:
+    """Profile one module for inputs of ``input_shape`` (without the batch dimension).
+
+    ``batch_size`` is the batch the profile is for: the backward working set is measured at it,
+    since kernel buffers do not grow linearly with the batch.
+    """
+    shape = tuple(int(d) for d in input_shape)
+    measured = _measure(module, shape, batch_size)
     params = list(module.parameters())
     return BlockProfile(
         param_bytes=sum(p.numel() * p.element_size() for p in params),
         buffer_bytes=sum(b.numel() * b.element_size() for b in module.buffers()),
         largest_param_bytes=max((p.numel() * p.element_size() for p in params), default=0),
         input_shape=shape,
-        output_shape=out_shape,
         input_bytes=4 * math.prod(shape),
-        output_bytes=4 * math.prod(out_shape),
-        saved_bytes=per_sample,
-        saved_fixed_bytes=fixed,
-        saves_input=large.input_key in large.saved,
-        saves_output=large.output_key in large.saved,
-        largest_activation_bytes=largest_activation,
-        flops=flops,
-        backward_bytes=backward[0],
-        backward_fixed_bytes=backward[1],
-        first_backward_bytes=first[0],
-        first_backward_fixed_bytes=first[1],
-        kernel_setup_bytes=first[2] + backward[2],
-        first_kernel_setup_bytes=first[2],
         summary=_summary(module),
+        **measured,
     )
 
 
