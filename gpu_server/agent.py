@@ -78,6 +78,11 @@ class GpuAgent:
             self._backs[task.run] = (key, trainer)
         return self._backs[task.run][1]
 
+    def trainer(self, run: str) -> BackTrainer | None:
+        """The trainer serving ``run`` now, if a round of it was sent to this server."""
+        known = self._backs.get(run)
+        return None if known is None else known[1]
+
     def client_app(self) -> ClientApp:
         app = ClientApp()
 
