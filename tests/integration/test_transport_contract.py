@@ -225,7 +225,7 @@ def test_transport_refuses_payloads_above_its_limit() -> None:
     channel = Channel(transport, "pi-01", chunk_bytes=1024)  # a Channel chunks instead
     inbox = Inbox()
     Channel(hub.connect("gpu"), "gpu-a").subscribe("edgesplit/v1/x", inbox)
-    channel.send("edgesplit/v1/x", "metrics", "r", tensors={"v": np.zeros(2000, np.float32)})
+    channel.send("edgesplit/v1/x", "round_control", "r", tensors={"v": np.zeros(2000, np.float32)})
     (envelope,) = inbox.wait(1)
     assert isinstance(envelope, Envelope) and envelope.tensors["v"].shape == (2000,)
     transport.close()
