@@ -4,7 +4,7 @@ activation streams.
 Like the edge agent it keeps no assignment state: each ``train`` message's
 :class:`~wire.roles.Task` names the model, the first block this server holds and the edges whose
 streams the round trains. The server answers before the round's deadline with whatever it
-trained, and names the edges whose last batch arrived, so the coordinator can tell a late edge
+trained, and names the edges whose batches all arrived, so the coordinator can tell a late edge
 from a finished one. Several servers take one shared subscription and split the stream.
 """
 
