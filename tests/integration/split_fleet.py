@@ -76,8 +76,11 @@ def _task(run: str, start: int, end: int, edges: tuple[str, ...] = ()) -> Task:
     )
 
 
-def start_fleet(connect: Connect, train: Dataset, run: str) -> Fleet:
-    """GPU server (blocks from the shallowest cut) and the edges, all online as Flower nodes."""
+def start_fleet(
+    connect: Connect, train: Dataset, run: str, data: Mapping[str, Dataset] | None = None
+) -> Fleet:
+    """GPU server (blocks from the shallowest cut) and the edges, all online as Flower nodes;
+    the edges share ``train`` (or train on their own ``data``, by device)."""
     model = build_model(*MODEL, seed=0)
     start = min(EDGES.values())
     gpu = GpuAgent(
@@ -91,7 +94,7 @@ def start_fleet(connect: Connect, train: Dataset, run: str) -> Fleet:
     for (device, cut), rows in zip(EDGES.items(), partition(train.y, 2, seed=0), strict=True):
         agent = EdgeAgent(
             Announcement(device, "edge", 1 << 32, 1e9, 1e7),
-            train.subset(rows),
+            train.subset(rows) if data is None else data[device],
             connect(f"{device}-control", node_will(node_id_for(device), device)),
             connect(f"{device}-stream"),
             measure_peak=False,

@@ -14,14 +14,18 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 import torch
+from flwr.app import ConfigRecord, RecordDict
 
 from edge_client import EdgeRoundReport, EdgeTrainer, EdgeTrainerConfig
 from gpu_server import BackTrainer
 from split_models import Dataset, OptimizerConfig, Segment, StepResult, build_model
+from tests.integration import split_fleet
 from wire.broker import Broker
 from wire.channel import Channel
 from wire.flow import CreditGate
+from wire.flower import TransportGrid, array_record
 from wire.mqtt import MqttConfig, MqttTransport
+from wire.roles import node_id_for
 from wire.transport import InProcessHub, Transport
 
 pytestmark = pytest.mark.integration
@@ -128,3 +132,35 @@ def _mqtt(broker: Broker) -> Iterator[Callable[[str], Transport]]:
 def test_a_nan_last_batch_costs_one_batch_over_mqtt(broker: Broker, servers: int) -> None:
     with _mqtt(broker) as connect:
         _nan_last_batch_round(connect, servers)
+
+
+def _digits(count: int, seed: int, nan: bool = False) -> Dataset:
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(count, 1, 28, 28)).astype(np.float32)
+    if nan:
+        x[0, 0, 0, 0] = np.nan  # the edge's activations of its only batch are NaN
+    return Dataset(x, rng.integers(0, 10, size=count).astype(np.int64), 10)
+
+
+def test_agents_end_a_round_whose_only_batch_of_an_edge_is_nan() -> None:
+    hub = InProcessHub()
+    data = {"pi-01": _digits(64, 0), "pi-02": _digits(16, 1, nan=True)}  # one batch of 32
+    fleet = split_fleet.start_fleet(hub.connect, data["pi-01"], "nan-1", data)
+    transport_grid = TransportGrid(hub.connect("coordinator"))
+    assert transport_grid.wait_for_nodes(3, timeout=10) == fleet.node_ids
+    grid = fleet.grid(transport_grid)
+    content = RecordDict(
+        {"arrays": array_record(fleet.initial), "config": ConfigRecord({"server-round": 1})}
+    )
+    messages = [grid.create_message(content, "train", node, "nan") for node in fleet.node_ids]
+    started = time.monotonic()
+    replies = list(grid.send_and_receive(messages, timeout=split_fleet.DEADLINE))
+    elapsed = time.monotonic() - started
+
+    assert elapsed < split_fleet.DEADLINE / 4, f"the round took {elapsed:.1f} s"
+    by_node = {reply.metadata.src_node_id: reply for reply in replies}
+    assert set(by_node) == set(fleet.node_ids) and not any(r.has_error() for r in replies)
+    report = by_node[node_id_for(split_fleet.GPU)]
+    assert report.content.config_records["report"]["late"] == ""
+    assert fleet.back.stats.rejected["non_finite"] == 1
+    assert fleet.back.stats.examples == 64, "pi-01's batches trained, pi-02's rejected"
