@@ -16,21 +16,20 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from edge_client.trainer import EdgeTrainer, EdgeTrainerConfig
-from simulation.pool import SegmentPool
+from edge_client.source import OwnSegment, SegmentSource
+from edge_client.trainer import EdgeRoundReport, EdgeTrainer, EdgeTrainerConfig
 from split_models.data import Dataset
 from split_models.evaluation import evaluate_weights
 from split_models.measure import PeakMeter, peak_supported
 from split_models.segment import OptimizerConfig, Segment
 from split_models.units import format_bytes
-from split_models.weights import load_segment_state, segment_state
 from split_models.zoo import build_model
 from wire import topics
 from wire.channel import Channel
@@ -85,12 +84,12 @@ class EdgeAgent:
         stream: Transport,
         budget: int | None = None,
         measure_peak: bool = True,
-        pool: SegmentPool[Segment] | None = None,
+        source: SegmentSource | None = None,
     ) -> None:
         """``budget``: the memory training may use now, when it is below what the device
-        announced (other work on the device); assignments are checked against it. ``pool``:
-        built segments shared with other agents of this process (simulation); without one the
-        agent builds and keeps its own."""
+        announced (other work on the device); assignments are checked against it.
+        ``source``: where the agent gets built segments (a host running many agents shares
+        one); by default the agent builds and keeps its own."""
         if announcement.role != "edge":
             raise ValueError("an edge agent announces the role 'edge'")
         self.announcement, self.data = announcement, data
@@ -104,9 +103,8 @@ class EdgeAgent:
         self._gates: dict[str, CreditGate] = {}
         self._gates_lock = threading.Lock()
         self._built: _Built | None = None
-        self._own: tuple[str, Segment] | None = None
         self._split: tuple[tuple[float, int], Dataset, Dataset] | None = None
-        self.pool = pool
+        self.source = OwnSegment() if source is None else source
         self.rounds = 0
         # One subscription for every run, made before the node goes online: a server may
         # grant credits before this agent has seen its task.
@@ -161,18 +159,6 @@ class EdgeAgent:
         )
         _warm_up(segment, self.data, task.compression)
         return segment
-
-    @contextmanager
-    def _segment(self, task: Task) -> Iterator[Segment]:
-        """The built segment for ``task``: this agent's own, or one borrowed from the pool."""
-        key = _segment_key(task)
-        if self.pool is not None:
-            with self.pool.borrow(key, lambda: self._build_segment(task)) as segment:
-                yield segment
-            return
-        if self._own is None or self._own[0] != key:
-            self._own = (key, self._build_segment(task))
-        yield self._own[1]
 
     def _trainer(self, task: Task, segment: Segment) -> EdgeTrainer:
         key = Task(**{**task.__dict__, "deadline_seconds": 1.0, "estimated_peak_bytes": 0})
@@ -233,10 +219,7 @@ class EdgeAgent:
                 result, count = {"accuracy": 0.0, "loss": 0.0}, 0
             else:
                 weights = numpy_arrays(message)
-                slot: AbstractContextManager[None] = (
-                    self.pool.slot() if self.pool is not None else nullcontext()
-                )
-                with slot:  # in a simulation, as many evaluate at once as train at once
+                with self.source.slot():  # on a shared host, bounded as training is
                     result = evaluate_weights(
                         task.model, task.input_shape, task.num_classes, weights, held_out, 64
                     )
@@ -250,49 +233,62 @@ class EdgeAgent:
         """Train one round of ``task``; ``cancelled`` turns true when its session is replaced."""
         started = time.perf_counter()
         weights = numpy_arrays(message)
-        received = sum(w.nbytes for w in weights.values())
+        number = round_of(message)
         key, build = _segment_key(task), lambda: self._build_segment(task)
-        stacked = (
-            self.pool is not None and task.mode != "backprop" and self.pool.can_stack(key, build)
-        )
-        if stacked and self.pool is not None:  # trains together with other clients
-            with self.pool.member(key, weights) as member:
-                trainer = self._trainer(task, member.segment)
-                number = round_of(message)
+        stackable = task.mode != "backprop"
+        with self.source.lease(key, build, weights, stackable) as lease:
+            trainer = self._trainer(task, lease.segment)
+            with self._peak() as peak:
                 report = trainer.train_round(
-                    number, seed=task.seed, step=member.train_step, cancelled=cancelled
+                    number, seed=task.seed, step=lease.train_step, cancelled=cancelled
                 )
-                arrays, peak = member.finish(), -1
-        else:
-            with self._segment(task) as segment:
-                trainer = self._trainer(task, segment)
-                load_segment_state(segment, weights)
-                segment.reset_optimizer()
-                measure = self.measure_peak and peak_supported()
-                meter = PeakMeter().start() if measure else None
-                report = trainer.train_round(round_of(message), seed=task.seed, cancelled=cancelled)
-                peak = -1
-                if meter is not None:
-                    peak = meter.peak()
-                    meter.close()
-                arrays = segment_state(segment)
-        sent = report.bytes_sent + sum(a.nbytes for a in arrays.values())
+            arrays = lease.state()
         self.rounds += 1
         log.info(
             "round %d: %d examples, loss %.4f, peak %s (estimate %s, budget %s)",
-            round_of(message),
+            number,
             report.examples,
             report.mean_loss,
-            format_bytes(peak) if peak >= 0 else "not measured",
+            format_bytes(peak[0]) if peak[0] >= 0 else "not measured",
             format_bytes(task.estimated_peak_bytes),
             format_bytes(self.budget),
         )
-        metrics = MetricRecord(
+        traffic = (
+            report.bytes_sent + sum(a.nbytes for a in arrays.values()),
+            report.bytes_received + sum(w.nbytes for w in weights.values()),
+        )
+        metrics = self._metrics(task, report, peak[0], traffic, started)
+        content = RecordDict({"arrays": array_record(arrays), "metrics": metrics})
+        return Message(content, reply_to=message)
+
+    @contextmanager
+    def _peak(self) -> Iterator[list[int]]:
+        """The resident high-water mark above the start of the block (``[-1]`` when not
+        measured: turned off, or not supported here), read when the block ends."""
+        peak = [-1]
+        meter = PeakMeter().start() if self.measure_peak and peak_supported() else None
+        try:
+            yield peak
+        finally:
+            if meter is not None:
+                peak[0] = meter.peak()
+                meter.close()
+
+    def _metrics(
+        self,
+        task: Task,
+        report: EdgeRoundReport,
+        peak: int,
+        traffic: tuple[int, int],
+        started: float,
+    ) -> MetricRecord:
+        """The round's reply metrics; ``traffic``: all bytes sent and received."""
+        return MetricRecord(
             {
                 "num-examples": report.examples,
                 "loss": report.mean_loss,
-                "bytes-sent": sent,
-                "bytes-received": received + report.bytes_received,
+                "bytes-sent": traffic[0],
+                "bytes-received": traffic[1],
                 "cut-bytes-received": report.cut_bytes_received,
                 "cut-bytes-sent": report.cut_bytes_sent,
                 "peak-memory": peak,
@@ -302,5 +298,3 @@ class EdgeAgent:
                 "wall-seconds": time.perf_counter() - started,
             }
         )
-        content = RecordDict({"arrays": array_record(arrays), "metrics": metrics})
-        return Message(content, reply_to=message)

@@ -115,10 +115,9 @@ class EdgeTrainer:
         output: torch.Tensor,
         labels: torch.Tensor,
         round_number: int,
-        last: bool,
         backprop: bool = False,
     ) -> int:
-        meta: dict[str, object] = {"cut": self.segment.end, "last": last}
+        meta: dict[str, object] = {"cut": self.segment.end}
         if backprop:
             meta["backprop"] = True
         # At most one batch in the transport's hands: the previous batch's message and packet
@@ -141,7 +140,6 @@ class EdgeTrainer:
         self,
         batch: np.ndarray,
         round_number: int,
-        last: bool,
         step: Callable[[torch.Tensor, torch.Tensor], StepResult],
         cancelled: Callable[[], bool] | None = None,
     ) -> float | None:
@@ -152,12 +150,12 @@ class EdgeTrainer:
         labels = torch.from_numpy(self.data.y[batch])
         if self.config.mode == "backprop":
             output = self.segment.forward_for_backprop(inputs)
-            seq = self._send(output.detach(), labels, round_number, last, backprop=True)
+            seq = self._send(output.detach(), labels, round_number, backprop=True)
             gradient = self._gradient_for(seq, output, round_number, cancelled)
             self.segment.backward_from(output, gradient)
             return None
         result = step(inputs, labels)
-        self._send(result.output, labels, round_number, last)
+        self._send(result.output, labels, round_number)
         return result.loss
 
     def train_round(
@@ -173,35 +171,21 @@ class EdgeTrainer:
         ``cancelled`` is asked while waiting for the servers; when it turns true the round
         ends with :class:`RoundAbandoned`."""
         step = step or self.segment.train_step
-        started, sent_before = time.perf_counter(), self.channel.stats.bytes_sent
-        received_before = self.channel.stats.bytes_received
-        stats = self.channel.stats
-        cut_sent_before = stats.sent_by_kind["activations"]
-        cut_received_before = stats.received_by_kind["gradients"]
-        waited_before = self.gate.waited_seconds
-        generator = np.random.default_rng(seed + round_number)
+        started, before = time.perf_counter(), self._counters()
         losses: list[float] = []
-        examples = 0
         self.gate.start_round(round_number)
-        batches = [
-            order[begin : begin + self.config.batch_size]
-            for order in (
-                generator.permutation(len(self.data)) for _ in range(self.config.local_epochs)
-            )
-            for begin in range(0, len(order), self.config.batch_size)
-        ]
-        for number, batch in enumerate(batches):
+        batches = self._batches(round_number, seed)
+        for batch in batches:
             if not self.gate.acquire(self.config.credit_timeout, cancelled):
                 _check(cancelled, round_number)
                 raise TimeoutError(
                     f"no credit from the GPU servers within {self.config.credit_timeout:.0f} s"
                 )
-            last = number == len(batches) - 1
-            loss = self._batch(batch, round_number, last, step, cancelled)
+            loss = self._batch(batch, round_number, step, cancelled)
             if loss is not None:  # none in backprop mode
                 losses.append(loss)
-            examples += len(batch)
-        # Every GPU server hears this (a batch marked last reaches only one of them).
+        # Every GPU server hears this: the servers sharing the stream finish this edge's
+        # round when the batches they handled add up to it.
         self.channel.send(
             topics.done(self.config.run, self.config.device),
             "round_control",
@@ -209,16 +193,39 @@ class EdgeTrainer:
             round=round_number,
             meta={"batches": len(batches)},
         )
+        spent = [now - then for now, then in zip(self._counters(), before, strict=True)]
         return EdgeRoundReport(
-            examples=examples,
+            examples=sum(len(b) for b in batches),
             batches=len(losses),
             mean_loss=float(np.mean(losses)) if losses else float("nan"),  # none in backprop
-            bytes_sent=self.channel.stats.bytes_sent - sent_before,
-            bytes_received=self.channel.stats.bytes_received - received_before,
-            cut_bytes_sent=stats.sent_by_kind["activations"] - cut_sent_before,
-            cut_bytes_received=stats.received_by_kind["gradients"] - cut_received_before,
-            credit_wait_seconds=self.gate.waited_seconds - waited_before,
+            bytes_sent=int(spent[0]),
+            bytes_received=int(spent[1]),
+            cut_bytes_sent=int(spent[2]),
+            cut_bytes_received=int(spent[3]),
+            credit_wait_seconds=spent[4],
             wall_seconds=time.perf_counter() - started,
+        )
+
+    def _batches(self, round_number: int, seed: int) -> list[np.ndarray]:
+        """The round's mini-batches: a seeded permutation per local epoch, in order."""
+        generator = np.random.default_rng(seed + round_number)
+        return [
+            order[begin : begin + self.config.batch_size]
+            for order in (
+                generator.permutation(len(self.data)) for _ in range(self.config.local_epochs)
+            )
+            for begin in range(0, len(order), self.config.batch_size)
+        ]
+
+    def _counters(self) -> tuple[float, ...]:
+        """Bytes sent, received, cut bytes sent, received, seconds waited for credits."""
+        stats = self.channel.stats
+        return (
+            stats.bytes_sent,
+            stats.bytes_received,
+            stats.sent_by_kind["activations"],
+            stats.received_by_kind["gradients"],
+            self.gate.waited_seconds,
         )
 
 

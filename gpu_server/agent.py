@@ -4,7 +4,7 @@ activation streams.
 Like the edge agent it keeps no assignment state: each ``train`` message's
 :class:`~wire.roles.Task` names the model, the first block this server holds and the edges whose
 streams the round trains. The server answers before the round's deadline with whatever it
-trained, and names the edges whose last batch arrived, so the coordinator can tell a late edge
+trained, and names the edges whose batches all arrived, so the coordinator can tell a late edge
 from a finished one. Several servers take one shared subscription and split the stream.
 """
 
@@ -78,6 +78,11 @@ class GpuAgent:
             self._backs[task.run] = (key, trainer)
         return self._backs[task.run][1]
 
+    def trainer(self, run: str) -> BackTrainer | None:
+        """The trainer serving ``run`` now, if a round of it was sent to this server."""
+        known = self._backs.get(run)
+        return None if known is None else known[1]
+
     def client_app(self) -> ClientApp:
         app = ClientApp()
 
@@ -103,7 +108,7 @@ class GpuAgent:
             finished = sorted(back.finished)
             late = sorted(set(task.edges) - set(finished))
             if late:
-                log.warning("round %d: no last batch from %s before the deadline", number, late)
+                log.warning("round %d: not every batch of %s came before the deadline", number, late)
             arrays = back.state()
             metrics = MetricRecord(
                 {

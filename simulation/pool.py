@@ -10,29 +10,33 @@ hundreds of clients in one process; holding a model copy, optimizer and warm-up 
 the cost grow with the number of clients instead of with the data trained. Agents are stateless
 between rounds (every round brings its weights), so clients can borrow a built segment for the
 round from a pool: at most ``workers`` clients train at once, segments are built (and warmed up)
-once per worker and task, and an idle client holds only its data.
+once per worker and task, and an idle client holds only its data. The pool is the agents'
+:class:`~edge_client.source.SegmentSource`.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 import numpy as np
 import torch
 
+from edge_client.source import SegmentLease, SegmentSource
 from simulation.stack import SegmentStack, StepGroup, stackable
 from split_models.segment import Segment, StepResult
+from split_models.weights import load_segment_state
 
 __all__ = ["SegmentPool", "StackMember"]
 
 T = TypeVar("T")
 
 
-class SegmentPool(Generic[T]):
-    """``workers`` training slots and the built objects they reuse, by task key."""
+class SegmentPool(SegmentSource, Generic[T]):
+    """``workers`` training slots and the built objects they reuse, by task key (as a
+    segment source, ``T`` is :class:`~split_models.segment.Segment`)."""
 
     def __init__(
         self, workers: int, stacked: bool = False, capacity: int = 1, device: str = "cpu"
@@ -71,6 +75,26 @@ class SegmentPool(Generic[T]):
         with self._slots:
             yield
 
+    @contextmanager
+    def lease(
+        self,
+        key: str,
+        build: Callable[[], Segment],
+        weights: Mapping[str, np.ndarray],
+        stackable: bool = False,
+    ) -> Iterator[SegmentLease]:
+        """A slot of ``key``'s stack where the round can train stacked, else a borrowed
+        segment (a training slot held for the round), loaded with ``weights``."""
+        if stackable and self.can_stack(key, build):
+            with self.member(key, weights) as member:
+                yield member
+            return
+        with self.borrow(key, cast(Callable[[], T], build)) as item:
+            segment = cast(Segment, item)
+            load_segment_state(segment, weights)
+            segment.reset_optimizer()
+            yield SegmentLease(segment)
+
     def can_stack(self, key: str, build: Callable[[], Segment]) -> bool:
         """Whether clients of ``key`` train stacked (the first call builds the stack)."""
         if not self.stacked:
@@ -107,12 +131,12 @@ class SegmentPool(Generic[T]):
         }
 
 
-class StackMember:
+class StackMember(SegmentLease):
     """One client's slot in a stack for a round."""
 
     def __init__(self, group: StepGroup, slot: int) -> None:
+        super().__init__(group.stack.segment)  # blocks, head and cut: read-only here
         self.group, self.slot = group, slot
-        self.segment = group.stack.segment  # blocks, head and cut: read-only here
         self._state: dict[str, np.ndarray] | None = None
 
     def train_step(self, inputs: torch.Tensor, labels: torch.Tensor) -> StepResult:
@@ -123,3 +147,6 @@ class StackMember:
         if self._state is None:
             self._state = self.group.leave(self.slot)
         return self._state
+
+    def state(self) -> dict[str, np.ndarray]:
+        return self.finish()

@@ -326,7 +326,7 @@ class _Fleet(RoundObserver):
         stream = self.connect(f"{name}-stream{suffix}")
         announcement = Announcement(name, "edge", profile.memory, profile.flops, profile.uplink)
         agent = EdgeAgent(
-            announcement, self.data[name], control, stream, measure_peak=False, pool=self.pool
+            announcement, self.data[name], control, stream, measure_peak=False, source=self.pool
         )
         self._agents[name] = (agent, control, stream)
 

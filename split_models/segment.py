@@ -2,6 +2,9 @@
 
 ``train_step`` trains the segment on one batch with its own loss and returns the detached output
 activations, so the next segment can train on them without any gradient crossing back.
+``train_from`` is the same step entered at any block of the segment (a GPU server continues
+each edge's batch from that edge's cut), optionally returning the gradient of the input for a
+``backprop``-mode sender.
 """
 
 from __future__ import annotations
@@ -50,10 +53,12 @@ class OptimizerConfig:
 
 @dataclass(frozen=True)
 class StepResult:
-    """The detached output of a training step and the loss it was trained on."""
+    """The detached output of a training step and the loss it was trained on; with
+    ``input_gradient=True`` also the gradient of the loss with respect to the step's input."""
 
     output: torch.Tensor
     loss: float
+    input_gradient: torch.Tensor | None = None
 
 
 class Segment:
@@ -114,14 +119,37 @@ class Segment:
 
     def train_step(self, inputs: torch.Tensor, labels: torch.Tensor) -> StepResult:
         """One optimizer step on the segment's own loss; no gradient leaves the segment."""
+        return self.train_from(self.start, inputs, labels)
+
+    def train_from(
+        self,
+        block: int,
+        inputs: torch.Tensor,
+        labels: torch.Tensor,
+        input_gradient: bool = False,
+    ) -> StepResult:
+        """One optimizer step on the segment's own loss (its local head, or the task loss
+        for the last segment) for a batch entering at global block ``block`` (``inputs`` are
+        the output of block ``block - 1``); blocks before ``block`` take no part. With
+        ``input_gradient`` the result carries the loss's gradient of ``inputs`` (backprop
+        mode: the sender back-propagates it through its own blocks)."""
+        if not self.start <= block < self.end:
+            raise ValueError(
+                f"block: a batch enters segment [{self.start}, {self.end}) at a block in "
+                f"that range, got {block}; send it to the segment that holds block {block}"
+            )
         self.module.train()
         self.head.train()
         self.optimizer.zero_grad(set_to_none=True)
-        output = self.module(inputs.detach())  # the segment's input never receives a gradient
+        inputs = inputs.detach().requires_grad_(input_gradient)
+        output = inputs
+        for child in list(self.module.children())[block - self.start :]:
+            output = child(output)
         loss = self.head.loss(output, labels)
         loss.backward()  # type: ignore[no-untyped-call]
         self.optimizer.step()
-        return StepResult(output.detach(), float(loss.detach()))
+        gradient = inputs.grad.detach() if input_gradient and inputs.grad is not None else None
+        return StepResult(output.detach(), float(loss.detach()), gradient)
 
     def forward_for_backprop(self, inputs: torch.Tensor) -> torch.Tensor:
         """Backprop mode, first half of a step: the output with its graph, for a gradient

@@ -4,7 +4,8 @@ Each sender numbers its messages per stream (``seq``) under an ``epoch`` chosen 
 restarted sender begins a new stream. A receiver remembers recent sequence numbers per
 (sender, epoch, kind) and drops redelivered duplicates, turning MQTT's at-least-once delivery
 into exactly-once processing. Every inbound payload is validated; a bad one is counted under
-its reason, logged, and dropped without reaching the handler.
+its reason, logged, and dropped without reaching the handler; a subscriber that must account
+for it (a GPU server returns the credit a rejected batch cost) gets a :class:`Rejection`.
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ from typing import Any
 import numpy as np
 
 from wire.chunks import Reassembler, is_chunk, split
-from wire.codec import MAX_MESSAGE_BYTES, Envelope, TensorSpec, decode, encode
+from wire.codec import MAX_MESSAGE_BYTES, Envelope, TensorSpec, decode, encode, read_header
 from wire.errors import WireError
 from wire.transport import Transport
 
-__all__ = ["Channel", "ChannelStats"]
+__all__ = ["Channel", "ChannelStats", "Rejection"]
 
 log = logging.getLogger(__name__)
 DEFAULT_CHUNK_BYTES = 32 * 1024 * 1024  # below the broker's max_packet_size (80 MiB)
@@ -45,6 +46,19 @@ class ChannelStats:
     # bytes by envelope kind ("activations", "gradients", "credit", ...)
     sent_by_kind: collections.Counter[str] = field(default_factory=collections.Counter)
     received_by_kind: collections.Counter[str] = field(default_factory=collections.Counter)
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """A message that failed validation: where it came (the topic, which the broker's ACL
+    binds to the publishing device), why, and what its header claims where it could still be
+    read (``header``: ``kind``, ``run``, ``sender``, ``seq``, ``round``, ``epoch``, each only
+    when present with the right type; empty when the framing was broken)."""
+
+    topic: str
+    reason: str
+    detail: str
+    header: Mapping[str, Any] = field(default_factory=dict)
 
 
 class _Seen:
@@ -137,33 +151,48 @@ class Channel:
         handler: Callable[[Envelope], None],
         expect: Mapping[str, TensorSpec] | None = None,
         kinds: frozenset[str] | None = None,
-        on_reject: Callable[[str, WireError], None] | None = None,
     ) -> None:
         """Deliver each valid, first-seen envelope on ``topic_filter`` to ``handler``."""
+        self.listen(topic_filter, lambda _topic, envelope: handler(envelope), expect, kinds)
+
+    def listen(
+        self,
+        topic_filter: str,
+        handler: Callable[[str, Envelope], None],
+        expect: Mapping[str, TensorSpec] | None = None,
+        kinds: frozenset[str] | None = None,
+        on_reject: Callable[[Rejection], None] | None = None,
+    ) -> None:
+        """Deliver each valid, first-seen envelope on ``topic_filter`` to ``handler`` with
+        the topic it came on; each rejected one (counted and logged) to ``on_reject``."""
 
         def receive(topic: str, payload: bytes) -> None:
+            whole: bytes | None = None
             try:
-                envelope = self._accept(payload, expect, kinds)
+                whole = self._reassemble(payload)
+                envelope = None if whole is None else self._accept(whole, expect, kinds)
             except WireError as error:
                 self.stats.rejected[error.reason] += 1
                 log.warning("rejected message on %s: %s", topic, error)
                 if on_reject is not None:
-                    on_reject(topic, error)
+                    header = {} if whole is None else read_header(whole)
+                    on_reject(Rejection(topic, error.reason, str(error), header))
                 return
             if envelope is not None:
-                handler(envelope)
+                handler(topic, envelope)
 
         self.transport.subscribe(topic_filter, receive)
+
+    def _reassemble(self, payload: bytes) -> bytes | None:
+        """The whole message: ``payload`` itself, or once its last chunk came (else None)."""
+        if not is_chunk(payload):
+            return payload
+        with self._lock:
+            return self._reassembler.feed(payload)
 
     def _accept(
         self, payload: bytes, expect: Mapping[str, TensorSpec] | None, kinds: frozenset[str] | None
     ) -> Envelope | None:
-        if is_chunk(payload):
-            with self._lock:
-                whole = self._reassembler.feed(payload)
-            if whole is None:
-                return None
-            payload = whole
         envelope = decode(payload, expect, self.max_message_bytes)
         if kinds is not None and envelope.kind not in kinds:
             raise WireError("kind", f"{envelope.kind!r} is not accepted here")

@@ -29,25 +29,16 @@ __all__ = [
     "TensorSpec",
     "decode",
     "encode",
+    "read_header",
 ]
 
 MAGIC = b"ESW1"
 _LENGTH = struct.Struct("<I")
 MAX_HEADER_BYTES = 64 * 1024
 MAX_MESSAGE_BYTES = 1024 * 1024 * 1024
-KINDS = frozenset(
-    {
-        "activations",
-        "gradients",
-        "credit",
-        "assignment",
-        "refusal",
-        "round_control",
-        "model_update",
-        "metrics",
-        "capabilities",
-    }
-)
+# Assignments, model updates and metrics ride on Flower messages (wire.flower), capabilities
+# on JSON announcements (wire.roles): envelopes carry only the stream's own kinds.
+KINDS = frozenset({"activations", "gradients", "credit", "round_control"})
 ENCODINGS = ("fp32", "fp16", "bf16", "int8")
 _LOGICAL = {"float32", "float16", "float64", "int64", "int32", "uint8", "int8", "bool"}
 _SCALE = "::scale"
@@ -188,6 +179,29 @@ def _header(data: bytes, limit: int) -> tuple[dict[str, Any], int]:
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise WireError("header", f"header is not valid JSON: {error}") from error
     return header, start + length
+
+
+def read_header(data: bytes) -> dict[str, Any]:
+    """What a message's header says, as far as it can be read, for a message that failed
+    validation: each routing field (``kind``, ``run``, ``sender``, ``seq``, ``round``, and
+    ``epoch`` from ``meta``) that is present with the right type; nothing when the framing or
+    the JSON is broken. Fields read here are claims, not validated facts."""
+    try:
+        header, _ = _header(data[: len(MAGIC) + _LENGTH.size + MAX_HEADER_BYTES], len(data))
+    except WireError:
+        return {}
+    if not isinstance(header, dict):
+        return {}
+    kinds = {"kind": str, "run": str, "sender": str, "seq": int, "round": int}
+    fields = {
+        k: v
+        for k, kind in kinds.items()
+        if isinstance(v := header.get(k), kind) and not isinstance(v, bool)
+    }
+    meta = header.get("meta")
+    if isinstance(meta, dict) and isinstance(meta.get("epoch"), str):
+        fields["epoch"] = meta["epoch"]
+    return fields
 
 
 def _check_header(header: Any) -> None:

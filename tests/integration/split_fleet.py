@@ -1,75 +1,149 @@
-"""A small federated split fleet for tests: one GPU server and two edges with different cuts,
-each a Flower node on the given transport factory, plus held-out accuracy of a weight set."""
+"""A small federated split fleet for tests: the real agents of a deployment (one GPU server
+agent and two edge agents with different cuts) on the given transport factory, a grid that
+hands each node its :class:`~wire.roles.Task` in every message (as the coordinator does), and
+held-out accuracy of a weight set."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
+from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.serverapp import Grid
 
-from edge_client import EdgeTrainer, EdgeTrainerConfig
-from edge_client.app import edge_app
-from gpu_server import BackTrainer
-from gpu_server.app import gpu_app
+from edge_client.agent import EdgeAgent
+from gpu_server.agent import GpuAgent
+from gpu_server.trainer import BackTrainer
 from split_models import Dataset, OptimizerConfig, Segment, build_model, partition
 from split_models.evaluation import evaluate_weights
 from split_models.weights import segment_state
-from wire.channel import Channel
-from wire.flow import CreditGate
 from wire.flower import FlowerNode, node_will
+from wire.roles import Announcement, Task, node_id_for
 from wire.transport import Transport
 
-EDGES = {"pi-01": (1, 1), "pi-02": (2, 2)}  # device -> (Flower node id, cut)
-GPU_NODE = 3
+EDGES = {"pi-01": 1, "pi-02": 2}  # device -> cut
+GPU = "gpu-a"
 OPTIMIZER = OptimizerConfig("sgd-momentum", lr=0.02)
+MODEL = ("cnn", (1, 28, 28), 10)
+DEADLINE = 120.0
 Connect = Callable[..., Transport]
 
 
 @dataclass
 class Fleet:
-    back: BackTrainer
+    gpu: GpuAgent
     nodes: list[FlowerNode]
     initial: dict[str, np.ndarray]  # every device's starting tensors under global names
+    tasks: dict[int, Task]  # by Flower node id
+    run: str
+
+    @property
+    def back(self) -> BackTrainer:
+        """The GPU server's trainer of the run (it exists once a round was sent)."""
+        trainer = self.gpu.trainer(self.run)
+        if trainer is None:
+            raise LookupError(f"the GPU server has not trained run {self.run!r} yet")
+        return trainer
+
+    @property
+    def node_ids(self) -> list[int]:
+        return sorted(self.tasks)
+
+    def grid(self, grid: Grid) -> Grid:
+        """``grid`` with every message carrying its node's task."""
+        return TaskGrid(grid, self.tasks)
 
 
-def start_fleet(connect: Connect, train: Dataset, run: str) -> Fleet:
-    """GPU server (blocks from the shallowest cut) and the edges, all online as Flower nodes."""
-    back = BackTrainer(
-        Channel(connect("gpu-data"), "gpu-a"),
-        build_model("cnn", (1, 28, 28), 10, seed=0),
-        start=min(cut for _, cut in EDGES.values()),
+def _task(run: str, start: int, end: int, edges: tuple[str, ...] = ()) -> Task:
+    return Task(
         run=run,
-        segment="seg-0",
-        optimizer=OPTIMIZER,
+        model=MODEL[0],
+        input_shape=MODEL[1],
+        num_classes=MODEL[2],
+        start=start,
+        end=end,
+        batch_size=32,
+        local_epochs=1,
+        optimizer=asdict(OPTIMIZER),
+        local_loss="linear",
+        mode="local-loss",
+        compression="fp32",
+        seed=0,
+        deadline_seconds=DEADLINE,
+        edges=edges,
     )
-    nodes = [
-        FlowerNode(
-            connect("gpu-flower", node_will(GPU_NODE)),
-            GPU_NODE,
-            gpu_app(back, list(EDGES), round_timeout=120),
+
+
+def start_fleet(
+    connect: Connect, train: Dataset, run: str, data: Mapping[str, Dataset] | None = None
+) -> Fleet:
+    """GPU server (blocks from the shallowest cut) and the edges, all online as Flower nodes;
+    the edges share ``train`` (or train on their own ``data``, by device)."""
+    model = build_model(*MODEL, seed=0)
+    start = min(EDGES.values())
+    gpu = GpuAgent(
+        Announcement(GPU, "gpu", 1 << 34, 1e12),
+        connect(f"{GPU}-control", node_will(node_id_for(GPU), GPU)),
+        connect(f"{GPU}-stream"),
+    )
+    tasks = {node_id_for(GPU): _task(run, start, model.num_blocks, tuple(EDGES))}
+    initial = segment_state(Segment.from_model(model, start, model.num_blocks))
+    nodes = [gpu.node]
+    for (device, cut), rows in zip(EDGES.items(), partition(train.y, 2, seed=0), strict=True):
+        agent = EdgeAgent(
+            Announcement(device, "edge", 1 << 32, 1e9, 1e7),
+            train.subset(rows) if data is None else data[device],
+            connect(f"{device}-control", node_will(node_id_for(device), device)),
+            connect(f"{device}-stream"),
+            measure_peak=False,
         )
-    ]
-    initial = back.state()
-    for (device, (node, cut)), indices in zip(
-        EDGES.items(), partition(train.y, 2, seed=0), strict=True
-    ):
-        channel = Channel(connect(f"{device}-data"), device)
-        segment = Segment.from_model(
-            build_model("cnn", (1, 28, 28), 10, seed=0), 0, cut, "linear", OPTIMIZER
+        nodes.append(agent.node)
+        tasks[node_id_for(device)] = _task(run, 0, cut)
+        initial |= segment_state(Segment.from_model(build_model(*MODEL, seed=0), 0, cut))
+    return Fleet(gpu, nodes, initial, tasks, run)
+
+
+class TaskGrid(Grid):
+    """A grid whose messages each carry the task of the node they go to."""
+
+    def __init__(self, grid: Grid, tasks: Mapping[int, Task]) -> None:
+        self._grid, self._tasks = grid, tasks
+
+    def _with_task(self, message: Message) -> Message:
+        node = message.metadata.dst_node_id
+        config = ConfigRecord(
+            {**message.content.config_records["config"], "task": self._tasks[node].to_json()}
         )
-        initial |= segment_state(segment)
-        trainer = EdgeTrainer(
-            channel,
-            CreditGate(channel, run, device),
-            segment,
-            train.subset(indices),
-            EdgeTrainerConfig(run, device, "seg-0"),
+        content = RecordDict({**message.content.array_records, "config": config})
+        return self._grid.create_message(
+            content, message.metadata.message_type, node, message.metadata.group_id
         )
-        nodes.append(
-            FlowerNode(connect(f"{device}-flower", node_will(node)), node, edge_app(trainer))
-        )
-    return Fleet(back, nodes, initial)
+
+    def set_run(self, run: Any) -> None:
+        self._grid.set_run(run)
+
+    @property
+    def run(self) -> Any:
+        return self._grid.run
+
+    def create_message(self, *args: Any, **kwargs: Any) -> Message:
+        return self._grid.create_message(*args, **kwargs)
+
+    def get_node_ids(self) -> Iterable[int]:
+        return self._grid.get_node_ids()
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        return self._grid.push_messages([self._with_task(m) for m in messages])
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        return self._grid.pull_messages(message_ids)
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> Iterable[Message]:
+        return self._grid.send_and_receive([self._with_task(m) for m in messages], timeout=timeout)
 
 
 def accuracy(weights: Mapping[str, np.ndarray], test: Dataset) -> float:

@@ -27,19 +27,21 @@ def test_rounds_are_committed_and_a_restarted_coordinator_continues(tmp_path: Pa
     train, test = load_dataset(f"npz:{FIXTURE}").split(0.2, seed=0)
     hub = InProcessHub()
     fleet = start_fleet(hub.connect, train, RUN)
-    initial, back = fleet.initial, fleet.back
+    initial = fleet.initial
 
     def evaluate(weights: dict[str, np.ndarray]) -> dict[str, float]:
         return {"accuracy": accuracy(weights, test)}
 
     def coordinator(rounds: int, name: str) -> int:
         grid = TransportGrid(hub.connect(name))
-        assert grid.wait_for_nodes(3, timeout=10) == [1, 2, 3]
+        assert grid.wait_for_nodes(3, timeout=10) == fleet.node_ids
         strategy = build_strategy(
             "fedavg", fraction_evaluate=0.0, min_available_nodes=3, min_train_nodes=3
         )
         with open_store(str(tmp_path / "runs.db")) as store:
-            return run_rounds(store, RUN, strategy, grid, initial, rounds, list(EDGES), evaluate)
+            return run_rounds(
+                store, RUN, strategy, fleet.grid(grid), initial, rounds, list(EDGES), evaluate
+            )
 
     with open_store(str(tmp_path / "runs.db")) as store:
         store.create_run(RUN, {"rounds": 3}, seed=0)
@@ -61,5 +63,5 @@ def test_rounds_are_committed_and_a_restarted_coordinator_continues(tmp_path: Pa
         (3, "committed"),
     ]
     assert all("accuracy" in r.evaluation for r in rounds)
-    assert back.stats.examples == 3 * len(train), "three rounds of every edge's data"
+    assert fleet.back.stats.examples == 3 * len(train), "three rounds of every edge's data"
     assert not np.array_equal(third["block0.0.weight"], after_two["block0.0.weight"])

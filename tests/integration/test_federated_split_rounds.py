@@ -43,12 +43,12 @@ def run_rounds(
         return MetricRecord({"accuracy": accuracy({k: v.numpy() for k, v in arrays.items()}, test)})
 
     grid = TransportGrid(connect("coordinator"))
-    assert grid.wait_for_nodes(3, timeout=10) == [1, 2, 3]
+    assert grid.wait_for_nodes(3, timeout=10) == fleet.node_ids
     strategy = build_strategy(
         "fedavg", fraction_evaluate=0.0, min_available_nodes=3, min_train_nodes=3
     )
     result = strategy.start(
-        grid=grid,
+        grid=fleet.grid(grid),
         initial_arrays=array_record(fleet.initial),
         num_rounds=ROUNDS,
         timeout=300,

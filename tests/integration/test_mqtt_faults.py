@@ -87,7 +87,7 @@ def test_200_megabyte_payload_is_chunked_and_reassembled(broker: Broker) -> None
     receiver.subscribe("edgesplit/v1/r/assign/pi-01", lambda e: arrived.append(e))
     time.sleep(0.3)
     weights = np.random.default_rng(0).standard_normal(50_000_000, dtype=np.float32)  # 200 MB
-    sender.send("edgesplit/v1/r/assign/pi-01", "assignment", "r", tensors={"w": weights})
+    sender.send("edgesplit/v1/r/assign/pi-01", "gradients", "r", tensors={"w": weights})
     deadline = time.monotonic() + 120
     while not arrived and time.monotonic() < deadline:
         time.sleep(0.1)

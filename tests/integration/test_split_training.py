@@ -31,13 +31,13 @@ CUTS = {"pi-01": 1, "pi-02": 2}
 ROUNDS = 3
 
 
-def train_split(connect: Callable[[str], Transport]) -> None:
-    run = f"run-{uuid.uuid4().hex[:6]}"
+def _fleet(
+    connect: Callable[[str], Transport], run: str
+) -> tuple[BackTrainer, dict[str, EdgeTrainer], int]:
+    """The GPU server, an edge trainer per cut, and how many samples they hold together."""
     data = load_dataset(f"npz:{FIXTURE}")
     parts = partition(data.y, len(CUTS), "iid", seed=0)
     optimizer = OptimizerConfig("sgd-momentum", lr=0.01)
-    published: list[str] = []
-    connect("spy").subscribe("edgesplit/v1/#", lambda topic, _p: published.append(topic))
     back = BackTrainer(
         Channel(connect("gpu-a"), "gpu-a"),
         build_model("cnn", (1, 28, 28), 10, seed=0),
@@ -50,19 +50,24 @@ def train_split(connect: Callable[[str], Transport]) -> None:
     trainers = {}
     for (device, cut), indices in zip(CUTS.items(), parts, strict=True):
         channel = Channel(connect(device), device)
-        gate = CreditGate(channel, run, device)
         model = build_model("cnn", (1, 28, 28), 10, seed=0)
         trainers[device] = EdgeTrainer(
             channel,
-            gate,
+            CreditGate(channel, run, device),
             Segment.from_model(model, 0, cut, "linear", optimizer),
             data.subset(indices),
             EdgeTrainerConfig(run, device, "seg-0", batch_size=16),
         )
-    time.sleep(0.3)
+    return back, trainers, len(data)
+
+
+def _rounds(
+    back: BackTrainer, trainers: dict[str, EdgeTrainer]
+) -> tuple[dict[str, list[EdgeRoundReport]], list[int]]:
+    """What the coordinator does each round; every edge's reports and the server's examples."""
     reports: dict[str, list[EdgeRoundReport]] = {d: [] for d in CUTS}
     round_examples = []
-    for round_number in range(1, ROUNDS + 1):  # what the coordinator does each round
+    for round_number in range(1, ROUNDS + 1):
         back.begin_round(round_number, CUTS)
         threads = [
             threading.Thread(
@@ -76,28 +81,13 @@ def train_split(connect: Callable[[str], Transport]) -> None:
             thread.join(120)
         examples, _ = back.wait_round(CUTS, timeout=30)
         round_examples.append(examples)
-    sent = sum(r.examples for rs in reports.values() for r in rs)
+    return reports, round_examples
 
-    assert all(len(rs) == ROUNDS for rs in reports.values())
-    assert back.stats.examples == sent == ROUNDS * len(data), "every batch trained once"
-    assert round_examples == [len(data)] * ROUNDS, "each round waits for every last batch"
-    for device, rs in reports.items():
-        assert back.stats.per_device[device] == sum(r.examples for r in rs)
-        assert rs[-1].mean_loss < rs[0].mean_loss, f"{device}'s local loss falls"
-    losses = back.stats.losses
-    assert np.mean(losses[-8:]) < np.mean(losses[:8]), "the server's task loss falls"
-    assert not [t for t in published if "/grad/" in t], "no gradient crosses back"
 
-    # A malformed batch (wrong shape for its cut) is rejected and its credit returned.
-    rogue = Channel(connect("rogue"), "pi-01")
-    # every credit of the last round is back first (the window), so one more is the rogue's
-    deadline = time.monotonic() + 10
-    while trainers["pi-01"].gate.available < back.granter.window and time.monotonic() < deadline:
-        time.sleep(0.05)
-    before = trainers["pi-01"].gate.available
-    assert before == back.granter.window
-    rogue.transport.publish(
-        trainers["pi-01"].topic,
+def _send_rogue_batch(connect: Callable[[str], Transport], trainer: EdgeTrainer, run: str) -> None:
+    """A batch of the wrong shape for its cut, on ``trainer``'s stream, in the last round."""
+    connect("rogue").publish(
+        trainer.topic,
         encode(
             Envelope(
                 "activations",
@@ -110,14 +100,44 @@ def train_split(connect: Callable[[str], Transport]) -> None:
             )
         ),
     )
-    deadline = time.monotonic() + 10
-    while not back.stats.rejected and time.monotonic() < deadline:
+
+
+def _wait(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
         time.sleep(0.05)
+
+
+def train_split(connect: Callable[[str], Transport]) -> None:
+    run = f"run-{uuid.uuid4().hex[:6]}"
+    published: list[str] = []
+    connect("spy").subscribe("edgesplit/v1/#", lambda topic, _p: published.append(topic))
+    back, trainers, samples = _fleet(connect, run)
+    time.sleep(0.3)
+    reports, round_examples = _rounds(back, trainers)
+    sent = sum(r.examples for rs in reports.values() for r in rs)
+
+    assert all(len(rs) == ROUNDS for rs in reports.values())
+    assert back.stats.examples == sent == ROUNDS * samples, "every batch trained once"
+    assert round_examples == [samples] * ROUNDS, "each round waits for every last batch"
+    for device, rs in reports.items():
+        assert back.stats.per_device[device] == sum(r.examples for r in rs)
+        assert rs[-1].mean_loss < rs[0].mean_loss, f"{device}'s local loss falls"
+    losses = back.stats.losses
+    assert np.mean(losses[-8:]) < np.mean(losses[:8]), "the server's task loss falls"
+    assert not [t for t in published if "/grad/" in t], "no gradient crosses back"
+
+    # A malformed batch (wrong shape for its cut) is rejected and its credit returned.
+    gate = trainers["pi-01"].gate
+    # every credit of the last round is back first (the window), so one more is the rogue's
+    _wait(lambda: gate.available >= back.granter.window)
+    before = gate.available
+    assert before == back.granter.window
+    _send_rogue_batch(connect, trainers["pi-01"], run)
+    _wait(lambda: bool(back.stats.rejected))
     assert back.stats.rejected["shape"] == 1
-    deadline = time.monotonic() + 10
-    while trainers["pi-01"].gate.available == before and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert trainers["pi-01"].gate.available == before + 1
+    _wait(lambda: gate.available != before)
+    assert gate.available == before + 1
 
 
 def test_split_training_in_process() -> None:

@@ -12,7 +12,7 @@ import pytest
 
 from wire import topics
 from wire.broker import Broker
-from wire.channel import Channel
+from wire.channel import Channel, Rejection
 from wire.codec import Envelope, TensorSpec, encode
 from wire.errors import TransportError
 from wire.mqtt import MqttConfig, MqttTransport
@@ -129,72 +129,57 @@ class TransportContract:
         receiver, rejected = Inbox(), Inbox()
         listener = Channel(connect("gpu-m"), "gpu-a")
         topic = topics.activations("r", "seg-m", "pi-01")
-        expect = {"x": TensorSpec("float32", (None, 4))}
-        listener.subscribe(
-            topic, receiver, expect=expect, on_reject=lambda t, e: rejected(e.reason)
+        listener.listen(
+            topic,
+            lambda _topic, envelope: receiver(envelope),
+            expect={"x": TensorSpec("float32", (None, 4))},
+            on_reject=rejected,
         )
         settle()
         raw = connect("attacker")
-        good = encode(
-            Envelope(
-                "activations",
-                "r",
-                "pi",
-                0,
-                0,
-                {"epoch": "a"},
-                {"x": np.ones((2, 4), dtype=np.float32)},
-            )
-        )
-        nan = np.ones((2, 4), dtype=np.float32)
-        nan[0, 0] = np.nan
-        raw.publish(topic, good[: len(good) // 2])  # truncated inside the header
-        raw.publish(
-            topic,
-            encode(
-                Envelope(
-                    "activations",
-                    "r",
-                    "pi",
-                    1,
-                    0,
-                    {"epoch": "a"},
-                    {"x": np.ones((2, 5), dtype=np.float32)},
-                )
-            ),
-        )
-        raw.publish(
-            topic, encode(Envelope("activations", "r", "pi", 2, 0, {"epoch": "a"}, {"x": nan}))
-        )
-        raw.publish(topic, b"ESW1" + b"\xff" * 20)
-        raw.publish(topic, good.replace(b'"activations"', b'"exfiltrate!"'))
-        raw.publish(topic, good)  # and a good one still goes through afterwards
+        for payload in _malformed():
+            raw.publish(topic, payload)
+        raw.publish(topic, _batch(0, np.ones((2, 4), np.float32)))  # a good one still passes
         small = Channel(connect("gpu-small"), "gpu-b", max_message_bytes=4096)
         oversize = Inbox()
         small_topic = topics.activations("r", "seg-small", "pi-01")
-        small.subscribe(small_topic, lambda e: None, on_reject=lambda t, e: oversize(e.reason))
+        small.listen(small_topic, lambda _t, _e: None, on_reject=oversize)
         settle()
-        raw.publish(
-            small_topic,
-            encode(
-                Envelope(
-                    "activations",
-                    "r",
-                    "pi",
-                    9,
-                    0,
-                    {"epoch": "b"},
-                    {"x": np.ones((512, 4), dtype=np.float32)},
-                )
-            ),
-        )
-        assert "oversize" in oversize.wait(1)
+        raw.publish(small_topic, _batch(9, np.ones((512, 4), np.float32), epoch="b"))
+
+        assert [r.reason for r in oversize.wait(1) if isinstance(r, Rejection)] == ["oversize"]
         (delivered,) = receiver.wait(1)
         assert isinstance(delivered, Envelope) and delivered.seq == 0
-        reasons = rejected.wait(5)
-        assert sorted(reasons) == sorted(["framing", "shape", "non_finite", "framing", "kind"])
+        rejections = [r for r in rejected.wait(5) if isinstance(r, Rejection)]
+        assert sorted(r.reason for r in rejections) == sorted(
+            ["framing", "shape", "non_finite", "framing", "kind"]
+        )
+        assert {r.topic for r in rejections} == {topic}
+        # what a rejection can still tell: the header of a batch that failed on its tensors
+        readable = {r.reason: r.header for r in rejections if r.reason in ("shape", "non_finite")}
+        assert readable["shape"]["seq"] == 1 and readable["non_finite"]["seq"] == 2
+        assert readable["non_finite"]["epoch"] == "a" and readable["non_finite"]["round"] == 0
+        assert all(r.header == {} for r in rejections if r.reason == "framing")
         assert sum(listener.stats.rejected.values()) == 5
         assert small.stats.rejected["oversize"] == 1
+
+
+def _batch(seq: int, x: np.ndarray, epoch: str = "a") -> bytes:
+    return encode(Envelope("activations", "r", "pi", seq, 0, {"epoch": epoch}, {"x": x}))
+
+
+def _malformed() -> list[bytes]:
+    """Truncated header, wrong shape, NaN, garbage header, unknown kind (in that order)."""
+    good = _batch(0, np.ones((2, 4), np.float32))
+    nan = np.ones((2, 4), np.float32)
+    nan[0, 0] = np.nan
+    return [
+        good[: len(good) // 2],
+        _batch(1, np.ones((2, 5), np.float32)),
+        _batch(2, nan),
+        b"ESW1" + b"\xff" * 20,
+        good.replace(b'"activations"', b'"exfiltrate!"'),
+    ]
 
 
 class TestInProcessTransport(TransportContract):
@@ -240,7 +225,7 @@ def test_transport_refuses_payloads_above_its_limit() -> None:
     channel = Channel(transport, "pi-01", chunk_bytes=1024)  # a Channel chunks instead
     inbox = Inbox()
     Channel(hub.connect("gpu"), "gpu-a").subscribe("edgesplit/v1/x", inbox)
-    channel.send("edgesplit/v1/x", "metrics", "r", tensors={"v": np.zeros(2000, np.float32)})
+    channel.send("edgesplit/v1/x", "round_control", "r", tensors={"v": np.zeros(2000, np.float32)})
     (envelope,) = inbox.wait(1)
     assert isinstance(envelope, Envelope) and envelope.tensors["v"].shape == (2000,)
     transport.close()

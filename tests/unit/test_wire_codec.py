@@ -72,7 +72,7 @@ def _raw(header: dict[str, object], payload: bytes = b"") -> bytes:
 
 
 GOOD_HEADER = {
-    "kind": "metrics",
+    "kind": "round_control",
     "run": "r",
     "sender": "s",
     "seq": 0,
@@ -90,6 +90,7 @@ GOOD_HEADER = {
         (b"GARBAGE!" * 4, "framing"),
         (b"ESW1" + struct.pack("<I", 5) + b"{oops", "header"),
         (_raw({**GOOD_HEADER, "kind": "launch_missiles"}), "kind"),
+        (_raw({**GOOD_HEADER, "kind": "assignment"}), "kind"),  # rides on Flower, not here
         (_raw({**GOOD_HEADER, "seq": -1}), "header"),
         (_raw({**GOOD_HEADER, "extra": 1}), "header"),
         (_raw({k: v for k, v in GOOD_HEADER.items() if k != "run"}), "header"),

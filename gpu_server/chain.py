@@ -1,0 +1,55 @@
+"""Chain forwarding: a GPU server holding a piece before the last block passes each trained
+batch's output and labels on to the next piece's stream, and, once every sender of its round
+is finished, says how many it passed on (its ``done``, like an edge's), so the next piece
+agrees on the end of the round by the same counts. It passes batches on without credits (its
+rate is bounded by its own training of credited input)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from wire import topics
+from wire.channel import Channel
+
+__all__ = ["ChainLink"]
+
+
+class ChainLink:
+    """Sends batches of ``run`` to the stream ``forward`` as ``channel.sender``."""
+
+    def __init__(
+        self, channel: Channel, run: str, forward: str, cut: int, encoding: str = "fp32"
+    ) -> None:
+        self.channel, self.run, self.forward = channel, run, forward
+        self.cut, self.encoding = cut, encoding
+        self._lock = threading.Lock()
+        self._sent: dict[int, int] = {}  # round -> batches passed on
+
+    def pass_on(self, output: np.ndarray, labels: np.ndarray, round_number: int) -> None:
+        """Send one trained batch's output (the input of block ``cut``) and its labels."""
+        self.channel.send(
+            topics.activations(self.run, self.forward, self.channel.sender),
+            "activations",
+            self.run,
+            round=round_number,
+            tensors={"x": output, "y": labels},
+            meta={"cut": self.cut},
+            encoding=self.encoding,
+        )
+        with self._lock:
+            self._sent = {r: n for r, n in self._sent.items() if r >= round_number}
+            self._sent[round_number] = self._sent.get(round_number, 0) + 1
+
+    def done(self, round_number: int) -> None:
+        """Every batch of ``round_number`` has been passed on: tell the next piece how many."""
+        with self._lock:
+            batches = self._sent.get(round_number, 0)
+        self.channel.send(
+            topics.done(self.run, self.channel.sender),
+            "round_control",
+            self.run,
+            round=round_number,
+            meta={"batches": batches},
+        )

@@ -1,0 +1,93 @@
+"""Stage compute of a GPU server: validate an activation batch for its cut and train it.
+
+The server holds blocks ``[start, end)``; a batch cut after block ``s - 1`` (``start <= s <
+end``) enters at block ``s`` and trains blocks ``[s, end)`` through
+:meth:`~split_models.segment.Segment.train_from`: with the task loss on the last piece, with a
+local-loss head on a piece of a chain. A backprop-mode batch (on the last piece) also yields
+the gradient of its input for the sender.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from split_models.segment import OptimizerConfig, Segment, StepResult
+from split_models.zoo import SplittableModel
+from wire.codec import Envelope, TensorSpec
+from wire.errors import WireError
+
+__all__ = ["BackStage"]
+
+
+class BackStage:
+    """Blocks ``[start, end)`` of ``model`` on ``device``, trained one batch at a time."""
+
+    def __init__(
+        self,
+        model: SplittableModel,
+        start: int,
+        end: int,
+        local_loss: str = "linear",
+        optimizer: OptimizerConfig | None = None,
+        device: str = "cpu",
+    ) -> None:
+        if not 0 < start < end <= model.num_blocks:
+            raise ValueError(
+                f"blocks: a GPU server holds [start, end) with 0 < start < end <= "
+                f"{model.num_blocks}, got [{start}, {end}); a server never holds block 0"
+            )
+        self.model, self.start, self.end = model, start, end
+        self.device = torch.device(device)
+        # the last piece gets the task loss, any other a local-loss head
+        self.segment = Segment.from_model(model, start, end, local_loss, optimizer=optimizer)
+        self.cut_specs = _specs(model, start, end)  # probed on the CPU, before the move
+        self.segment.module.to(self.device)  # in place: the optimizer keeps its parameters
+        self.segment.head.to(self.device)
+
+    def validate(self, envelope: Envelope) -> tuple[int, np.ndarray, np.ndarray]:
+        """The batch's cut, inputs and labels; :class:`WireError` when they do not fit."""
+        cut = envelope.meta.get("cut")
+        if isinstance(cut, bool) or not isinstance(cut, int) or cut not in self.cut_specs:
+            raise WireError(
+                "cut",
+                f"cut {cut!r} is not one this server can continue from "
+                f"({sorted(self.cut_specs)}); send it to the server holding block {cut}",
+            )
+        x, y = envelope.tensors.get("x"), envelope.tensors.get("y")
+        if x is None or y is None:
+            raise WireError("payload", "an activation batch needs tensors 'x' and 'y'")
+        self.cut_specs[cut].check("x", x)
+        TensorSpec("int64", (x.shape[0],)).check("y", y)
+        if len(y) and (y.min() < 0 or y.max() >= self.model.num_classes):
+            raise WireError(
+                "labels",
+                f"labels span [{y.min()}, {y.max()}], expected within "
+                f"[0, {self.model.num_classes})",
+            )
+        return cut, x, y
+
+    def train(self, envelope: Envelope) -> tuple[StepResult, torch.Tensor]:
+        """Validate and train one batch; the step's result and the labels (on the device).
+        A ``backprop`` batch on the last piece gets its input gradient in the result."""
+        cut, x, y = self.validate(envelope)
+        inputs = torch.from_numpy(x).to(self.device)
+        labels = torch.from_numpy(y).to(self.device)
+        backprop = envelope.meta.get("backprop") is True and self.segment.is_last
+        return self.segment.train_from(cut, inputs, labels, input_gradient=backprop), labels
+
+
+def _specs(model: SplittableModel, start: int, end: int) -> dict[int, TensorSpec]:
+    """The input spec at each cut a batch may enter ``[start, end)`` at."""
+    specs = {}
+    with torch.no_grad():
+        probe = torch.zeros(1, *model.input_shape)
+        for index, block in enumerate(model.blocks):
+            if not index + 1 < end:
+                break
+            block.eval()
+            probe = block(probe)
+            block.train()
+            if start <= index + 1:
+                specs[index + 1] = TensorSpec("float32", (None, *probe.shape[1:]))
+    return specs

@@ -1,0 +1,104 @@
+"""The server side of a stream: the end-of-round agreement by counts, and rejections that
+cost one batch each, once, without letting a bad message move any other state."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from wire import topics
+from wire.agreement import RoundLedger
+from wire.channel import Channel
+from wire.codec import Envelope, encode
+from wire.errors import WireError
+from wire.flow import CreditGate
+from wire.stream import StreamServer
+from wire.transport import InProcessHub
+
+pytestmark = pytest.mark.unit
+
+RUN, EDGE = "r1", "pi-01"
+
+
+def test_a_sender_finishes_when_the_servers_counts_add_up() -> None:
+    ledger = RoundLedger(3, ["pi-01", "pi-02"], "gpu-a", peers=["gpu-a", "gpu-b"])
+    assert ledger.peers == {"gpu-b"}
+    assert not ledger.declare("pi-99", 1), "only the round's senders count"
+    ledger.declare("pi-01", 3)
+    ledger.handled("pi-01")
+    assert ledger.settle() == set()
+    ledger.peer_counts("gpu-b", {"pi-01": 2})
+    assert ledger.settle() == {"pi-01"} and not ledger.complete
+    ledger.declare("pi-02", 0)
+    assert ledger.settle() == {"pi-02"} and ledger.complete
+    assert RoundLedger(1, [], "gpu-a").complete, "a round without senders is over at once"
+
+
+def _until(condition: Callable[[], bool], timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return condition()
+
+
+def _raw(seq: int, round_number: int, x: np.ndarray, sender: str = EDGE) -> bytes:
+    return encode(
+        Envelope("activations", RUN, sender, seq, round_number, {"epoch": "e1", "cut": 1}, {"x": x})
+    )
+
+
+def _server() -> tuple[StreamServer, CreditGate, list[Envelope], InProcessHub]:
+    hub = InProcessHub()
+    handled: list[Envelope] = []
+
+    def handle(envelope: Envelope) -> None:
+        if envelope.tensors["x"].shape[1] != 4:
+            raise WireError("shape", "x must have 4 features")
+        handled.append(envelope)
+
+    server = StreamServer(Channel(hub.connect("gpu"), "gpu-a"), RUN, "seg-0", handle, window=2)
+    edge = Channel(hub.connect(EDGE), EDGE)
+    gate = CreditGate(edge, RUN, EDGE)
+    gate.start_round(1)
+    server.begin_round(1, [EDGE])
+    assert _until(lambda: gate.available == 2)
+    return server, gate, handled, hub
+
+
+def test_a_rejected_batch_returns_its_credit_and_counts_once() -> None:
+    server, gate, handled, hub = _server()
+    raw = hub.connect("raw")
+    topic = topics.activations(RUN, "seg-0", EDGE)
+    nan = np.full((2, 4), np.nan, np.float32)
+    for _ in range(2):  # a redelivery of the same rejected batch
+        raw.publish(topic, _raw(0, 1, nan))
+    raw.publish(topic, _raw(1, 1, np.ones((2, 5), np.float32)))  # the handler rejects it
+    raw.publish(topic, _raw(2, 1, np.ones((2, 4), np.float32)))
+    Channel(hub.connect("done"), EDGE).send(
+        topics.done(RUN, EDGE), "round_control", RUN, round=1, meta={"batches": 3}
+    )
+
+    assert server.wait_round(5.0), "three batches sent, three handled (two rejected)"
+    assert [e.seq for e in handled] == [2]
+    assert server.stats.rejected["non_finite"] == 2 and server.stats.rejected["shape"] == 1
+    assert server.stats.handled[EDGE] == 3, "the redelivered rejection counted once"
+    assert _until(lambda: gate.available == 5) and not _until(lambda: gate.available > 5, 0.3)
+
+
+def test_a_rejection_cannot_move_other_state() -> None:
+    server, gate, _handled, hub = _server()
+    raw = hub.connect("raw")
+    topic = topics.activations(RUN, "seg-0", EDGE)
+    nan = np.full((2, 4), np.nan, np.float32)
+    raw.publish(topic, _raw(0, 10**9, nan))  # a round far ahead: parked, nothing else
+    raw.publish(topic, _raw(5, 1, np.ones((2, 4), np.float32), sender="pi-02"))  # not its topic
+    raw.publish(topic, b"ESW1" + b"\xff" * 20)  # no header to attribute it by
+    assert _until(lambda: sum(server.stats.rejected.values()) == 3)
+
+    assert server.round_number == 1 and server.finished == set()
+    assert server.stats.rejected["sender"] == 1, "the topic names the sender, not the header"
+    assert server.stats.handled[EDGE] == 1 and "pi-02" not in server.stats.handled
+    assert _until(lambda: gate.available == 3), "only the attributable batch of round 1"

@@ -1,0 +1,72 @@
+"""The end of a round on a stream, agreed by counting: plain data, no transport, no clock.
+
+Each sender of a stream (an edge, or a chained GPU server passing batches on) says how many
+batches it sent in the round (its ``done`` message, heard by every server). Each server counts
+the batches of each sender it handled, trained or rejected (a rejected batch is one batch
+fewer to wait for), and tells its peers sharing the stream (``processed``). A sender is
+finished when the counts of all servers add up to what it said it sent. With one server the
+counts are its own; with several behind one shared subscription, no server sees every batch,
+and a ``last`` flag on a batch would reach only one of them, so counting is the one mechanism.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterable, Mapping
+
+__all__ = ["RoundLedger"]
+
+
+class RoundLedger:
+    """One server's view of one round of a stream: who must finish, what each sender said it
+    sent, and what each server (``me`` and its ``peers``) handled of it."""
+
+    def __init__(
+        self, number: int, senders: Iterable[str], me: str, peers: Iterable[str] = ()
+    ) -> None:
+        self.number, self.me = number, me
+        self.senders = frozenset(senders)
+        self.peers = frozenset(peers) - {me}
+        self.declared: dict[str, int] = {}
+        self.counts: dict[str, collections.Counter[str]] = {me: collections.Counter()}
+        self.finished: set[str] = set()
+
+    def declare(self, sender: str, batches: int) -> bool:
+        """``sender`` sent ``batches`` this round; False when it is not a sender of it."""
+        if sender not in self.senders:
+            return False
+        self.declared[sender] = batches
+        return True
+
+    def handled(self, sender: str) -> bool:
+        """This server handled one batch of ``sender``; False when it is not a sender."""
+        if sender not in self.senders:
+            return False
+        self.counts[self.me][sender] += 1
+        return True
+
+    def peer_counts(self, peer: str, counts: Mapping[str, int]) -> bool:
+        """``peer``'s latest counts; False (ignored) unless it is a peer of this round."""
+        if peer not in self.peers:
+            return False
+        self.counts[peer] = collections.Counter(counts)
+        return True
+
+    @property
+    def own_counts(self) -> dict[str, int]:
+        return dict(self.counts[self.me])
+
+    def settle(self) -> set[str]:
+        """Mark the senders whose counts now add up as finished; return the new ones."""
+        new = set()
+        for sender, batches in self.declared.items():
+            handled = sum(counts[sender] for counts in self.counts.values())
+            if handled >= batches and sender not in self.finished:
+                new.add(sender)
+        self.finished |= new
+        return new
+
+    @property
+    def complete(self) -> bool:
+        """Every sender of the round is finished (at once for a round without senders)."""
+        return self.senders <= self.finished

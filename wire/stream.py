@@ -1,0 +1,316 @@
+"""The server side of a run's activation stream: credits, the end of a round, parking.
+
+A :class:`StreamServer` takes one stream (``<run>/act/<segment>/+``, through a shared
+subscription so several servers split it) and hands each batch of the round it serves to a
+handler, the stage's compute. Around that it owns:
+
+- **credits** (:class:`~wire.flow.CreditGranter`): a window per sender when the round opens,
+  one back per batch handled, trained or rejected;
+- **the end of a round** (:class:`~wire.agreement.RoundLedger`): senders' ``done`` counts and
+  peers' ``processed`` counts; a sender is finished when they add up;
+- **parking**: batches of a round this server has not begun yet (a peer began first) wait,
+  bounded, until it has the round's weights.
+
+A batch rejected anywhere, by the codec (non-finite values, bad dtype or shape) or by the
+handler (raising :class:`~wire.errors.WireError`), costs one batch: its credit returns and it
+is counted, so the round does not wait out its deadline for it. A rejection trusts only the
+topic for the sender (the broker's ACL binds it to the device) and takes the round, epoch and
+sequence number from what its header still says; without them it is only counted in the
+stats. Rejections are de-duplicated per round and bounded, so a redelivered or forged one
+cannot count twice or grow the server's state.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from wire import topics
+from wire.agreement import RoundLedger
+from wire.channel import Channel, Rejection
+from wire.codec import Envelope
+from wire.errors import WireError
+from wire.flow import CreditGranter
+
+__all__ = ["StreamServer", "StreamStats"]
+
+log = logging.getLogger(__name__)
+_MAX_PARKED = 64  # batches of a round this server has not begun yet
+_MAX_EARLY = 1024  # done / processed messages of rounds not begun yet
+_MAX_REJECTIONS = 4096  # rejections counted in one round
+_POLL = 0.1
+
+
+@dataclass
+class StreamStats:
+    """Batches handled per sender (over all rounds) and rejections by reason."""
+
+    handled: collections.Counter[str] = field(default_factory=collections.Counter)
+    rejected: collections.Counter[str] = field(default_factory=collections.Counter)
+
+
+@dataclass(frozen=True)
+class _Parked:
+    number: int
+    sender: str
+    envelope: Envelope | None  # None: a rejected batch, counted when the round begins
+
+
+def _device(topic: str) -> str:
+    return topic.rsplit("/", 1)[-1]
+
+
+class StreamServer:
+    """Serves the stream ``segment`` of ``run`` for ``channel.sender``; ``handle`` computes
+    one batch of the current round (called under the stream's lock, one at a time) and raises
+    :class:`WireError` to reject it."""
+
+    def __init__(
+        self,
+        channel: Channel,
+        run: str,
+        segment: str,
+        handle: Callable[[Envelope], None],
+        window: int = 4,
+        group: str = "gpus",
+    ) -> None:
+        self.channel, self.run, self.name = channel, run, channel.sender
+        self.granter = CreditGranter(channel, run, window)
+        self.stats = StreamStats()
+        self.on_complete: Callable[[int], None] | None = None  # every sender finished
+        self._handle = handle
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._ledger = RoundLedger(0, (), self.name)
+        self._parked: list[_Parked] = []
+        self._early: dict[tuple[str, int, str], Any] = {}  # (what, round, who) -> value
+        self._rejections: set[tuple[str, str, int]] = set()
+        control = frozenset({"round_control"})
+        self._filters = (
+            topics.run_topic(run, "done") + "/+",
+            topics.run_topic(run, "processed") + "/+",
+            topics.shared(group, topics.activations_filter(run, segment)),
+        )
+        channel.listen(self._filters[0], self._on_done, kinds=control)
+        channel.listen(self._filters[1], self._on_counts, kinds=control)
+        channel.listen(
+            self._filters[2],
+            self._on_batch,
+            kinds=frozenset({"activations"}),
+            on_reject=self._on_reject,
+        )
+
+    def close(self) -> None:
+        """Leave the stream: a replaced server must not keep taking a share of it."""
+        for topic_filter in self._filters:
+            self.channel.transport.unsubscribe(topic_filter)
+
+    # ---------------------------------------------------------------- rounds
+    def begin_round(
+        self,
+        number: int,
+        senders: Iterable[str],
+        peers: Iterable[str] = (),
+        setup: Callable[[], None] | None = None,
+    ) -> None:
+        """Serve round ``number`` for ``senders`` (with ``peers`` sharing the stream): run
+        ``setup`` (load the round's weights) before any batch of the round is handled, train
+        what was parked for it, then open every sender's credit window."""
+        with self._lock:
+            if setup is not None:
+                setup()
+            self._ledger = RoundLedger(number, senders, self.name, peers)
+            self._rejections = set()
+            self._apply_early(number)
+            ready = [p for p in self._parked if p.number == number]
+            self._parked = [p for p in self._parked if p.number > number]
+            for parked in ready:
+                self._handle_locked(parked.sender, parked.envelope)
+        for parked in ready:
+            self.granter.processed(parked.sender, number)
+        if self._ledger.peers:
+            self._publish_counts()
+        self._settle()
+        for sender in sorted(self._ledger.senders):
+            self.granter.open(sender, number)
+
+    def wait_round(
+        self,
+        timeout: float,
+        cancelled: Callable[[], bool] | None = None,
+        wanted: Iterable[str] | None = None,
+    ) -> bool:
+        """Block until every sender of the round (or of ``wanted``) is finished (True), the
+        timeout passes or ``cancelled()`` turns true (False)."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            want = self._ledger.senders if wanted is None else frozenset(wanted)
+            while not want <= self._ledger.finished and time.monotonic() < deadline:
+                if cancelled is not None and cancelled():
+                    break
+                self._changed.wait(min(_POLL, max(0.0, deadline - time.monotonic())))
+            return want <= self._ledger.finished
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """No batch is handled and no round begins while this is held."""
+        with self._lock:
+            yield
+
+    @property
+    def finished(self) -> set[str]:
+        """The senders of the current round whose batches have all been handled."""
+        with self._lock:
+            return set(self._ledger.finished)
+
+    @property
+    def round_number(self) -> int:
+        with self._lock:
+            return self._ledger.number
+
+    # ---------------------------------------------------------------- batches
+    def _on_batch(self, topic: str, envelope: Envelope) -> None:
+        sender = _device(topic)
+        if envelope.sender != sender:
+            epoch = envelope.meta.get("epoch")
+            self._reject(sender, envelope.round, (epoch, envelope.seq), "sender")
+            return
+        with self._lock:
+            number = self._ledger.number
+            if envelope.round > number and len(self._parked) < _MAX_PARKED:
+                self._parked.append(_Parked(envelope.round, sender, envelope))
+                return  # handled (and its credit returned) when the round begins here
+            if envelope.round == number:
+                self._handle_locked(sender, envelope)
+            else:
+                reason = "stale_round" if envelope.round < number else "ahead"
+                self.stats.rejected[reason] += 1
+        self.granter.processed(sender, envelope.round)
+        self._after_count(sender)
+
+    def _handle_locked(self, sender: str, envelope: Envelope | None) -> None:
+        if envelope is not None:
+            try:
+                self._handle(envelope)
+            except WireError as error:
+                self.stats.rejected[error.reason] += 1
+                log.warning("rejected activations from %s: %s", sender, error)
+        if self._ledger.handled(sender):
+            self.stats.handled[sender] += 1
+
+    def _on_reject(self, rejection: Rejection) -> None:
+        header = rejection.header
+        number, seq = header.get("round"), header.get("seq")
+        if header.get("kind") != "activations" or number is None or seq is None:
+            self.stats.rejected[rejection.reason] += 1
+            return  # not attributable to a batch of a round: counted in the stats only
+        self._reject(_device(rejection.topic), number, (header.get("epoch"), seq), rejection.reason)
+
+    def _reject(self, sender: str, number: int, key: tuple[Any, int], reason: str) -> None:
+        """Count a batch of ``sender`` rejected before the handler, once per round."""
+        self.stats.rejected[reason] += 1
+        with self._lock:
+            current = self._ledger.number
+            seen = (sender, str(key[0]), key[1])
+            if number < current or seen in self._rejections:
+                return
+            if len(self._rejections) >= _MAX_REJECTIONS:
+                return
+            self._rejections.add(seen)
+            if number > current:
+                if len(self._parked) < _MAX_PARKED:
+                    self._parked.append(_Parked(number, sender, None))
+                return
+            self._handle_locked(sender, None)
+        self.granter.processed(sender, number)
+        self._after_count(sender)
+
+    # ---------------------------------------------------------------- agreement
+    def _on_done(self, topic: str, envelope: Envelope) -> None:
+        batches = envelope.meta.get("batches")
+        if isinstance(batches, bool) or not isinstance(batches, int) or batches < 0:
+            self.stats.rejected["done"] += 1
+            return
+        sender = _device(topic)
+        with self._lock:
+            if envelope.round > self._ledger.number:
+                self._remember(("done", envelope.round, sender), batches)
+                return
+            if envelope.round < self._ledger.number:
+                return
+            if not self._ledger.declare(sender, batches):
+                return
+        if self._ledger.peers:
+            self._publish_counts()
+        self._settle()
+
+    def _on_counts(self, topic: str, envelope: Envelope) -> None:
+        raw = envelope.meta.get("counts")
+        if not isinstance(raw, dict) or not all(
+            isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0
+            for k, v in raw.items()
+        ):
+            self.stats.rejected["counts"] += 1
+            return
+        peer = _device(topic)
+        if peer == self.name:
+            return
+        with self._lock:
+            if envelope.round > self._ledger.number:
+                self._remember(("counts", envelope.round, peer), dict(raw))
+                return
+            if envelope.round < self._ledger.number:
+                return
+            if not self._ledger.peer_counts(peer, raw):
+                return
+        self._settle()
+
+    def _remember(self, key: tuple[str, int, str], value: Any) -> None:
+        """What a peer or sender said of a round not begun here yet (bounded)."""
+        if key in self._early or len(self._early) < _MAX_EARLY:
+            self._early[key] = value
+
+    def _apply_early(self, number: int) -> None:
+        for (what, round_number, who), value in self._early.items():
+            if round_number != number:
+                continue
+            if what == "done":
+                self._ledger.declare(who, value)
+            else:
+                self._ledger.peer_counts(who, value)
+        self._early = {k: v for k, v in self._early.items() if k[1] > number}
+
+    def _after_count(self, sender: str) -> None:
+        """Peers learn the new count once ``sender`` has said what it sent (before that,
+        no server can finish it, and each batch would cost a message)."""
+        if self._ledger.peers and sender in self._ledger.declared:
+            self._publish_counts()
+        self._settle()
+
+    def _publish_counts(self) -> None:
+        with self._lock:
+            counts, number = self._ledger.own_counts, self._ledger.number
+        self.channel.send(
+            topics.processed(self.run, self.name),
+            "round_control",
+            self.run,
+            round=number,
+            meta={"counts": counts},
+        )
+
+    def _settle(self) -> None:
+        with self._changed:
+            was = self._ledger.complete
+            if not self._ledger.settle():
+                return
+            self._changed.notify_all()
+            completed = not was and self._ledger.complete
+            number = self._ledger.number
+        if completed and self.on_complete is not None:
+            self.on_complete(number)
