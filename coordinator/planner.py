@@ -24,11 +24,11 @@ from split_models.plan import Plan, ServerAssignment
 from split_models.profiler import ModelProfile
 from split_models.units import format_bytes
 from storage.base import RunStore
-from storage.records import Event
+from storage.records import Event, RunRecord
 from wire.flower import TransportGrid
 from wire.roles import Announcement
 
-__all__ = ["Placement", "Planner"]
+__all__ = ["Placement", "Planner", "stored_plan"]
 
 log = logging.getLogger(__name__)
 _ASK_TIMEOUT = 60.0
@@ -53,6 +53,12 @@ def _servers_of(plan: Plan) -> list[Assignment]:
         Assignment(s.name, s.blocks[0], s.blocks[1], s.estimated_peak_bytes, "gpu")
         for s in plan.servers
     ]
+
+
+def stored_plan(run: RunRecord) -> Plan | None:
+    """The plan stored in ``run``, or None when it has none (a malformed one raises
+    :class:`~split_models.errors.ConfigError`)."""
+    return Plan.from_dict(run.plan) if run.plan else None
 
 
 class Planner:
@@ -158,13 +164,12 @@ class Planner:
         """A resumed run's stored plan, when the same devices are online, each still announces
         the memory its blocks need, and every edge accepts its blocks again; else None (plan
         anew). Keeping it keeps the cuts, so the local heads trained so far stay in use."""
-        stored = self.store.get_run(self.config.run_id).plan
-        if not stored:
-            return None
         try:
-            plan = Plan.from_dict(stored)
+            plan = stored_plan(self.store.get_run(self.config.run_id))
         except ConfigError as error:
             log.info("the stored plan is unreadable (%s): planning anew", error)
+            return None
+        if plan is None:
             return None
         memory = {a.device: a.memory for a in [*edges, *servers]}
         assigned, backs = _edges_of(plan), _servers_of(plan)
