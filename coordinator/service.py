@@ -259,7 +259,7 @@ class Coordinator:
             work.problem = f"{len(selected)} edge(s) online, {self.min_edges} needed"
         if work.problem is not None:
             return work
-        options = next(iter(sampled.values()))
+        options = next(iter(sampled.values()), {})
         streams, routes = route(selected, servers)
         for a in selected:
             task = build_task(self.config, a, self.session, segment=streams[a.device])
