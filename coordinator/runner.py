@@ -15,7 +15,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +29,7 @@ from coordinator.recorder import Outcome, RoundRecorder
 from storage.records import DeviceResult
 from wire.flower import TransportGrid, array_record
 
-__all__ = ["EdgeView", "RoundRunner", "RoundWork", "Sampled"]
+__all__ = ["EdgeView", "RoundRunner", "RoundWork", "Sampled", "shortfall"]
 
 log = logging.getLogger(__name__)
 _POLL = 0.1
@@ -50,6 +50,25 @@ class RoundWork:
     servers: dict[str, tuple[int, int]] = field(default_factory=dict)
     require_server: bool = False
     problem: str | None = None
+
+
+def shortfall(
+    sent: Collection[str],
+    servers: Mapping[str, tuple[int, int]],
+    require_server: bool,
+    outcome: Outcome,
+    min_edges: int,
+) -> str | None:
+    """Why ``outcome`` cannot commit: a piece of the back (``servers``: device -> blocks) that
+    was ``sent`` work did not answer, no server had work though one is required, or fewer than
+    ``min_edges`` edges trained; None when it can."""
+    spans = {s for d, s in servers.items() if d in sent}
+    spans_ok = {s for d, s in servers.items() if d in outcome.ok}
+    edges_ok = [d for d in outcome.ok if d not in servers]
+    if (spans or not require_server) and spans_ok == spans and len(edges_ok) >= min_edges:
+        return None
+    failed = [f"{r.device}: {r.failure}" for r in outcome.results if r.failure]
+    return "; ".join(failed) or "not enough replies"
 
 
 class EdgeView(Grid):
@@ -143,7 +162,9 @@ class RoundRunner:
             observer.round_started(number, list(work.messages))
             replies = self.collect(work.messages, self.deadline)
             outcome = self.outcome(work.messages, replies, started)
-            why = self._insufficient(work, outcome)
+            why = shortfall(
+                work.messages, work.servers, work.require_server, outcome, self.min_edges
+            )
             if why is None:
                 merged = self.recorder.aggregate(number, [replies[d] for d in sorted(outcome.ok)])
                 if merged is None:
@@ -163,20 +184,6 @@ class RoundRunner:
             f"round {number} failed {self.attempts} times; see `edgesplit status --run "
             f"{self.recorder.run_id}` and the run's events"
         )
-
-    def _insufficient(self, work: RoundWork, outcome: Outcome) -> str | None:
-        """Why ``outcome`` cannot commit: a piece of the back or too few edges; else None."""
-        spans = {s for d, s in work.servers.items() if d in work.messages}
-        spans_ok = {s for d, s in work.servers.items() if d in outcome.ok}
-        edges_ok = [d for d in outcome.ok if d not in work.servers]
-        if (
-            (spans or not work.require_server)
-            and spans_ok == spans
-            and len(edges_ok) >= self.min_edges
-        ):
-            return None
-        failed = [f"{r.device}: {r.failure}" for r in outcome.results if r.failure]
-        return "; ".join(failed) or "not enough replies"
 
     def collect(
         self, messages: dict[str, Message], deadline: float, observed: bool = True
