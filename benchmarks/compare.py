@@ -25,6 +25,7 @@ import argparse
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +112,92 @@ def _peak(summary: dict[str, Any]) -> str:
     return f"{max(peaks) / 2**20:.1f} MiB" if peaks else "-"
 
 
+Run = Callable[..., Any]
+
+
+def _header(rounds: int) -> str:
+    return (
+        f"\n### Methods compared ({machine()})\n\n"
+        f"`python benchmarks/compare.py --rounds {rounds}`: mnist8k 6,000 train / 2,000 "
+        f"test, 8 clients, cnn, Adam 1e-3, batch 32, fp32 activations, {rounds} epochs "
+        "of data per method, in-process transport, one torch thread a process.\n\n"
+        "| partition | method | accuracy | vs central | samples/s | vs central | wall s | "
+        "simulated s | bytes up / sample | bytes down / sample | cut up / sample | "
+        "cut down / sample | max edge peak |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    )
+
+
+def _runner(work: Path, rounds: int) -> Run:
+    """Simulate one method on the saved split, in its own output folder ``tag``."""
+
+    def run(method: str, partition: dict[str, Any], tag: str, **options: Any) -> Any:
+        broker = options.pop("broker", "none")
+        config = _config(
+            work / "train.npz", work / "test.npz", method, partition, rounds, **options
+        )
+        return simulate(config, work / tag, broker=broker)
+
+    return run
+
+
+def _rows(report: Report, name: str, results: dict[str, Any], samples: int) -> None:
+    central = results["centralized"]
+    for method in METHODS:
+        summary = results[method]
+        data = _per_sample(summary)
+        speed = _throughput(summary, samples)
+        report.row(
+            f"| {name} | {method} | {summary['final_accuracy']:.4f} | "
+            f"{summary['final_accuracy'] - central['final_accuracy']:+.4f} | "
+            f"{speed:,.0f} | {speed / _throughput(central, samples):.2f}x | "
+            f"{summary['total_wall_seconds']:.1f} | "
+            f"{summary['total_simulated_seconds']:.1f} | {data['up']:,.0f} | "
+            f"{data['down']:,.0f} | {data['cut_up']:,.0f} | {data['cut_down']:,.0f} | "
+            f"{_peak(summary)} |"
+        )
+
+
+def _iid_extras(
+    run: Run, results: dict[str, Any], partition: dict[str, Any], samples: int
+) -> list[str]:
+    """Cut bytes of the two split methods, mosquitto, all-core centralized, 10 vs 100 clients."""
+    local, split = _per_sample(results["local-loss"]), _per_sample(results["splitfed"])
+    ratio = (local["cut_up"] + local["cut_down"]) / (split["cut_up"] + split["cut_down"])
+    extra = [f"- cut-layer bytes, local-loss / splitfed (IID): {ratio:.3f}x"]
+    base = _throughput(results["centralized"], samples)
+    mqtt = run("local-loss", partition, "mqtt", broker="embedded")
+    extra.append(
+        f"- local-loss over mosquitto (a private broker on loopback): "
+        f"{_throughput(mqtt, samples):,.0f} samples/s, "
+        f"{_throughput(mqtt, samples) / base:.2f}x of centralized, accuracy "
+        f"{mqtt['final_accuracy']:.4f}"
+    )
+    torch.set_num_threads(os.cpu_count() or 1)
+    wide = run("centralized", partition, "central-all-cores")
+    torch.set_num_threads(1)
+    wide_speed = _throughput(wide, samples)
+    extra.append(
+        f"- centralized with {os.cpu_count()} torch threads: "
+        f"{wide_speed:,.0f} samples/s; local-loss is "
+        f"{_throughput(results['local-loss'], samples) / wide_speed:.2f}x of it"
+    )
+    return [*extra, _scale(run, partition)]
+
+
+def _scale(run: Run, partition: dict[str, Any]) -> str:
+    small = run("local-loss", partition, "scale-10", clients=10)
+    large = run("local-loss", partition, "scale-100", clients=100)
+    return (
+        f"- 10 vs 100 clients, same data: training {small['training_wall_seconds']:.1f}"
+        f" s vs {large['training_wall_seconds']:.1f} s "
+        f"({large['training_wall_seconds'] / small['training_wall_seconds']:.2f}x), "
+        f"whole run {small['total_wall_seconds']:.1f} s vs "
+        f"{large['total_wall_seconds']:.1f} s "
+        f"({large['total_wall_seconds'] / small['total_wall_seconds']:.2f}x); "
+        f"accuracy {small['final_accuracy']:.4f} vs {large['final_accuracy']:.4f}"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -121,84 +208,21 @@ def main() -> None:
     with np.load(SHARED) as archive:
         x, y = archive["x"], archive["y"]
     samples = 6000 * args.rounds
-    report = Report(
-        f"\n### Methods compared ({machine()})\n\n"
-        f"`python benchmarks/compare.py --rounds {args.rounds}`: mnist8k 6,000 train / 2,000 "
-        f"test, 8 clients, cnn, Adam 1e-3, batch 32, fp32 activations, {args.rounds} epochs "
-        "of data per method, in-process transport, one torch thread a process.\n\n"
-        "| partition | method | accuracy | vs central | samples/s | vs central | wall s | "
-        "simulated s | bytes up / sample | bytes down / sample | cut up / sample | "
-        "cut down / sample | max edge peak |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|"
-    )
+    report = Report(_header(args.rounds))
     extra: list[str] = []
     with tempfile.TemporaryDirectory() as scratch:
         work = Path(scratch)
         np.savez(work / "train.npz", x=x[:6000], y=y[:6000])
         np.savez(work / "test.npz", x=x[-2000:], y=y[-2000:])
-
-        def run(method: str, partition: dict[str, Any], tag: str, **options: Any) -> Any:
-            broker = options.pop("broker", "none")
-            config = _config(
-                work / "train.npz", work / "test.npz", method, partition, args.rounds, **options
-            )
-            return simulate(config, work / tag, broker=broker)
-
+        run = _runner(work, args.rounds)
         for name, partition in (
             ("IID", {"kind": "iid"}),
             ("Dirichlet 0.5", {"kind": "dirichlet", "alpha": 0.5}),
         ):
             results = {method: run(method, partition, f"{name}-{method}") for method in METHODS}
-            central = results["centralized"]
-            for method in METHODS:
-                summary = results[method]
-                data = _per_sample(summary)
-                speed = _throughput(summary, samples)
-                report.row(
-                    f"| {name} | {method} | {summary['final_accuracy']:.4f} | "
-                    f"{summary['final_accuracy'] - central['final_accuracy']:+.4f} | "
-                    f"{speed:,.0f} | {speed / _throughput(central, samples):.2f}x | "
-                    f"{summary['total_wall_seconds']:.1f} | "
-                    f"{summary['total_simulated_seconds']:.1f} | {data['up']:,.0f} | "
-                    f"{data['down']:,.0f} | {data['cut_up']:,.0f} | {data['cut_down']:,.0f} | "
-                    f"{_peak(summary)} |"
-                )
+            _rows(report, name, results, samples)
             if name == "IID":
-                local, split = _per_sample(results["local-loss"]), _per_sample(results["splitfed"])
-                ratio = (local["cut_up"] + local["cut_down"]) / (
-                    split["cut_up"] + split["cut_down"]
-                )
-                extra.append(f"- cut-layer bytes, local-loss / splitfed (IID): {ratio:.3f}x")
-                base = _throughput(central, samples)
-                mqtt = run("local-loss", partition, "mqtt", broker="embedded")
-                extra.append(
-                    f"- local-loss over mosquitto (a private broker on loopback): "
-                    f"{_throughput(mqtt, samples):,.0f} samples/s, "
-                    f"{_throughput(mqtt, samples) / base:.2f}x of centralized, accuracy "
-                    f"{mqtt['final_accuracy']:.4f}"
-                )
-                torch.set_num_threads(os.cpu_count() or 1)
-                wide = run("centralized", partition, "central-all-cores")
-                torch.set_num_threads(1)
-                wide_speed = _throughput(wide, samples)
-                extra.append(
-                    f"- centralized with {os.cpu_count()} torch threads: "
-                    f"{wide_speed:,.0f} samples/s; local-loss is "
-                    f"{_throughput(results['local-loss'], samples) / wide_speed:.2f}x of it"
-                )
-                scale = {
-                    clients: run("local-loss", partition, f"scale-{clients}", clients=clients)
-                    for clients in (10, 100)
-                }
-                small, large = scale[10], scale[100]
-                extra.append(
-                    f"- 10 vs 100 clients, same data: training {small['training_wall_seconds']:.1f}"
-                    f" s vs {large['training_wall_seconds']:.1f} s "
-                    f"({large['training_wall_seconds'] / small['training_wall_seconds']:.2f}x), "
-                    f"whole run {small['total_wall_seconds']:.1f} s vs "
-                    f"{large['total_wall_seconds']:.1f} s "
-                    f"({large['total_wall_seconds'] / small['total_wall_seconds']:.2f}x); "
-                    f"accuracy {small['final_accuracy']:.4f} vs {large['final_accuracy']:.4f}"
-                )
+                extra += _iid_extras(run, results, partition, samples)
     report.finish(
         "\nSimulated time is what the run would take on the declared devices; centralized has "
         "no devices (0).\n\n" + "\n".join(extra),

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from coordinator.planner import stored_plan
 from split_models.errors import ConfigError
 from split_models.onnx_export import check_onnx, export_onnx
 from split_models.segment import Segment
@@ -80,15 +81,14 @@ def export_run(
     out.mkdir(parents=True, exist_ok=True)
     results = [_export(whole, f"{run_id}-round{number}-model", input_shape, out)]
     if per_device:
-        edges = (run.plan or {}).get("edges", [])
-        if not edges:
+        plan = stored_plan(run)
+        if plan is None or not plan.edges:
             raise ConfigError(f"run {run_id!r} has no stored plan, so no device segments")
-        for edge in edges:
-            cut = int(edge["blocks"][1])
+        for edge in plan.edges:
             results.append(
                 _export(
-                    Segment.from_model(model, 0, cut),
-                    f"{run_id}-round{number}-{edge['name']}",
+                    Segment.from_model(model, 0, edge.blocks[1]),
+                    f"{run_id}-round{number}-{edge.name}",
                     input_shape,
                     out,
                 )

@@ -370,6 +370,30 @@ def plan_split(
     return _assemble(problem, profile, config, edges, servers, packing, times, choice, lowest)
 
 
+def _bottleneck(
+    problem: Problem,
+    edges: Sequence[DeviceSpec],
+    times: np.ndarray,
+    choice: list[int],
+    server_time: float,
+) -> tuple[float, str]:
+    """The slowest edge's step time and what bounds the plan's step."""
+    slowest = max(range(len(edges)), key=lambda e: times[e, choice[e]])
+    edge_time = float(times[slowest, choice[slowest]])
+    compute = (
+        TRAIN_FLOPS_FACTOR
+        * problem.batch_size
+        * problem.edge_flops[choice[slowest]]
+        / edges[slowest].flops
+    )
+    bottleneck = (
+        "the GPU servers"
+        if server_time >= edge_time
+        else f"edge {edges[slowest].name!r} {'compute' if compute >= edge_time else 'upload'}"
+    )
+    return edge_time, bottleneck
+
+
 def _assemble(
     problem: Problem,
     profile: ModelProfile,
@@ -404,16 +428,7 @@ def _assemble(
     server_time = _server_rate(problem, servers) * float(
         sum(problem.server_flops[s] for s in choice)
     )
-    slowest = max(range(len(edges)), key=lambda e: times[e, choice[e]])
-    edge_time = float(times[slowest, choice[slowest]])
-    compute = (
-        TRAIN_FLOPS_FACTOR * batch * problem.edge_flops[choice[slowest]] / edges[slowest].flops
-    )
-    bottleneck = (
-        "the GPU servers"
-        if server_time >= edge_time
-        else f"edge {edges[slowest].name!r} {'compute' if compute >= edge_time else 'upload'}"
-    )
+    edge_time, bottleneck = _bottleneck(problem, edges, times, choice, server_time)
     return Plan(
         model=profile.model,
         num_blocks=problem.num_blocks,

@@ -41,29 +41,25 @@ def _table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     return "\n".join(lines)
 
 
+_RUN_COLUMNS = ["run_id", "status", "rounds_committed", "rounds_planned", "accuracy", "updated_at"]
+_ROUND_COLUMNS = [
+    "round",
+    "state",
+    "accuracy",
+    "loss",
+    "participants",
+    "failed",
+    "examples",
+    "bytes_up",
+    "bytes_down",
+]
+
+
 def status_command(args: argparse.Namespace) -> int:
     """List runs, or one run's rounds with their metrics."""
     with _open_existing(args.db) as store:
         if args.run is None:
-            runs = runs_overview(store)
-            if args.json:
-                print(json.dumps({"runs": runs}, indent=2))
-            elif not runs:
-                print("no runs")
-            else:
-                print(
-                    _table(
-                        runs,
-                        [
-                            "run_id",
-                            "status",
-                            "rounds_committed",
-                            "rounds_planned",
-                            "accuracy",
-                            "updated_at",
-                        ],
-                    )
-                )
+            _print_runs(runs_overview(store), args.json)
             return 0
         from storage import NotFoundError
 
@@ -79,23 +75,17 @@ def status_command(args: argparse.Namespace) -> int:
         f"{_cell(status['current_round'])}, plan version {status['plan_version']}"
     )
     if status["rounds"]:
-        print(
-            _table(
-                status["rounds"],
-                [
-                    "round",
-                    "state",
-                    "accuracy",
-                    "loss",
-                    "participants",
-                    "failed",
-                    "examples",
-                    "bytes_up",
-                    "bytes_down",
-                ],
-            )
-        )
+        print(_table(status["rounds"], _ROUND_COLUMNS))
     return 0
+
+
+def _print_runs(runs: list[dict[str, Any]], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps({"runs": runs}, indent=2))
+    elif not runs:
+        print("no runs")
+    else:
+        print(_table(runs, _RUN_COLUMNS))
 
 
 def db_upgrade_command(args: argparse.Namespace) -> int:

@@ -508,85 +508,22 @@ def _baseline(
     run_id: str,
     started: float,
 ) -> dict[str, Any]:
-    from simulation.baselines import train_centralized, train_fedavg, whole_model_bytes
-    from split_models.isolated import profile_in_fresh_process
+    from simulation.baselines import run_baseline
 
-    raw = config.raw
-    need = flops = model_bytes = num_blocks = 0
-    if config.method == "fedavg":  # centralized has no clients to size (and is not timed so)
-        profile = profile_in_fresh_process(
-            raw["model"],
-            raw["input_shape"],
-            raw["num_classes"],
-            (raw["local_loss"],),
-            raw["batch_size"],
-        )
-        need = whole_model_bytes(raw, profile)
-        flops = sum(b.flops for b in profile.blocks)
-        model_bytes = sum(b.param_bytes + b.buffer_bytes for b in profile.blocks)
-        num_blocks = profile.num_blocks
+    profiles = {
+        name: _profile_of(index, config.clients, config.profiles)
+        for index, name in enumerate(names)
+    }
     with open_store(f"sqlite:///{out / 'runs.db'}") as store:
-        if config.method == "centralized":
-            train_centralized(raw, train, test, store, run_id)
-            clients: list[dict[str, Any]] = []
-        else:
-            data = {n: train.subset(rows) for n, rows in zip(names, parts, strict=True)}
-            train_fedavg(raw, data, test, store, run_id)
-            clients = []
-            for index, name in enumerate(names):
-                profile_of = _profile_of(index, config.clients, config.profiles)
-                examples = len(data[name]) * int(raw["local_epochs"]) * int(raw["rounds"])
-                clients.append(
-                    {
-                        "name": name,
-                        "profile": profile_of.name,
-                        "blocks": [0, num_blocks],
-                        "budget_bytes": profile_of.memory,
-                        "estimated_peak_bytes": need,
-                        "fits": need <= profile_of.memory,
-                        "measured_peak_bytes": None,
-                        "bytes_up": model_bytes * int(raw["rounds"]),
-                        "bytes_down": model_bytes * int(raw["rounds"]),
-                        "cut_bytes_up": 0,
-                        "cut_bytes_down": 0,
-                        "examples": examples,
-                        "rounds_trained": int(raw["rounds"]),
-                    }
-                )
-        rows = []
-        for record in store.list_rounds(run_id):
-            simulated = None
-            if config.method == "fedavg":
-                simulated = max(
-                    max(
-                        3 * len(data[n]) * int(raw["local_epochs"]) * flops / p.flops,
-                        model_bytes / p.uplink,
-                    )
-                    for n, p in (
-                        (n, _profile_of(i, config.clients, config.profiles))
-                        for i, n in enumerate(names)
-                    )
-                )
-            rows.append(
-                {
-                    "round": record.number,
-                    "accuracy": record.evaluation.get("accuracy"),
-                    "loss": record.evaluation.get("loss"),
-                    "participants": len(clients),
-                    "bytes_up": model_bytes * len(clients),
-                    "bytes_down": model_bytes * len(clients),
-                    "wall_seconds": record.metrics.get("wall_seconds"),
-                    "simulated_seconds": simulated,
-                }
-            )
-    unfit = [c["name"] for c in clients if not c["fits"]]
-    plan = (
-        "centralized: one process, the whole model, pooled data"
-        if config.method == "centralized"
-        else f"fedavg: the whole model ({num_blocks} blocks, estimated "
-        f"{need} bytes to train) on every client"
-        + (f"; it does not fit {', '.join(unfit)}" if unfit else "")
-    )
+        rows, clients, plan = run_baseline(
+            config.method,
+            config.raw,
+            (train, test),
+            dict(zip(names, parts, strict=True)),
+            profiles,
+            store,
+            run_id,
+        )
     return {
         "run_id": run_id,
         "method": config.method,

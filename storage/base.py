@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from storage.errors import StateError
@@ -19,6 +20,7 @@ from storage.records import (
     RoundRecord,
     RunRecord,
     Tensors,
+    utcnow,
 )
 
 __all__ = ["RunStore"]
@@ -38,22 +40,21 @@ class RunStore(abc.ABC):
     """
 
     # ---------------------------------------------------------------- devices
+    def upsert_device(self, device: DeviceRecord) -> None:
+        """Insert or replace ``device``; one seen ``online`` without a time is seen now."""
+        _check(device.status, DEVICE_STATUSES, "status")
+        if device.status == "online" and device.last_seen is None:
+            device = replace(device, last_seen=utcnow())
+        self._upsert_device(device)
+
     @abc.abstractmethod
-    def upsert_device(self, device: DeviceRecord) -> None: ...
+    def _upsert_device(self, device: DeviceRecord) -> None: ...
 
     @abc.abstractmethod
     def get_device(self, name: str) -> DeviceRecord: ...
 
     @abc.abstractmethod
     def list_devices(self) -> list[DeviceRecord]: ...
-
-    def mark_device(self, name: str, status: str) -> None:
-        """Set a device's status and last-seen time."""
-        _check(status, DEVICE_STATUSES, "status")
-        self._mark_device(name, status)
-
-    @abc.abstractmethod
-    def _mark_device(self, name: str, status: str) -> None: ...
 
     # ---------------------------------------------------------------- runs
     def create_run(self, run_id: str, config: Mapping[str, Any], seed: int) -> RunRecord:

@@ -45,7 +45,7 @@ class InMemoryRunStore(RunStore):
         self._metrics: dict[str, list[MetricPoint]] = {}
         self._events: list[tuple[str | None, Event]] = []
 
-    def upsert_device(self, device: DeviceRecord) -> None:
+    def _upsert_device(self, device: DeviceRecord) -> None:
         with self._lock:
             self._devices[device.name] = device
 
@@ -58,10 +58,6 @@ class InMemoryRunStore(RunStore):
     def list_devices(self) -> list[DeviceRecord]:
         with self._lock:
             return sorted(self._devices.values(), key=lambda d: d.name)
-
-    def _mark_device(self, name: str, status: str) -> None:
-        with self._lock:
-            self._devices[name] = replace(self.get_device(name), status=status, last_seen=utcnow())
 
     def _create_run(self, run_id: str, config: dict[str, Any], seed: int) -> RunRecord:
         with self._lock:

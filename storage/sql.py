@@ -153,7 +153,7 @@ class SqlRunStore(RunStore):
         self.engine.dispose()
 
     # ---------------------------------------------------------------- devices
-    def upsert_device(self, device: DeviceRecord) -> None:
+    def _upsert_device(self, device: DeviceRecord) -> None:
         with self._session() as session:
             row = session.scalar(select(DeviceRow).where(DeviceRow.name == device.name))
             if row is None:
@@ -176,11 +176,6 @@ class SqlRunStore(RunStore):
     def list_devices(self) -> list[DeviceRecord]:
         with self._session() as session:
             return [_device(r) for r in session.scalars(select(DeviceRow).order_by(DeviceRow.name))]
-
-    def _mark_device(self, name: str, status: str) -> None:
-        with self._session() as session:
-            row = self._device_row(session, name)
-            row.status, row.last_seen = status, utcnow()
 
     # ---------------------------------------------------------------- runs
     def _create_run(self, run_id: str, config: dict[str, Any], seed: int) -> RunRecord:

@@ -145,6 +145,9 @@ class TaskGrid(Grid):
     ) -> Iterable[Message]:
         return self._grid.send_and_receive([self._with_task(m) for m in messages], timeout=timeout)
 
+    def abandon(self, message_ids: Iterable[str]) -> None:
+        self._grid.abandon(message_ids)  # type: ignore[attr-defined]
+
 
 def accuracy(weights: Mapping[str, np.ndarray], test: Dataset) -> float:
     """Held-out accuracy of the whole model assembled from ``weights``."""

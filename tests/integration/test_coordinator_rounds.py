@@ -1,4 +1,5 @@
-"""The coordinator's round loop commits every round to the store and resumes after a stop."""
+"""The round engine, over whole-model messages, commits every round to the store and resumes
+after a stop."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ import numpy as np
 import pytest
 
 from coordinator.aggregation import build_strategy
-from coordinator.rounds import run_rounds
+from coordinator.federated import run_federated
 from split_models import load_dataset
 from storage import open_store
-from tests.integration.split_fleet import EDGES, accuracy, start_fleet
+from tests.integration.split_fleet import EDGES, GPU, accuracy, start_fleet
 from wire.flower import TransportGrid
+from wire.roles import node_id_for
 from wire.transport import InProcessHub
 
 pytestmark = pytest.mark.integration
@@ -28,6 +30,7 @@ def test_rounds_are_committed_and_a_restarted_coordinator_continues(tmp_path: Pa
     hub = InProcessHub()
     fleet = start_fleet(hub.connect, train, RUN)
     initial = fleet.initial
+    nodes = {name: node_id_for(name) for name in (GPU, *EDGES)}
 
     def evaluate(weights: dict[str, np.ndarray]) -> dict[str, float]:
         return {"accuracy": accuracy(weights, test)}
@@ -39,8 +42,8 @@ def test_rounds_are_committed_and_a_restarted_coordinator_continues(tmp_path: Pa
             "fedavg", fraction_evaluate=0.0, min_available_nodes=3, min_train_nodes=3
         )
         with open_store(str(tmp_path / "runs.db")) as store:
-            return run_rounds(
-                store, RUN, strategy, fleet.grid(grid), initial, rounds, list(EDGES), evaluate
+            return run_federated(
+                store, RUN, strategy, fleet.grid(grid), initial, rounds, nodes, evaluate
             )
 
     with open_store(str(tmp_path / "runs.db")) as store:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from flwr.app import Message
 
 from coordinator.config import RunConfig
 from coordinator.partitioner import PartitionConfig, Problem
@@ -21,8 +22,9 @@ from split_models.isolated import profile_in_fresh_process
 from split_models.profiler import ModelProfile
 from storage import open_store
 from storage.base import RunStore
+from wire import topics
 from wire.broker import Broker
-from wire.flower import node_will
+from wire.flower import _Frames, node_will
 from wire.mqtt import MqttConfig, MqttTransport
 from wire.roles import Announcement, node_id_for
 from wire.transport import InProcessHub, Transport, Will
@@ -294,3 +296,32 @@ def test_a_back_too_big_for_one_server_is_chained_over_two(
     back = gpus[first]._backs["svc-1"][1]
     assert back.end == pieces[0][1] and back.stats.rejected == {}
     assert rounds[-1].evaluation["accuracy"] > 0.5, [r.evaluation for r in rounds]
+
+
+def test_the_strategy_config_reaches_every_device_in_its_train_message(
+    tmp_path: Path, store: RunStore, profile: ModelProfile
+) -> None:
+    hub = InProcessHub()
+    run = config(tmp_path, rounds=1, strategy={"name": "fedprox", "proximal_mu": 0.25})
+    start_fleet(hub, tmp_path, dict.fromkeys(EDGES, 1 << 30), {})
+    received: dict[str, list[Message]] = {}
+    tap = hub.connect("tap")
+    for device in (*EDGES, "gpu-a"):
+        frames = _Frames(tap)
+
+        def seen(
+            _topic: str, payload: bytes, device: str = device, frames: _Frames = frames
+        ) -> None:
+            if (message := frames.receive(payload)) is not None:
+                received.setdefault(device, []).append(message)
+
+        tap.subscribe(topics.flower_in(device), seen)
+
+    assert Coordinator(run, store, hub.connect("coordinator"), profile=lambda _: profile).run() == 1
+
+    for device in (*EDGES, "gpu-a"):
+        trains = [m for m in received[device] if m.metadata.message_type == "train"]
+        assert len(trains) == 1, device
+        options = trains[0].content.config_records["config"]
+        assert options["proximal-mu"] == 0.25, (device, dict(options))
+        assert options["server-round"] == 1 and "task" in options

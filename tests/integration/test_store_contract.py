@@ -41,18 +41,19 @@ class StoreContract:
     def store(self) -> Iterator[RunStore]:
         raise NotImplementedError
 
-    def test_devices_upsert_and_mark(self, store: RunStore) -> None:
+    def test_devices_upsert_with_their_status(self, store: RunStore) -> None:
         store.upsert_device(DeviceRecord("pi-01", "edge", 2**28, 2e9, 2.5e6, "secret/pi-01"))
         store.upsert_device(DeviceRecord("gpu-a", "gpu", 2**36, 1e14))
-        store.upsert_device(DeviceRecord("pi-01", "edge", 2**29, 2e9, 2.5e6, "secret/pi-01"))
-        store.mark_device("pi-01", "online")
+        store.upsert_device(
+            DeviceRecord("pi-01", "edge", 2**29, 2e9, 2.5e6, "secret/pi-01", status="online")
+        )
         pi = store.get_device("pi-01")
         assert pi.memory_bytes == 2**29 and pi.status == "online" and pi.last_seen is not None
         assert [d.name for d in store.list_devices()] == ["gpu-a", "pi-01"]
         with pytest.raises(NotFoundError):
             store.get_device("nope")
         with pytest.raises(ValueError, match="status"):
-            store.mark_device("pi-01", "asleep")
+            store.upsert_device(DeviceRecord("pi-01", "edge", 2**29, 2e9, status="asleep"))
 
     def test_run_lifecycle_and_plan_versions(self, store: RunStore) -> None:
         run = store.create_run("demo-1", CONFIG, seed=7)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import pytest
 from rich.console import Console
 
-from coordinator.service import _Assignment, _route
+from coordinator.assignments import Assignment, route
 from simulation.pool import SegmentPool
 from simulation.progress import RoundProgress
 from simulation.report import simulated_round_seconds
@@ -57,16 +57,16 @@ def test_pool_keeps_tasks_apart_and_rejects_no_workers() -> None:
         SegmentPool(0)
 
 
-def _edge(name: str, cut: int) -> _Assignment:
-    return _Assignment(name, 0, cut, 0, "edge")
+def _edge(name: str, cut: int) -> Assignment:
+    return Assignment(name, 0, cut, 0, "edge")
 
 
-def _gpu(name: str, start: int, end: int) -> _Assignment:
-    return _Assignment(name, start, end, 0, "gpu")
+def _gpu(name: str, start: int, end: int) -> Assignment:
+    return Assignment(name, start, end, 0, "gpu")
 
 
 def test_route_of_shared_servers_is_one_stream() -> None:
-    streams, routes = _route([_edge("e1", 1), _edge("e2", 3)], [_gpu("g1", 1, 6), _gpu("g2", 1, 6)])
+    streams, routes = route([_edge("e1", 1), _edge("e2", 3)], [_gpu("g1", 1, 6), _gpu("g2", 1, 6)])
     assert streams == {"e1": "seg-0", "e2": "seg-0"}
     assert routes["g1"] == (["e1", "e2"], ["g1", "g2"], "seg-0", None)
     assert routes["g2"] == (["e1", "e2"], ["g1", "g2"], "seg-0", None)
@@ -74,13 +74,13 @@ def test_route_of_shared_servers_is_one_stream() -> None:
 
 def test_route_of_a_chain_feeds_each_piece_its_cuts_and_the_piece_before() -> None:
     servers = [_gpu("g1", 1, 3), _gpu("g2", 3, 5), _gpu("g3", 5, 7)]
-    streams, routes = _route([_edge("e1", 1), _edge("e2", 4)], servers)
+    streams, routes = route([_edge("e1", 1), _edge("e2", 4)], servers)
     assert streams == {"e1": "seg-0", "e2": "seg-1"}
     assert routes["g1"] == (["e1"], ["g1"], "seg-0", "seg-1")
     assert routes["g2"] == (["e2", "g1"], ["g2"], "seg-1", "seg-2")
     assert routes["g3"] == (["g2"], ["g3"], "seg-2", None)
     # nobody streams into the first piece: it hears no one and passes nothing on
-    _, routes = _route([_edge("e2", 4)], servers)
+    _, routes = route([_edge("e2", 4)], servers)
     assert routes["g1"][0] == [] and routes["g2"][0] == ["e2"]
 
 

@@ -1,0 +1,121 @@
+"""The devices a coordinator knows: their retained announcements and who is online."""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable
+
+from coordinator.config import DevicesConfig
+from coordinator.errors import CoordinatorError
+from storage.base import RunStore
+from storage.records import DeviceRecord
+from wire import topics
+from wire.errors import WireError
+from wire.flower import TransportGrid
+from wire.roles import Announcement
+from wire.transport import Transport
+
+__all__ = ["DeviceRegistry", "record_devices"]
+
+log = logging.getLogger(__name__)
+_POLL = 0.1
+
+
+class DeviceRegistry:
+    """Announcements heard on ``capabilities/+`` and the grid's online Flower nodes."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        grid: TransportGrid,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.grid, self._clock, self._sleep = grid, clock, sleep
+        self._announcements: dict[str, Announcement] = {}
+        self._lock = threading.Lock()
+        transport.subscribe(f"{topics.PREFIX}/capabilities/+", self._on_announcement)
+
+    def _on_announcement(self, _topic: str, payload: bytes) -> None:
+        if not payload:
+            return  # a cleared retained message
+        try:
+            announcement = Announcement.parse(payload)
+        except WireError as error:
+            log.warning("ignored a bad device announcement: %s", error)
+            return
+        with self._lock:
+            self._announcements[announcement.device] = announcement
+
+    def online(self, role: str | None = None) -> dict[str, Announcement]:
+        """Announced devices whose Flower node is online, by name."""
+        nodes = set(self.grid.get_node_ids())
+        with self._lock:
+            return {
+                name: a
+                for name, a in sorted(self._announcements.items())
+                if a.node_id in nodes and (role is None or a.role == role)
+            }
+
+    def missing(self, declared: DevicesConfig) -> list[str]:
+        """What keeps ``declared`` from being online, one phrase per device or count."""
+        online_edges = self.online("edge")
+        problems = []
+        if isinstance(declared.edges, tuple):
+            with self._lock:
+                known = set(self._announcements)
+            for name in declared.edges:
+                if name not in online_edges:
+                    problems.append(f"{name} ({'offline' if name in known else 'never announced'})")
+        elif len(online_edges) < declared.edges:
+            problems.append(
+                f"{declared.edges - len(online_edges)} more edge(s); online: "
+                f"{', '.join(online_edges) or 'none'}"
+            )
+        servers = self.online("gpu")
+        if len(servers) < declared.gpu_servers:
+            problems.append(
+                f"{declared.gpu_servers - len(servers)} more GPU server(s); online: "
+                f"{', '.join(servers) or 'none'}"
+            )
+        return problems
+
+    def wait(self, declared: DevicesConfig) -> tuple[list[Announcement], list[Announcement]]:
+        """The edges and GPU servers to plan with, once all ``declared`` ones are online."""
+        deadline = self._clock() + declared.wait_seconds
+        told = -math.inf
+        while missing := self.missing(declared):
+            now = self._clock()
+            if now >= deadline:
+                raise CoordinatorError(
+                    f"waited {declared.wait_seconds:.0f} s for the devices; missing: "
+                    f"{'; '.join(missing)} (start them, or raise devices.wait)"
+                )
+            if now - told > 10:
+                log.info("waiting for devices: %s", "; ".join(missing))
+                told = now
+            self._sleep(_POLL)
+        edges = self.online("edge")
+        if isinstance(declared.edges, tuple):
+            chosen = [edges[n] for n in declared.edges]
+        else:
+            chosen = list(edges.values())[: declared.edges]
+        return chosen, list(self.online("gpu").values())[: declared.gpu_servers]
+
+
+def record_devices(store: RunStore, devices: list[Announcement]) -> None:
+    """Store ``devices`` as online with what they announced."""
+    for device in devices:
+        store.upsert_device(
+            DeviceRecord(
+                device.device,
+                device.role,
+                device.memory,
+                device.flops,
+                device.uplink,
+                status="online",
+            )
+        )

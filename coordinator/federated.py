@@ -1,0 +1,70 @@
+"""Whole-model rounds through the round engine: every device gets the strategy's own train
+message (all the weights and the strategy's config) and the strategy averages what they send
+back. The fedavg and centralized baselines run this way, with the same runner, recorder and
+store as the split coordinator, so they commit their rounds the same way.
+
+Starting again on a run with committed rounds continues from the last one: its weights are
+the starting point and only the remaining rounds run, numbered on from where the run stopped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+from flwr.serverapp.strategy import FedAvg
+
+from coordinator.assignments import build_message
+from coordinator.errors import CoordinatorError
+from coordinator.recorder import WEIGHTS_SEGMENT, Evaluate, RoundObserver, RoundRecorder
+from coordinator.runner import RoundRunner, RoundWork
+from storage.base import RunStore
+from wire.flower import TransportGrid, array_record
+
+__all__ = ["run_federated"]
+
+
+def run_federated(
+    store: RunStore,
+    run_id: str,
+    strategy: FedAvg,
+    grid: TransportGrid,
+    initial: Mapping[str, np.ndarray],
+    rounds: int,
+    devices: Mapping[str, int],
+    evaluate: Evaluate | None = None,
+    deadline: float = 3600.0,
+    seed: int = 0,
+) -> int:
+    """Train until the run has ``rounds`` committed rounds over ``devices`` (name -> Flower
+    node id); return how many ran now. Each round waits up to ``deadline`` seconds."""
+    state = store.resume(run_id)
+    done = 0 if state is None else state.round.number
+    weights = dict(initial) if state is None else dict(state.weights[WEIGHTS_SEGMENT])
+    if done >= rounds:
+        store.set_run_status(run_id, "finished")
+        return 0
+    store.set_run_status(run_id, "training")
+    recorder = RoundRecorder(store, run_id, strategy, RoundObserver(), evaluate, rounds)
+    runner = RoundRunner(grid, strategy, recorder, seed, deadline)
+    names = {node: name for name, node in devices.items()}
+
+    def prepare(number: int) -> RoundWork:
+        sampled = runner.sample(number, sorted(names), weights)
+        work = RoundWork([names[node] for node in sampled])
+        if not sampled:
+            work.problem = f"none of {sorted(devices)} is online"
+        arrays = array_record(weights)
+        for node, options in sampled.items():
+            message = build_message(grid, node, arrays, "train", number, options=options)
+            work.messages[names[node]] = message
+        return work
+
+    try:
+        for number in range(done + 1, rounds + 1):
+            weights = runner.run(number, prepare)
+    except CoordinatorError:
+        store.set_run_status(run_id, "failed")
+        raise
+    store.set_run_status(run_id, "finished")
+    return rounds - done

@@ -1,0 +1,233 @@
+"""Planning a run onto its devices: plan, offer each edge its blocks, re-plan around refusals,
+place the back on the GPU servers, or keep a resumed run's stored plan.
+
+The plan stored in the run is a :class:`~split_models.plan.Plan` whose ``servers`` are the GPU
+server replicas the rounds use (every server holding the whole back, or the chained pieces).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from flwr.app import ArrayRecord, Message
+
+from coordinator.assignments import Assignment, build_message, build_task
+from coordinator.config import RunConfig
+from coordinator.errors import CoordinatorError
+from coordinator.partitioner import PartitionConfig, plan_split
+from split_models.devices import DeviceSpec
+from split_models.errors import ConfigError, InfeasiblePlanError
+from split_models.memory import estimate_segment_memory
+from split_models.plan import Plan, ServerAssignment
+from split_models.profiler import ModelProfile
+from split_models.units import format_bytes
+from storage.base import RunStore
+from storage.records import Event, RunRecord
+from wire.flower import TransportGrid
+from wire.roles import Announcement
+
+__all__ = ["Placement", "Planner", "stored_plan"]
+
+log = logging.getLogger(__name__)
+_ASK_TIMEOUT = 60.0
+Refusals = dict[str, tuple[str, int | None]]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The edges' and GPU servers' blocks of a run, and the plan they came from."""
+
+    plan: Plan
+    edges: list[Assignment]
+    servers: list[Assignment]
+
+
+def _edges_of(plan: Plan) -> list[Assignment]:
+    return [Assignment(e.name, 0, e.blocks[1], e.estimated_peak_bytes, "edge") for e in plan.edges]
+
+
+def _servers_of(plan: Plan) -> list[Assignment]:
+    return [
+        Assignment(s.name, s.blocks[0], s.blocks[1], s.estimated_peak_bytes, "gpu")
+        for s in plan.servers
+    ]
+
+
+def stored_plan(run: RunRecord) -> Plan | None:
+    """The plan stored in ``run``, or None when it has none (a malformed one raises
+    :class:`~split_models.errors.ConfigError`)."""
+    return Plan.from_dict(run.plan) if run.plan else None
+
+
+class Planner:
+    """Plans ``config`` for the devices that announced themselves."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        store: RunStore,
+        grid: TransportGrid,
+        session: str,
+        profile: Callable[[RunConfig], ModelProfile],
+        min_edges: int,
+    ) -> None:
+        self.config, self.store, self.grid, self.session = config, store, grid, session
+        self._profile, self.min_edges = profile, min_edges
+        self.refusals: dict[str, str] = {}
+
+    def ask(self, edges: list[Assignment]) -> Refusals:
+        """Offer each edge its blocks; return the refusals: device -> (reason, the memory
+        budget it reported, when the refusal was about memory)."""
+        messages = [
+            build_message(
+                self.grid,
+                a.node,
+                ArrayRecord(),
+                "query",
+                task=build_task(self.config, a, self.session),
+            )
+            for a in edges
+        ]
+        replies = self.grid.send_and_receive(messages, timeout=_ASK_TIMEOUT)
+        answered: dict[int, Message] = {m.metadata.src_node_id: m for m in replies}
+        refusals: Refusals = {}
+        for assignment in edges:
+            reply = answered.get(assignment.node)
+            if reply is None:
+                why = f"did not answer the assignment within {_ASK_TIMEOUT:.0f} s"
+                refusals[assignment.device] = (why, None)
+            elif reply.has_error():
+                refusals[assignment.device] = (
+                    f"failed on the assignment: {reply.error.reason}",
+                    None,
+                )
+            elif not (metrics := reply.content.metric_records["metrics"])["accepted"]:
+                reason = str(reply.content.config_records["answer"]["reason"])
+                budget = int(metrics["budget"])  # type: ignore[arg-type]
+                memory = budget if budget < assignment.estimate else None
+                refusals[assignment.device] = (reason, memory)
+        return refusals
+
+    def plan(self, edges: list[Announcement], servers: list[Announcement]) -> Placement:
+        """Plan, ask the edges, plan again around refusals; the edges' and servers' blocks."""
+        config = self.config
+        partition = PartitionConfig(
+            batch_size=config.batch_size,
+            optimizer=config.optimizer.name,
+            local_loss=config.local_loss,
+            compression=config.compression,
+        )
+        log.info("profiling %s at batch %d (fresh process)", config.model, config.batch_size)
+        profile = self._profile(config)
+        candidates = list(edges)
+        for _ in range(2 * len(edges) + 2):  # each pass drops an edge or lowers a budget
+            specs = [
+                DeviceSpec(a.device, "edge", a.memory, a.flops, a.uplink or 1e9) for a in candidates
+            ] + [DeviceSpec(s.device, "gpu", s.memory, s.flops) for s in servers]
+            plan = plan_split(profile, specs, partition)
+            assigned = _edges_of(plan)
+            refusals = self.ask(assigned)
+            if not refusals:
+                backs = self._servers(profile, servers, min(a.end for a in assigned), plan)
+                memory = {s.device: s.memory for s in servers}
+                return Placement(_with_servers(plan, backs, memory), assigned, backs)
+            candidates = self._around(candidates, refusals)
+        raise CoordinatorError(
+            "the edges kept refusing their blocks: "
+            + "; ".join(f"{d}: {r}" for d, r in self.refusals.items())
+        )
+
+    def _around(self, candidates: list[Announcement], refusals: Refusals) -> list[Announcement]:
+        """The edges to plan with next: refusers without a budget dropped, the others with
+        the budget they reported; each refusal is logged and stored as an event."""
+        for device, (reason, budget) in refusals.items():
+            action = "planning without it" if budget is None else "planning with its budget"
+            log.warning("edge %s refused its blocks: %s; %s", device, reason, action)
+            self.refusals[device] = reason
+            self.store.add_event(self.config.run_id, Event("assignment-refused", reason, device))
+        replanned = []
+        for candidate in candidates:
+            if candidate.device not in refusals:
+                replanned.append(candidate)
+            elif (budget := refusals[candidate.device][1]) is not None:
+                replanned.append(replace(candidate, memory=budget))
+        if len(replanned) < max(1, self.min_edges):
+            raise CoordinatorError(
+                "too few edges accepted their blocks: "
+                + "; ".join(f"{d}: {r}" for d, r in self.refusals.items())
+            )
+        return replanned
+
+    def stored(self, edges: list[Announcement], servers: list[Announcement]) -> Placement | None:
+        """A resumed run's stored plan, when the same devices are online, each still announces
+        the memory its blocks need, and every edge accepts its blocks again; else None (plan
+        anew). Keeping it keeps the cuts, so the local heads trained so far stay in use."""
+        try:
+            plan = stored_plan(self.store.get_run(self.config.run_id))
+        except ConfigError as error:
+            log.info("the stored plan is unreadable (%s): planning anew", error)
+            return None
+        if plan is None:
+            return None
+        memory = {a.device: a.memory for a in [*edges, *servers]}
+        assigned, backs = _edges_of(plan), _servers_of(plan)
+        kept = [*assigned, *backs]
+        if sorted(a.device for a in kept) != sorted(memory):
+            log.info("the devices online differ from the stored plan's: planning anew")
+            return None
+        short = [a.device for a in kept if memory[a.device] < a.estimate]
+        if short:
+            log.info("%s announce less memory than the stored plan needs: planning anew", short)
+            return None
+        refusals = self.ask(assigned)
+        if refusals:
+            log.info("edges refuse their stored blocks (%s): planning anew", sorted(refusals))
+            return None
+        log.info("resumed run %s keeps its stored plan", self.config.run_id)
+        return Placement(plan, assigned, backs)
+
+    def _servers(
+        self, profile: ModelProfile, servers: list[Announcement], start: int, plan: Plan
+    ) -> list[Assignment]:
+        """The GPU servers that hold the back from ``start``: every declared server with the
+        memory for all of it (they share the edges' streams, one shared subscription, and
+        their back replicas are aggregated like any other replicas); when none has, the plan's
+        contiguous pieces, one server each, chained (each trains its piece with a local loss
+        and passes its output on)."""
+        config = self.config
+        need = estimate_segment_memory(
+            profile, start, profile.num_blocks, config.batch_size, config.optimizer.name
+        ).total
+        fitting = [s for s in servers if s.memory >= need]
+        if fitting:
+            return [Assignment(s.device, start, profile.num_blocks, need, "gpu") for s in fitting]
+        pieces = [p for p in plan.servers if p.blocks[1] > start]
+        if not pieces or pieces[0].blocks[0] > start or config.mode == "backprop":
+            best = max(servers, key=lambda s: s.memory)
+            why = (
+                "; backprop mode needs one server to hold all of it"
+                if config.mode == "backprop"
+                else ""
+            )
+            raise InfeasiblePlanError(
+                f"the back blocks [{start}, {profile.num_blocks}) need {format_bytes(need)}; "
+                f"the largest GPU server {best.device!r} has {format_bytes(best.memory)}{why}"
+            )
+        log.info(
+            "no GPU server holds the back alone: chaining %s",
+            ", ".join(f"{p.name} [{p.blocks[0]}, {p.blocks[1]})" for p in pieces),
+        )
+        return [
+            Assignment(p.name, p.blocks[0], p.blocks[1], p.estimated_peak_bytes, "gpu")
+            for p in pieces
+        ]
+
+
+def _with_servers(plan: Plan, backs: list[Assignment], memory: dict[str, int]) -> Plan:
+    """``plan`` with the GPU server replicas the rounds use as its servers."""
+    servers = tuple(
+        ServerAssignment(b.device, (b.start, b.end), b.estimate, memory[b.device]) for b in backs
+    )
+    return replace(plan, servers=servers)

@@ -1,0 +1,142 @@
+"""What a round leaves behind: aggregation, evaluation, the commit and the observer's calls."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+from flwr.app import Message
+from flwr.serverapp.strategy import FedAvg
+
+from storage.base import RunStore
+from storage.records import DeviceResult, Event, MetricPoint
+
+__all__ = ["WEIGHTS_SEGMENT", "Evaluate", "Outcome", "RoundObserver", "RoundRecorder"]
+
+log = logging.getLogger(__name__)
+WEIGHTS_SEGMENT = "global"
+Evaluate = Callable[[Mapping[str, np.ndarray]], dict[str, float]]
+
+
+class RoundObserver:
+    """What a coordinator tells about its rounds; the base class ignores it all."""
+
+    def round_starting(self, number: int) -> None:
+        """Round ``number`` (or a retry of it) is about to select its devices."""
+
+    def round_started(self, number: int, devices: list[str]) -> None:
+        """The round's messages went out to ``devices`` (edges and GPU servers)."""
+
+    def device_answered(self, device: str) -> None:
+        """``device`` replied (trained or failed) in the current round."""
+
+    def round_committed(
+        self, number: int, evaluation: dict[str, float], results: list[DeviceResult]
+    ) -> None:
+        """Round ``number`` is committed to the store."""
+
+
+@dataclass
+class Outcome:
+    """One attempt's replies: each device's result, who trained, and cut-layer bytes."""
+
+    results: list[DeviceResult]
+    ok: list[str]
+    traffic: dict[str, dict[str, float]] = field(default_factory=dict)
+    started: float = 0.0
+
+
+class RoundRecorder:
+    """Aggregates with ``strategy``, evaluates with ``evaluate`` and commits to ``store``."""
+
+    def __init__(
+        self,
+        store: RunStore,
+        run_id: str,
+        strategy: FedAvg,
+        observer: RoundObserver,
+        evaluate: Evaluate | None = None,
+        rounds: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store, self.run_id, self.strategy = store, run_id, strategy
+        self.observer, self.evaluate, self.rounds, self._clock = observer, evaluate, rounds, clock
+
+    def open(self, number: int, participants: Sequence[str]) -> None:
+        """Round ``number`` is (re)opened with ``participants``."""
+        self.store.open_round(self.run_id, number, list(participants))
+
+    def aggregate(self, number: int, replies: list[Message]) -> dict[str, np.ndarray] | None:
+        """The round enters ``aggregating``; the strategy's new weights, or None."""
+        self.store.set_round_state(self.run_id, number, "aggregating")
+        arrays, _ = self.strategy.aggregate_train(number, replies)
+        if arrays is None:
+            return None
+        return {k: v.numpy() for k, v in arrays.items()}
+
+    def central_evaluation(self, weights: Mapping[str, np.ndarray]) -> dict[str, float]:
+        """The evaluation on the coordinator's data; empty without it."""
+        return self.evaluate(weights) if self.evaluate is not None else {}
+
+    def failed(self, number: int, attempt: int, attempts: int, reason: str) -> None:
+        """Attempt ``attempt`` of round ``number`` failed for ``reason``: logged and stored."""
+        log.warning("round %d attempt %d/%d failed: %s", number, attempt, attempts, reason)
+        self.store.add_event(self.run_id, Event("round-failed", reason, round=number))
+
+    def record(self, number: int, outcome: Outcome) -> None:
+        """The results of an attempt that does not commit."""
+        self.store.record_results(self.run_id, number, outcome.results)
+
+    def commit(
+        self,
+        number: int,
+        weights: dict[str, np.ndarray],
+        outcome: Outcome,
+        evaluation: dict[str, float],
+        servers: Sequence[str] = (),
+    ) -> None:
+        """Results, metrics, weights and evaluation of round ``number``, in the store; the
+        checkpoint files no committed round refers to any more are collected."""
+        store = self.store
+        store.record_results(self.run_id, number, outcome.results)
+        trained = [r for r in outcome.results if not r.failure]
+        metrics = {
+            "wall_seconds": self._clock() - outcome.started,
+            "participants_ok": float(len(trained)),
+            "examples": float(sum(r.examples for r in trained if r.device not in servers)),
+        }
+        points = _points(number, outcome, trained)
+        if points:
+            store.add_metrics(self.run_id, points)
+        store.commit_round(
+            self.run_id, number, {WEIGHTS_SEGMENT: weights}, metrics=metrics, evaluation=evaluation
+        )
+        store.collect_garbage()  # files a crash left before its commit's transaction
+        self.observer.round_committed(number, evaluation, outcome.results)
+        failed = ", ".join(f"{r.device} ({r.failure})" for r in outcome.results if r.failure)
+        log.info(
+            "round %d/%d committed: %s, %d device(s) trained%s, %.1f s",
+            number,
+            self.rounds,
+            ", ".join(f"{k} {v:.4f}" for k, v in evaluation.items()) or "no eval data",
+            len(trained),
+            f", without {failed}" if failed else "",
+            metrics["wall_seconds"],
+        )
+
+
+def _points(number: int, outcome: Outcome, trained: list[DeviceResult]) -> list[MetricPoint]:
+    """Per-device metrics: measured peak memory and cut-layer bytes."""
+    points = [
+        MetricPoint("peak_memory_bytes", float(r.peak_memory_bytes), number, r.device)
+        for r in outcome.results
+        if r.peak_memory_bytes is not None
+    ]
+    return points + [
+        MetricPoint(name, value, number, r.device)
+        for r in trained
+        for name, value in outcome.traffic.get(r.device, {}).items()
+    ]

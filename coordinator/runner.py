@@ -1,0 +1,294 @@
+"""One round engine for every method: select through the strategy, send, collect, retry.
+
+A round's messages come from a ``prepare`` callable (the split coordinator's streams and
+tasks, or the whole model for the baselines); :class:`RoundRunner` samples the devices with
+the strategy's ``configure_train`` (whose config entries every message carries), sends the
+messages, collects replies until all came, the deadline passed or every missing device is
+offline, and hands a sufficient round to its :class:`~coordinator.recorder.RoundRecorder`;
+otherwise it retries, up to ``attempts`` times. Federated evaluation goes through the
+strategy's ``configure_evaluate`` / ``aggregate_evaluate``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from flwr.app import ConfigRecord, Message
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import FedAvg
+
+from coordinator.errors import CoordinatorError
+from coordinator.recorder import Outcome, RoundRecorder
+from storage.records import DeviceResult
+from wire.flower import TransportGrid, array_record
+
+__all__ = ["EdgeView", "RoundRunner", "RoundWork", "Sampled", "shortfall"]
+
+log = logging.getLogger(__name__)
+_POLL = 0.1
+Sampled = dict[int, dict[str, Any]]
+"""The nodes the strategy chose, each with the config entries of its train message."""
+
+
+@dataclass
+class RoundWork:
+    """One attempt of a round: who takes part and the train message of each device.
+
+    ``servers``: the devices that must all answer, by the piece of the model they hold
+    (``require_server``: at least one must have been sent work); ``problem``: why this
+    attempt cannot run (the round still opens with ``participants``)."""
+
+    participants: list[str]
+    messages: dict[str, Message] = field(default_factory=dict)
+    servers: dict[str, tuple[int, int]] = field(default_factory=dict)
+    require_server: bool = False
+    problem: str | None = None
+
+
+def shortfall(
+    sent: Collection[str],
+    servers: Mapping[str, tuple[int, int]],
+    require_server: bool,
+    outcome: Outcome,
+    min_edges: int,
+) -> str | None:
+    """Why ``outcome`` cannot commit: a piece of the back (``servers``: device -> blocks) that
+    was ``sent`` work did not answer, no server had work though one is required, or fewer than
+    ``min_edges`` edges trained; None when it can."""
+    spans = {s for d, s in servers.items() if d in sent}
+    spans_ok = {s for d, s in servers.items() if d in outcome.ok}
+    edges_ok = [d for d in outcome.ok if d not in servers]
+    if (spans or not require_server) and spans_ok == spans and len(edges_ok) >= min_edges:
+        return None
+    failed = [f"{r.device}: {r.failure}" for r in outcome.results if r.failure]
+    return "; ".join(failed) or "not enough replies"
+
+
+class EdgeView(Grid):
+    """The grid as the strategy's sampler sees it: only the given nodes."""
+
+    def __init__(self, grid: Grid, nodes: Callable[[], list[int]]) -> None:
+        self._grid, self._nodes = grid, nodes
+
+    def get_node_ids(self) -> list[int]:
+        return self._nodes()
+
+    def set_run(self, run: Any) -> None:
+        self._grid.set_run(run)
+
+    @property
+    def run(self) -> Any:
+        return self._grid.run
+
+    def create_message(self, *args: Any, **kwargs: Any) -> Message:
+        return self._grid.create_message(*args, **kwargs)
+
+    def push_messages(self, messages: Any) -> Any:
+        return self._grid.push_messages(messages)
+
+    def pull_messages(self, message_ids: Any) -> Any:
+        return self._grid.pull_messages(message_ids)
+
+    def send_and_receive(self, messages: Any, *, timeout: float | None = None) -> Any:
+        return self._grid.send_and_receive(messages, timeout=timeout)
+
+
+class RoundRunner:
+    """Runs rounds over ``grid`` with ``strategy``; commits through ``recorder``."""
+
+    def __init__(
+        self,
+        grid: TransportGrid,
+        strategy: FedAvg,
+        recorder: RoundRecorder,
+        seed: int,
+        deadline: float,
+        attempts: int = 3,
+        min_edges: int = 1,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.grid, self.strategy, self.recorder = grid, strategy, recorder
+        self.seed, self.deadline, self.attempts, self.min_edges = (
+            seed,
+            deadline,
+            attempts,
+            min_edges,
+        )
+        self._clock, self._sleep = clock, sleep
+
+    def sample(
+        self, number: int, nodes: Sequence[int], weights: Mapping[str, np.ndarray]
+    ) -> Sampled:
+        """The online ``nodes`` the strategy chooses for round ``number``, reproducibly."""
+        online = set(self.grid.get_node_ids())
+        view = EdgeView(self.grid, lambda: sorted(n for n in nodes if n in online))
+        if not view.get_node_ids():
+            return {}
+        random.seed(self.seed * 100_003 + number)
+        messages = self.strategy.configure_train(
+            number, array_record(weights), ConfigRecord(), view
+        )
+        return {
+            m.metadata.dst_node_id: dict(m.content.config_records[self.strategy.configrecord_key])
+            for m in messages
+        }
+
+    def run(
+        self,
+        number: int,
+        prepare: Callable[[int], RoundWork],
+        evaluate: Callable[[int, dict[str, np.ndarray], list[str]], dict[str, float]] | None = None,
+    ) -> dict[str, np.ndarray]:
+        """Round ``number``'s new weights, after at most ``attempts`` tries of ``prepare``'s
+        work; ``evaluate`` adds the federated evaluation by the edges that trained."""
+        observer = self.recorder.observer
+        for attempt in range(1, self.attempts + 1):
+            started = self._clock()
+            observer.round_starting(number)
+            work = prepare(number)
+            self.recorder.open(number, work.participants)
+            if work.problem is not None:
+                self.recorder.failed(number, attempt, self.attempts, work.problem)
+                self._sleep(min(10.0, self.deadline / 10))
+                continue
+            observer.round_started(number, list(work.messages))
+            replies = self.collect(work.messages, self.deadline)
+            outcome = self.outcome(work.messages, replies, started)
+            why = shortfall(
+                work.messages, work.servers, work.require_server, outcome, self.min_edges
+            )
+            if why is None:
+                merged = self.recorder.aggregate(number, [replies[d] for d in sorted(outcome.ok)])
+                if merged is None:
+                    self.recorder.failed(
+                        number, attempt, self.attempts, "the strategy aggregated nothing"
+                    )
+                    continue
+                evaluation = self.recorder.central_evaluation(merged)
+                if evaluate is not None:
+                    trained = [d for d in outcome.ok if d not in work.servers]
+                    evaluation |= evaluate(number, merged, trained)
+                self.recorder.commit(number, merged, outcome, evaluation, list(work.servers))
+                return merged
+            self.recorder.record(number, outcome)
+            self.recorder.failed(number, attempt, self.attempts, why)
+        raise CoordinatorError(
+            f"round {number} failed {self.attempts} times; see `edgesplit status --run "
+            f"{self.recorder.run_id}` and the run's events"
+        )
+
+    def collect(
+        self, messages: dict[str, Message], deadline: float, observed: bool = True
+    ) -> dict[str, Message]:
+        """Replies by device, until all came, the deadline passed, or every device still
+        missing is offline (its last will arrived)."""
+        ids = dict(zip(self.grid.push_messages(messages.values()), messages, strict=True))
+        nodes = {device: m.metadata.dst_node_id for device, m in messages.items()}
+        replies: dict[str, Message] = {}
+        until = self._clock() + deadline
+        while len(replies) < len(messages) and self._clock() < until:
+            for reply in self.grid.pull_messages([i for i, d in ids.items() if d not in replies]):
+                device = ids[reply.metadata.reply_to_message_id]
+                replies[device] = reply
+                if observed:
+                    self.recorder.observer.device_answered(device)
+            waiting = [d for d in messages if d not in replies]
+            online = set(self.grid.get_node_ids())
+            if waiting and not any(nodes[d] in online for d in waiting):
+                break
+            self._sleep(_POLL)
+        self.grid.abandon([i for i, d in ids.items() if d not in replies])
+        return replies
+
+    def outcome(
+        self, messages: dict[str, Message], replies: dict[str, Message], started: float
+    ) -> Outcome:
+        """Each device's result, the devices that trained, and their cut-layer bytes."""
+        online = set(self.grid.get_node_ids())
+        outcome = Outcome([], [], {}, started)
+        for device, message in messages.items():
+            reply = replies.get(device)
+            if reply is None:
+                here = message.metadata.dst_node_id in online
+                why = "no reply before the deadline" if here else "offline"
+                outcome.results.append(DeviceResult(device, failure=why))
+            elif reply.has_error():
+                why = (reply.error.reason or "failed")[:500]
+                outcome.results.append(DeviceResult(device, failure=why))
+            else:
+                outcome.results.append(self._result(device, reply, started, outcome))
+                outcome.ok.append(device)
+        return outcome
+
+    def _result(
+        self, device: str, reply: Message, started: float, outcome: Outcome
+    ) -> DeviceResult:
+        metrics = reply.content.metric_records["metrics"]
+        outcome.traffic[device] = {
+            name.replace("-", "_"): float(metrics[name])  # type: ignore[arg-type]
+            for name in ("cut-bytes-sent", "cut-bytes-received")
+            if name in metrics
+        }
+        peak = int(metrics.get("peak-memory", -1))  # type: ignore[arg-type]
+        loss = float(metrics.get("loss", math.nan))  # type: ignore[arg-type]
+        return DeviceResult(
+            device,
+            examples=int(metrics["num-examples"]),  # type: ignore[arg-type]
+            loss=loss if math.isfinite(loss) else None,
+            bytes_sent=int(metrics.get("bytes-sent", 0)),  # type: ignore[arg-type]
+            bytes_received=int(metrics.get("bytes-received", 0)),  # type: ignore[arg-type]
+            wall_seconds=float(metrics.get("wall-seconds", self._clock() - started)),  # type: ignore[arg-type]
+            peak_memory_bytes=peak if peak >= 0 else None,
+        )
+
+    def federated(
+        self,
+        number: int,
+        weights: Mapping[str, np.ndarray],
+        devices: Mapping[str, int],
+        message: Callable[[str, Message], Message],
+    ) -> dict[str, float]:
+        """The strategy's federated evaluation of ``weights`` by ``devices`` (name -> node):
+        its ``configure_evaluate`` picks them and ``message`` addresses each one (adding its
+        task); ``aggregate_evaluate`` weighs their accuracy and loss by their examples
+        (keys ``federated_*``). Devices that fail or do not answer in time are left out."""
+        by_node = {node: name for name, node in devices.items()}
+        online = set(self.grid.get_node_ids())
+        view = EdgeView(self.grid, lambda: sorted(n for n in by_node if n in online))
+        if not view.get_node_ids():
+            return {}
+        configured = self.strategy.configure_evaluate(
+            number, array_record(weights), ConfigRecord(), view
+        )
+        messages = {
+            by_node[m.metadata.dst_node_id]: message(by_node[m.metadata.dst_node_id], m)
+            for m in configured
+        }
+        replies = self.collect(messages, self.deadline / 2, observed=False)
+        counted = []
+        for device, reply in sorted(replies.items()):
+            if reply.has_error():
+                log.warning("federated evaluation on %s failed: %s", device, reply.error.reason)
+            elif _examples(reply) > 0:
+                counted.append(reply)
+        metrics = self.strategy.aggregate_evaluate(number, counted) if counted else None
+        if metrics is None:
+            return {}
+        examples = sum(_examples(r) for r in counted)
+        return {
+            "federated_accuracy": float(metrics["accuracy"]),  # type: ignore[arg-type]
+            "federated_loss": float(metrics["loss"]),  # type: ignore[arg-type]
+            "federated_examples": examples,
+        }
+
+
+def _examples(reply: Message) -> float:
+    return float(reply.content.metric_records["metrics"]["num-examples"])  # type: ignore[arg-type]

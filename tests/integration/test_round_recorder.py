@@ -1,0 +1,74 @@
+"""The round recorder on a real SQLite store: a round enters ``aggregating`` while the strategy
+aggregates, and a commit collects the checkpoint files no committed round refers to."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
+
+from coordinator.aggregation import build_strategy
+from coordinator.recorder import Outcome, RoundObserver, RoundRecorder
+from coordinator.runner import EdgeView
+from storage import open_store
+from storage.records import DeviceResult
+from storage.sql import SqlRunStore
+from wire.flower import TransportGrid, array_record
+from wire.transport import InProcessHub
+
+pytestmark = pytest.mark.integration
+
+MODEL = {"block0.w": np.zeros(4, np.float32)}
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[SqlRunStore]:
+    with open_store(f"sqlite:///{tmp_path / 'runs.db'}") as opened:
+        if not isinstance(opened, SqlRunStore):
+            raise TypeError(f"expected a SQL store, got {type(opened).__name__}")
+        opened.create_run("rec", {}, seed=0)
+        opened.open_round("rec", 1, ["pi-01"])
+        yield opened
+
+
+def _recorder(store: SqlRunStore) -> RoundRecorder:
+    strategy = build_strategy("fedavg", min_available_nodes=1, min_train_nodes=1)
+    grid = EdgeView(TransportGrid(InProcessHub().connect("coordinator")), lambda: [1])
+    strategy.configure_train(1, array_record(MODEL), ConfigRecord(), grid)  # notes the weights
+    return RoundRecorder(store, "rec", strategy, RoundObserver(), rounds=1)
+
+
+def test_a_round_is_aggregating_while_the_strategy_aggregates(store: SqlRunStore) -> None:
+    recorder = _recorder(store)
+    template = Message(RecordDict(), dst_node_id=1, message_type="train")
+    content = {"block0.w": np.ones(4, np.float32)}
+    reply = Message(
+        RecordDict({"arrays": array_record(content), "metrics": MetricRecord({"num-examples": 3})}),
+        reply_to=template,
+    )
+
+    merged = recorder.aggregate(1, [reply])
+
+    assert merged is not None and np.array_equal(merged["block0.w"], content["block0.w"])
+    assert [r.state for r in store.list_rounds("rec")] == ["aggregating"]
+
+
+def test_a_commit_collects_old_unreferenced_checkpoint_files(store: SqlRunStore) -> None:
+    recorder = _recorder(store)
+    old, _ = store.files.put({"w": np.full(3, 7.0)})  # left by a crash before its commit
+    young, _ = store.files.put({"w": np.full(3, 8.0)})  # perhaps another writer's, in flight
+    hours_ago = time.time() - 7200
+    os.utime(store.files.path(old), (hours_ago, hours_ago))
+    outcome = Outcome([DeviceResult("pi-01", examples=3)], ["pi-01"], {}, time.monotonic())
+
+    recorder.commit(1, {"block0.w": np.ones(4, np.float32)}, outcome, {"accuracy": 0.5})
+
+    assert not store.files.path(old).exists()
+    assert store.files.path(young).exists()
+    assert store.get_run("rec").current_round == 1
+    assert store.integrity_problems(deep=True) == []
