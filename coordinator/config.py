@@ -104,27 +104,28 @@ class DataConfig:
     eval_data: str | None = setting(None, what="a dataset spec such as npz:PATH")
 
 
-def _strategy(value: object, path: str) -> AggregationConfig:
-    """``strategy: {name: fedadam, eta: 0.01}``; a bare name is read as ``{name: NAME}``."""
-    data = {"name": value} if isinstance(value, str) else value
-    if not isinstance(data, Mapping) or "name" not in data:
-        raise ConfigError(f"{path}: expected {{name: STRATEGY, option: value...}}, got {value!r}")
-    name = str(data["name"]).lower()
-    if name not in STRATEGIES:
-        raise ConfigError(f"{path}.name: {data['name']!r} is not one of {list(STRATEGIES)}")
-    return AggregationConfig(name, {k: v for k, v in data.items() if k != "name"})
-
-
-def _strategy_dict(config: AggregationConfig) -> dict[str, Any]:
-    return {"name": config.name, **config.options}
-
-
 @dataclass(frozen=True)
 class AggregationConfig:
-    """The Flower strategy that aggregates the replicas, and its options."""
+    """The Flower strategy that aggregates the replicas, and its options
+    (``strategy: {name: fedadam, eta: 0.01}``; a bare name is read as ``{name: NAME}``)."""
 
     name: str = "fedavg"
     options: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, value: object, path: str = "strategy") -> AggregationConfig:
+        data = {"name": value} if isinstance(value, str) else value
+        if not isinstance(data, Mapping) or "name" not in data:
+            raise ConfigError(
+                f"{path}: expected {{name: STRATEGY, option: value...}}, got {value!r}"
+            )
+        name = str(data["name"]).lower()
+        if name not in STRATEGIES:
+            raise ConfigError(f"{path}.name: {data['name']!r} is not one of {list(STRATEGIES)}")
+        return cls(name, {k: v for k, v in data.items() if k != "name"})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, **self.options}
 
 
 @dataclass(frozen=True)
@@ -137,7 +138,10 @@ class RunConfig:
     training: TrainingConfig = setting(flat=True)
     data: DataConfig = setting(factory=DataConfig, flat=True)
     aggregation: AggregationConfig = setting(
-        factory=AggregationConfig, key="strategy", parse=_strategy, dump=_strategy_dict
+        factory=AggregationConfig,
+        key="strategy",
+        parse=AggregationConfig.parse,
+        dump=AggregationConfig.to_dict,
     )
 
     @classmethod

@@ -235,7 +235,7 @@ class Coordinator:
         self._announcements: dict[str, Announcement] = {}
         self._lock = threading.Lock()
         self.refusals: dict[str, str] = {}
-        options = dict(config.strategy_options)
+        options = dict(config.aggregation.options)
         self.min_edges = int(options.pop("min_train_nodes", 1))
         options.pop("min_available_nodes", None)
         options.setdefault("fraction_evaluate", 0.0)
@@ -244,11 +244,11 @@ class Coordinator:
         flower.setLevel(logging.ERROR)  # Flower warns that federated evaluation is off
         try:
             self.strategy = build_strategy(
-                config.strategy, min_available_nodes=1, min_train_nodes=1, **options
+                config.aggregation.name, min_available_nodes=1, min_train_nodes=1, **options
             )
         finally:
             flower.setLevel(level)
-        self.eval_data = load_dataset(config.eval_data) if config.eval_data else None
+        self.eval_data = load_dataset(config.data.eval_data) if config.data.eval_data else None
         transport.subscribe(f"{topics.PREFIX}/capabilities/+", self._on_announcement)
 
     # ---------------------------------------------------------------- devices
@@ -345,23 +345,23 @@ class Coordinator:
             extra["servers"] = list(servers)
         if forward is not None:
             extra["next"] = forward
-        if assignment.role == "edge" and config.federated_eval > 0:
-            extra["eval_fraction"] = config.federated_eval
+        if assignment.role == "edge" and config.training.federated_eval > 0:
+            extra["eval_fraction"] = config.training.federated_eval
         return Task(
             run=config.run_id,
-            model=config.model,
-            input_shape=config.input_shape,
-            num_classes=config.num_classes,
+            model=config.model.name,
+            input_shape=config.model.input_shape,
+            num_classes=config.model.num_classes,
             start=assignment.start,
             end=assignment.end,
-            batch_size=config.batch_size,
-            local_epochs=config.local_epochs,
-            optimizer=asdict(config.optimizer),
-            local_loss=config.local_loss,
-            mode=config.mode,
-            compression=config.compression,
-            seed=config.seed,
-            deadline_seconds=config.round_deadline_seconds,
+            batch_size=config.training.batch_size,
+            local_epochs=config.training.local_epochs,
+            optimizer=asdict(config.training.optimizer),
+            local_loss=config.training.local_loss,
+            mode=config.training.mode,
+            compression=config.training.compression,
+            seed=config.training.seed,
+            deadline_seconds=config.training.round_deadline_seconds,
             estimated_peak_bytes=assignment.estimate,
             edges=tuple(edges),
             segment=segment,
@@ -411,12 +411,16 @@ class Coordinator:
         """Plan, ask the edges, plan again around refusals; the edges' and server's blocks."""
         config = self.config
         partition = PartitionConfig(
-            batch_size=config.batch_size,
-            optimizer=config.optimizer.name,
-            local_loss=config.local_loss,
-            compression=config.compression,
+            batch_size=config.training.batch_size,
+            optimizer=config.training.optimizer.name,
+            local_loss=config.training.local_loss,
+            compression=config.training.compression,
         )
-        log.info("profiling %s at batch %d (fresh process)", config.model, config.batch_size)
+        log.info(
+            "profiling %s at batch %d (fresh process)",
+            config.model.name,
+            config.training.batch_size,
+        )
         profile = self._profile(config)
         candidates = list(edges)
         for _ in range(2 * len(edges) + 2):  # each pass drops an edge or lowers a budget
@@ -499,17 +503,21 @@ class Coordinator:
         and passes its output on)."""
         config = self.config
         need = estimate_segment_memory(
-            profile, start, profile.num_blocks, config.batch_size, config.optimizer.name
+            profile,
+            start,
+            profile.num_blocks,
+            config.training.batch_size,
+            config.training.optimizer.name,
         ).total
         fitting = [s for s in servers if s.memory >= need]
         if fitting:
             return [_Assignment(s.device, start, profile.num_blocks, need, "gpu") for s in fitting]
         pieces = [p for p in plan.servers if p.blocks[1] > start]
-        if not pieces or pieces[0].blocks[0] > start or config.mode == "backprop":
+        if not pieces or pieces[0].blocks[0] > start or config.training.mode == "backprop":
             best = max(servers, key=lambda s: s.memory)
             why = (
                 "; backprop mode needs one server to hold all of it"
-                if config.mode == "backprop"
+                if config.training.mode == "backprop"
                 else ""
             )
             raise InfeasiblePlanError(
@@ -539,14 +547,14 @@ class Coordinator:
                     )
             log.info("resuming run %s after round %s", config.run_id, run.current_round or 0)
         except NotFoundError:
-            store.create_run(config.run_id, config.to_dict(), config.seed)
+            store.create_run(config.run_id, config.to_dict(), config.training.seed)
         # Before any message: devices still inside a round of a crashed predecessor give it up.
         self.transport.publish(topics.coordinator(config.run_id), self.session.encode(), True)
         resumed = store.resume(config.run_id)
         done = 0 if resumed is None else resumed.round.number
-        if done >= config.rounds:
+        if done >= config.training.rounds:
             store.set_run_status(config.run_id, "finished")
-            log.info("run %s already has all %d rounds", config.run_id, config.rounds)
+            log.info("run %s already has all %d rounds", config.run_id, config.training.rounds)
             return 0
         store.set_run_status(config.run_id, "planning")
         try:
@@ -578,20 +586,20 @@ class Coordinator:
             b.end for b in backs if b.end < max(b.end for b in backs)
         ]
         weights = initial_weights(
-            config.model,
-            config.input_shape,
-            config.num_classes,
-            config.local_loss,
+            config.model.name,
+            config.model.input_shape,
+            config.model.num_classes,
+            config.training.local_loss,
             cuts,
-            config.seed,
+            config.training.seed,
         )
         if resumed is not None:
             weights |= resumed.weights[WEIGHTS_SEGMENT]
         store.set_run_status(config.run_id, "training")
-        for number in range(done + 1, config.rounds + 1):
+        for number in range(done + 1, config.training.rounds + 1):
             weights = self._round(number, weights, assigned, backs)
         store.set_run_status(config.run_id, "finished")
-        return config.rounds - done
+        return config.training.rounds - done
 
     def _selected(
         self, number: int, assigned: list[_Assignment], weights: dict[str, np.ndarray]
@@ -601,7 +609,7 @@ class Coordinator:
         view = _EdgeView(self.grid, lambda: sorted(n for n in by_node if n in online))
         if not view.get_node_ids():
             return []
-        random.seed(self.config.seed * 100_003 + number)
+        random.seed(self.config.training.seed * 100_003 + number)
         sampled = self.strategy.configure_train(number, array_record(weights), ConfigRecord(), view)
         return [by_node[m.metadata.dst_node_id] for m in sampled]
 
@@ -629,7 +637,7 @@ class Coordinator:
                     else f"{len(selected)} edge(s) online, {self.min_edges} needed"
                 )
                 self._attempt_failed(number, attempt, reason)
-                time.sleep(min(10.0, config.round_deadline_seconds / 10))
+                time.sleep(min(10.0, config.training.round_deadline_seconds / 10))
                 continue
             streams, routes = _route(selected, servers)
             messages = {
@@ -657,7 +665,7 @@ class Coordinator:
                 )
             server_names = [b.device for b in servers if b.device in messages]
             self.observer.round_started(number, list(messages))
-            replies = self._collect(messages, config.round_deadline_seconds)
+            replies = self._collect(messages, config.training.round_deadline_seconds)
             results, ok, traffic = self._results(messages, replies, started)
             edges_ok = [d for d in ok if d not in server_names]
             spans = {_span(b) for b in servers if b.device in messages}
@@ -670,16 +678,16 @@ class Coordinator:
                 merged = {k: v.numpy() for k, v in arrays.items()}
                 evaluation = (
                     evaluate_weights(
-                        config.model,
-                        config.input_shape,
-                        config.num_classes,
+                        config.model.name,
+                        config.model.input_shape,
+                        config.model.num_classes,
                         merged,
                         self.eval_data,
                     )
                     if self.eval_data is not None
                     else {}
                 )
-                if config.federated_eval > 0:
+                if config.training.federated_eval > 0:
                     trained = [a for a in selected if a.device in edges_ok]
                     evaluation |= self._federated_evaluation(number, merged, trained)
                 self._commit(number, merged, results, traffic, evaluation, started, server_names)
@@ -703,7 +711,9 @@ class Coordinator:
         messages = {
             a.device: self._message(a, arrays, self._task(a), "evaluate", number) for a in edges
         }
-        replies = self._collect(messages, self.config.round_deadline_seconds / 2, observed=False)
+        replies = self._collect(
+            messages, self.config.training.round_deadline_seconds / 2, observed=False
+        )
         totals = {"examples": 0.0, "accuracy": 0.0, "loss": 0.0}
         for device, reply in replies.items():
             if reply.has_error():
@@ -828,7 +838,7 @@ class Coordinator:
         log.info(
             "round %d/%d committed: %s, %d device(s) trained%s, %.1f s",
             number,
-            config.rounds,
+            config.training.rounds,
             ", ".join(f"{k} {v:.4f}" for k, v in evaluation.items()) or "no eval data",
             len(trained),
             f", without {failed}" if failed else "",
@@ -838,9 +848,9 @@ class Coordinator:
 
 def _profile_fresh(config: RunConfig) -> ModelProfile:
     return profile_in_fresh_process(
-        config.model,
-        config.input_shape,
-        config.num_classes,
-        (config.local_loss,),
-        config.batch_size,
+        config.model.name,
+        config.model.input_shape,
+        config.model.num_classes,
+        (config.training.local_loss,),
+        config.training.batch_size,
     )

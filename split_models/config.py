@@ -47,6 +47,7 @@ __all__ = [
     "parse_config",
     "parse_duration",
     "setting",
+    "stored_section",
 ]
 
 MODES = ("local-loss", "backprop")
@@ -83,6 +84,7 @@ def setting(
     kind: str | None = None,
     what: str | None = None,
     minimum: float | None = None,
+    above: float | None = None,
     below: float | None = None,
     maximum: float | None = None,
     choices: tuple[str, ...] | None = None,
@@ -105,6 +107,7 @@ def setting(
         "kind": kind,
         "what": what,
         "minimum": minimum,
+        "above": above,
         "below": below,
         "maximum": maximum,
         "choices": choices,
@@ -130,6 +133,12 @@ def _hints(cls: type) -> dict[str, Any]:
 def _section_type(cls: type, spec: dataclasses.Field[Any]) -> type | None:
     hint = _hints(cls)[spec.name]
     return hint if isinstance(hint, type) and dataclasses.is_dataclass(hint) else None
+
+
+def _fields(cls: type) -> tuple[dataclasses.Field[Any], ...]:
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"{cls!r} is not a configuration dataclass")
+    return dataclasses.fields(cls)
 
 
 def config_keys(cls: type, exclude: frozenset[str] = frozenset()) -> set[str]:
@@ -189,7 +198,7 @@ def parse_config(
         )
     values: dict[str, Any] = {}
     missing: list[str] = []
-    for spec in dataclasses.fields(cls):
+    for spec in _fields(cls):
         if spec.init:
             _parse_field(cls, spec, mapping, (where, prefix), base, exclude, values, missing)
     if missing:
@@ -235,6 +244,14 @@ def _parse_field(
         values[spec.name] = _convert(spec, _hints(cls)[spec.name], value, path)
 
 
+def stored_section(cls: type[T], data: object, where: str = "stored config") -> T:
+    """The section ``cls`` of a whole flat config (a stored run's, or a simulation's): its own
+    keys are read, the other sections' are left to their readers."""
+    own = config_keys(cls)
+    mapping = _mapping(data, where)
+    return parse_config(cls, {k: v for k, v in mapping.items() if k in own}, where)
+
+
 def _kind(spec: dataclasses.Field[Any], hint: Any) -> str:
     kind = spec.metadata.get("kind")
     if kind:
@@ -275,26 +292,31 @@ def _convert(spec: dataclasses.Field[Any], hint: Any, value: object, path: str) 
 
 
 def _number(kind: str, meta: Mapping[str, Any], value: object, path: str) -> int | float:
-    low, below, high = meta.get("minimum"), meta.get("below"), meta.get("maximum")
+    low, above = meta.get("minimum"), meta.get("above")
+    below, high = meta.get("below"), meta.get("maximum")
     types: type | tuple[type, ...] = int if kind == "int" else (int, float)
     ok = not isinstance(value, bool) and isinstance(value, types)
     number = float(value) if ok else 0.0  # type: ignore[arg-type]
     ok = ok and not (
         (low is not None and number < low)
+        or (above is not None and number <= above)
         or (below is not None and number >= below)
         or (high is not None and number > high)
     )
     if not ok:
         what = meta.get("what") or ("an integer" if kind == "int" else "a number")
-        raise ConfigError(f"{path}: expected {what}{_bounds(low, below, high)}, got {value!r}")
+        bounds = _bounds(low, above, below, high)
+        raise ConfigError(f"{path}: expected {what}{bounds}, got {value!r}")
     return int(value) if kind == "int" else number  # type: ignore[call-overload]
 
 
-def _bounds(low: float | None, below: float | None, high: float | None) -> str:
+def _bounds(low: float | None, above: float | None, below: float | None, high: float | None) -> str:
     if below is None and high is None:
-        return "" if low is None else f" >= {low}"
-    start = "-inf" if low is None else low
-    return f" in [{start}, {below})" if below is not None else f" in [{start}, {high}]"
+        if low is None and above is None:
+            return ""
+        return f" >= {low}" if low is not None else f" > {above}"
+    start = f"[{low}" if low is not None else f"({above}" if above is not None else "(-inf"
+    return f" in {start}, {below})" if below is not None else f" in {start}, {high}]"
 
 
 def _name(value: object, path: str) -> str:
