@@ -44,7 +44,6 @@ from typing import Any
 
 import yaml
 
-from coordinator.aggregation import STRATEGIES
 from split_models.config import (
     MODES,
     ModelConfig,
@@ -119,6 +118,8 @@ class AggregationConfig:
             raise ConfigError(
                 f"{path}: expected {{name: STRATEGY, option: value...}}, got {value!r}"
             )
+        from coordinator.aggregation import STRATEGIES  # Flower loads only when a run is read
+
         name = str(data["name"]).lower()
         if name not in STRATEGIES:
             raise ConfigError(f"{path}.name: {data['name']!r} is not one of {list(STRATEGIES)}")

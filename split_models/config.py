@@ -363,10 +363,10 @@ def _plain(value: Any, dump: Callable[[Any], Any] | None) -> Any:
         return dump(value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return config_to_dict(value)
-    if isinstance(value, tuple):
-        return list(value)
+    if isinstance(value, tuple | list):
+        return [_plain(item, None) for item in value]
     if isinstance(value, Mapping):
-        return dict(value)
+        return {key: _plain(item, None) for key, item in value.items()}
     return value
 
 
