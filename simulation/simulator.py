@@ -7,8 +7,8 @@ FLOP/s, uplink) mixed by share; the plan respects each client's memory. Results 
 ``--out``: ``summary.json``, ``rounds.csv``, ``plan.txt`` and the run store ``runs.db``
 (so ``edgesplit status`` and ``edgesplit export`` work on a simulation).
 
-SIM.yaml (every key validated, unknown keys rejected by name); without ``--config`` the
-embedded defaults below run on scikit-learn's bundled digits, offline.
+The configuration is ``simulation.config.SimConfig`` (SIM.yaml); without ``--config`` its
+defaults run on scikit-learn's bundled digits, offline.
 """
 
 from __future__ import annotations

@@ -88,7 +88,6 @@ def setting(
     below: float | None = None,
     maximum: float | None = None,
     choices: tuple[str, ...] | None = None,
-    lower: bool = False,
     parse: Callable[[object, str], Any] | None = None,
     dump: Callable[[Any], Any] | None = None,
     flat: bool = False,
@@ -111,7 +110,6 @@ def setting(
         "below": below,
         "maximum": maximum,
         "choices": choices,
-        "lower": lower,
         "parse": parse,
         "dump": dump,
         "flat": flat,
@@ -161,8 +159,8 @@ def default_of(cls: type, name: str) -> Any:
                 return spec.default
             if spec.default_factory is not MISSING:
                 return spec.default_factory()
-            raise ConfigError(f"{cls.__name__}.{name} has no default; it must be given")
-    raise ConfigError(f"{cls.__name__} has no field {name!r}")
+            raise TypeError(f"{cls.__name__}.{name} has no default; it must be given")
+    raise TypeError(f"{cls.__name__} has no field {name!r}")
 
 
 def _mapping(data: object, where: str) -> Mapping[str, Any]:
@@ -261,7 +259,7 @@ def _kind(spec: dataclasses.Field[Any], hint: Any) -> str:
     for name, tested in (("bool", bool), ("int", int), ("number", float), ("text", str)):
         if hint is tested or (hint == tested | None):
             return name
-    raise ConfigError(f"field {spec.name}: no parser for type {hint!r}; give setting(kind=...)")
+    raise TypeError(f"field {spec.name}: no parser for type {hint!r}; give setting(kind=...)")
 
 
 def _convert(spec: dataclasses.Field[Any], hint: Any, value: object, path: str) -> Any:
@@ -272,10 +270,9 @@ def _convert(spec: dataclasses.Field[Any], hint: Any, value: object, path: str) 
     if kind in _UNITS:
         return _UNITS[kind](value, path)
     if kind == "choice":
-        text = str(value).lower() if meta.get("lower") and isinstance(value, str) else value
-        if text not in meta["choices"]:
+        if value not in meta["choices"]:
             raise ConfigError(f"{path}: {value!r} is not one of {list(meta['choices'])}")
-        return str(text)
+        return str(value)
     if kind in ("int", "number"):
         return _number(kind, meta, value, path)
     checks = {
