@@ -31,8 +31,9 @@ federated_eval: 0.2             # optional: share of each edge's data held out; 
 so far parses unchanged and ``to_dict()`` (what the run store keeps) writes the same flat keys,
 which ``parse`` reads back to an equal object. Configs stored by earlier versions
 (``round_deadline_seconds``, ``devices.wait_seconds``, ``strategy: NAME`` with
-``strategy_options``) parse too. The coordinator's process settings (broker, database) are
-command-line flags, not part of the stored run.
+``strategy_options``) parse too. The transport and the store are configured per process, not
+per run: ``--broker`` becomes a ``wire.mqtt.MqttConfig`` and ``--db`` a store URL; they stay
+out of the stored run (a broker URL may carry a password, and the store is where the run is).
 """
 
 from __future__ import annotations
