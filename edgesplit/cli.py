@@ -29,6 +29,24 @@ EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 _MODEL_SHAPE, _MODEL_CLASSES = "1,28,28", 10
 
 
+def _model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model's shape and the batch, shared by ``plan`` and ``profile``."""
+    parser.add_argument(
+        "--input-shape",
+        default=_MODEL_SHAPE,
+        help="input shape without the batch, e.g. 1,28,28 (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--num-classes", type=int, default=_MODEL_CLASSES, help="default: %(default)s"
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=default_of(TrainingConfig, "batch_size"),
+        help="default: %(default)s, as in RUN.yaml",
+    )
+
+
 def _plan_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     plan = commands.add_parser(
         "plan",
@@ -42,20 +60,7 @@ def _plan_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[
         help="zoo model (mlp, cnn, resnet8, resnet20...) or package.module:function",
     )
     plan.add_argument("--devices", required=True, help="devices YAML file")
-    plan.add_argument(
-        "--input-shape",
-        default=_MODEL_SHAPE,
-        help="input shape without the batch, e.g. 1,28,28 (default: %(default)s)",
-    )
-    plan.add_argument(
-        "--num-classes", type=int, default=_MODEL_CLASSES, help="default: %(default)s"
-    )
-    plan.add_argument(
-        "--batch-size",
-        type=int,
-        default=default_of(TrainingConfig, "batch_size"),
-        help="default: %(default)s, as in RUN.yaml",
-    )
+    _model_arguments(plan)
     plan.add_argument(
         "--optimizer",
         default=default_of(OptimizerConfig, "name"),
@@ -90,16 +95,7 @@ def _profile_parser(commands: argparse._SubParsersAction) -> None:  # type: igno
         description="Measure every block of a model for training at a batch size.",
     )
     profile.add_argument("--model", required=True, help="zoo model or package.module:function")
-    profile.add_argument("--input-shape", default=_MODEL_SHAPE, help="default: %(default)s")
-    profile.add_argument(
-        "--num-classes", type=int, default=_MODEL_CLASSES, help="default: %(default)s"
-    )
-    profile.add_argument(
-        "--batch-size",
-        type=int,
-        default=default_of(TrainingConfig, "batch_size"),
-        help="default: %(default)s, as in RUN.yaml",
-    )
+    _model_arguments(profile)
     profile.add_argument(
         "--local-loss",
         action="append",
