@@ -27,7 +27,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-from simulation.simulator import parse_sim_config, simulate  # noqa: E402
+from simulation.config import parse_sim_config  # noqa: E402
+from simulation.simulator import simulate  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist8k.npz"
 

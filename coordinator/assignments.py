@@ -110,23 +110,23 @@ def build_task(
             extra["servers"] = list(peers)
         if forward is not None:
             extra["next"] = forward
-    if assignment.role == "edge" and config.federated_eval > 0:
-        extra["eval_fraction"] = config.federated_eval
+    if assignment.role == "edge" and config.training.federated_eval > 0:
+        extra["eval_fraction"] = config.training.federated_eval
     return Task(
         run=config.run_id,
-        model=config.model,
-        input_shape=config.input_shape,
-        num_classes=config.num_classes,
+        model=config.model.name,
+        input_shape=config.model.input_shape,
+        num_classes=config.model.num_classes,
         start=assignment.start,
         end=assignment.end,
-        batch_size=config.batch_size,
-        local_epochs=config.local_epochs,
-        optimizer=asdict(config.optimizer),
-        local_loss=config.local_loss,
-        mode=config.mode,
-        compression=config.compression,
-        seed=config.seed,
-        deadline_seconds=config.round_deadline_seconds,
+        batch_size=config.training.batch_size,
+        local_epochs=config.training.local_epochs,
+        optimizer=asdict(config.training.optimizer),
+        local_loss=config.training.local_loss,
+        mode=config.training.mode,
+        compression=config.training.compression,
+        seed=config.training.seed,
+        deadline_seconds=config.training.round_deadline_seconds,
         estimated_peak_bytes=assignment.estimate,
         edges=tuple(edges),
         segment=segment,

@@ -92,5 +92,5 @@ def coordinator_command(args: argparse.Namespace) -> int:
     finally:
         transport.close()
         store.close()
-    print(f"run {config.run_id}: finished ({ran} round(s) now, {config.rounds} in all)")
+    print(f"run {config.run_id}: finished ({ran} round(s) now, {config.training.rounds} in all)")
     return 0

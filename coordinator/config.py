@@ -1,4 +1,4 @@
-"""The run configuration (RUN.yaml): every key validated, unknown keys rejected by name.
+"""The run configuration (RUN.yaml): one typed tree, every key validated, unknown keys rejected.
 
 ```yaml
 run_id: demo-1
@@ -20,240 +20,147 @@ seed: 0
 federated_eval: 0.2             # optional: share of each edge's data held out; edges evaluate
                                 # the assembled model on it every round (0, the default: off)
 ```
+
+**The file stays flat; the object is sectioned.** ``RunConfig`` has one section per component:
+``model`` (``ModelConfig``: ``model``, ``input_shape``, ``num_classes``), ``data``
+(``DataConfig``: ``eval_data``), ``devices`` (``DevicesConfig``, the ``devices`` mapping),
+``training`` (``split_models.config.TrainingConfig``: ``rounds``, ``local_epochs``,
+``batch_size``, ``optimizer``, ``local_loss``, ``mode``, ``compression``, ``seed``,
+``round_deadline``, ``federated_eval``) and ``aggregation`` (``AggregationConfig``, the
+``strategy`` mapping). Each flat key belongs to exactly one section, so every RUN.yaml written
+so far parses unchanged and ``to_dict()`` (what the run store keeps) writes the same flat keys,
+which ``parse`` reads back to an equal object. Configs stored by earlier versions
+(``round_deadline_seconds``, ``devices.wait_seconds``, ``strategy: NAME`` with
+``strategy_options``) parse too. The transport and the store are configured per process, not
+per run: ``--broker`` becomes a ``wire.mqtt.MqttConfig`` and ``--db`` a store URL; they stay
+out of the stored run (a broker URL may carry a password, and the store is where the run is).
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from coordinator.aggregation import STRATEGIES
+from split_models.config import (
+    MODES,
+    ModelConfig,
+    TrainingConfig,
+    config_to_dict,
+    parse_config,
+    parse_duration,
+    setting,
+)
 from split_models.errors import ConfigError
-from split_models.heads import LOCAL_LOSSES
-from split_models.segment import OptimizerConfig
-from wire.codec import ENCODINGS
 from wire.topics import check_name
 
-__all__ = ["MODES", "DevicesConfig", "RunConfig", "load_run_config", "parse_duration"]
-
-MODES = ("local-loss", "backprop")
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
-_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
-
-
-def parse_duration(value: object, field_name: str) -> float:
-    """Seconds from ``120``, ``"120s"``, ``"5m"``, ``"1h"`` or ``"500ms"``."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{field_name}: expected a duration such as 120s, got {value!r}")
-    if isinstance(value, int | float):
-        seconds = float(value)
-    else:
-        match = _DURATION.match(str(value))
-        if match is None:
-            raise ConfigError(
-                f"{field_name}: expected a duration such as 120s or 5m, got {value!r}"
-            )
-        seconds = float(match.group(1)) * _SECONDS[match.group(2)]
-    if seconds <= 0:
-        raise ConfigError(f"{field_name}: must be positive, got {value!r}")
-    return seconds
+__all__ = [
+    "MODES",
+    "AggregationConfig",
+    "DataConfig",
+    "DevicesConfig",
+    "RunConfig",
+    "load_run_config",
+    "parse_duration",
+]
 
 
-def _name(value: object, field_name: str) -> str:
-    try:
-        return check_name(str(value), field_name)
-    except ValueError as error:
-        raise ConfigError(str(error)) from error
-
-
-def _expect_keys(
-    data: object, where: str, required: set[str], optional: set[str]
-) -> dict[str, Any]:
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
-    unknown = sorted(set(data) - required - optional)
-    if unknown:
-        valid = ", ".join(sorted(required | optional))
-        raise ConfigError(f"{where}: unknown key(s) {unknown}; valid keys: {valid}")
-    missing = sorted(required - set(data))
-    if missing:
-        raise ConfigError(f"{where}: missing key(s) {missing}")
-    return dict(data)
-
-
-def _integer(data: Mapping[str, Any], key: str, minimum: int, where: str = "") -> int:
-    value = data[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{where}{key}: expected an integer >= {minimum}, got {value!r}")
+def _edges(value: object, path: str) -> int | tuple[str, ...]:
+    if isinstance(value, list | tuple):
+        names = []
+        for name in value:
+            try:
+                names.append(check_name(str(name), path))
+            except ValueError as error:
+                raise ConfigError(str(error)) from error
+        if not names or len(set(names)) != len(names):
+            raise ConfigError(f"{path}: expected unique device names, at least one, got {value!r}")
+        return tuple(names)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{path}: expected an integer >= 1 or a list of names, got {value!r}")
     return value
-
-
-def _choice(data: Mapping[str, Any], key: str, options: tuple[str, ...]) -> str:
-    value = data[key]
-    if value not in options:
-        raise ConfigError(f"{key}: {value!r} is not one of {list(options)}")
-    return str(value)
 
 
 @dataclass(frozen=True)
 class DevicesConfig:
     """Which devices a run waits for: a count of edges, or their names."""
 
-    edges: int | tuple[str, ...]
-    gpu_servers: int = 1
-    wait_seconds: float = 120.0
+    edges: int | tuple[str, ...] = setting(parse=_edges)
+    gpu_servers: int = setting(1, minimum=1)
+    wait_seconds: float = setting(120.0, key="wait", aliases=("wait_seconds",), kind="duration")
 
     @property
     def edge_count(self) -> int:
         return self.edges if isinstance(self.edges, int) else len(self.edges)
 
+
+@dataclass(frozen=True)
+class DataConfig:
+    """The held-out set the coordinator evaluates the assembled model on (none: no eval)."""
+
+    eval_data: str | None = setting(None, what="a dataset spec such as npz:PATH")
+
+
+@dataclass(frozen=True)
+class AggregationConfig:
+    """The Flower strategy that aggregates the replicas, and its options
+    (``strategy: {name: fedadam, eta: 0.01}``; a bare name is read as ``{name: NAME}``)."""
+
+    name: str = "fedavg"
+    options: Mapping[str, Any] = field(default_factory=dict)
+
     @classmethod
-    def parse(cls, data: object) -> DevicesConfig:
-        fields = _expect_keys(data, "devices", {"edges"}, {"gpu_servers", "wait"})
-        edges = fields["edges"]
-        if isinstance(edges, list):
-            names = tuple(_name(e, "devices.edges") for e in edges)
-            if not names or len(set(names)) != len(names):
-                raise ConfigError("devices.edges: expected unique device names, at least one")
-            parsed: int | tuple[str, ...] = names
-        else:
-            parsed = _integer(fields, "edges", 1, "devices.")
-        return cls(
-            edges=parsed,
-            gpu_servers=_integer(fields, "gpu_servers", 1, "devices.")
-            if "gpu_servers" in fields
-            else 1,
-            wait_seconds=parse_duration(fields.get("wait", 120), "devices.wait"),
-        )
+    def parse(cls, value: object, path: str = "strategy") -> AggregationConfig:
+        data = {"name": value} if isinstance(value, str) else value
+        if not isinstance(data, Mapping) or "name" not in data:
+            raise ConfigError(
+                f"{path}: expected {{name: STRATEGY, option: value...}}, got {value!r}"
+            )
+        from coordinator.aggregation import STRATEGIES  # Flower loads only when a run is read
+
+        name = str(data["name"]).lower()
+        if name not in STRATEGIES:
+            raise ConfigError(f"{path}.name: {data['name']!r} is not one of {list(STRATEGIES)}")
+        return cls(name, {k: v for k, v in data.items() if k != "name"})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, **self.options}
 
 
 @dataclass(frozen=True)
 class RunConfig:
     """A validated run configuration; ``to_dict`` is what the run store keeps."""
 
-    run_id: str
-    model: str
-    input_shape: tuple[int, ...]
-    num_classes: int
-    devices: DevicesConfig
-    rounds: int
-    eval_data: str | None = None
-    local_epochs: int = 1
-    batch_size: int = 32
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    local_loss: str = "linear"
-    mode: str = "local-loss"
-    compression: str = "fp32"
-    strategy: str = "fedavg"
-    strategy_options: dict[str, Any] = field(default_factory=dict)
-    round_deadline_seconds: float = 300.0
-    seed: int = 0
-    federated_eval: float = 0.0
-
-    _REQUIRED = frozenset({"run_id", "model", "input_shape", "num_classes", "devices", "rounds"})
-    _OPTIONAL = frozenset(
-        {
-            "eval_data",
-            "local_epochs",
-            "batch_size",
-            "optimizer",
-            "local_loss",
-            "mode",
-            "compression",
-            "strategy",
-            "round_deadline",
-            "seed",
-            "federated_eval",
-        }
+    run_id: str = setting(kind="name")
+    model: ModelConfig = setting(flat=True)
+    devices: DevicesConfig = setting()
+    training: TrainingConfig = setting(flat=True)
+    data: DataConfig = setting(factory=DataConfig, flat=True)
+    aggregation: AggregationConfig = setting(
+        factory=AggregationConfig,
+        key="strategy",
+        parse=AggregationConfig.parse,
+        dump=AggregationConfig.to_dict,
     )
 
     @classmethod
     def parse(cls, data: object) -> RunConfig:
-        fields = _expect_keys(data, "run config", set(cls._REQUIRED), set(cls._OPTIONAL))
-        shape = fields["input_shape"]
-        if (
-            not isinstance(shape, list)
-            or not shape
-            or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in shape)
-        ):
-            raise ConfigError(f"input_shape: expected a list of positive integers, got {shape!r}")
-        optimizer = _expect_keys(
-            fields.get("optimizer", {}),
-            "optimizer",
-            set(),
-            {"name", "lr", "momentum", "weight_decay"},
-        )
-        strategy = _expect_keys(
-            fields.get("strategy", {"name": "fedavg"}),
-            "strategy",
-            {"name"},
-            set(fields.get("strategy", {})) - {"name"},
-        )
-        model = fields["model"]
-        if not isinstance(model, str) or not model:
-            raise ConfigError(
-                f"model: expected a zoo name or package.module:function, got {model!r}"
-            )
-        defaults = {
-            "local_epochs": 1,
-            "batch_size": 32,
-            "seed": 0,
-            "local_loss": "linear",
-            "mode": "local-loss",
-            "compression": "fp32",
-        }
-        merged = {**defaults, **fields}
-        eval_data = fields.get("eval_data")
-        if eval_data is not None and (not isinstance(eval_data, str) or not eval_data):
-            raise ConfigError(
-                f"eval_data: expected a dataset spec such as npz:PATH, got {eval_data!r}"
-            )
-        federated = fields.get("federated_eval", 0.0)
-        if isinstance(federated, bool) or not isinstance(federated, int | float):
-            federated = -1
-        if not 0 <= federated < 1:
-            raise ConfigError(
-                "federated_eval: expected the share of each edge's data to hold out for "
-                f"evaluation, in [0, 1) (0: off), got {fields.get('federated_eval')!r}"
-            )
-        try:
-            optimizer_config = OptimizerConfig(**optimizer)
-        except TypeError as error:
-            raise ConfigError(f"optimizer: {error}") from error
-        return cls(
-            run_id=_name(fields["run_id"], "run_id"),
-            model=model,
-            input_shape=tuple(shape),
-            num_classes=_integer(fields, "num_classes", 2),
-            devices=DevicesConfig.parse(fields["devices"]),
-            rounds=_integer(fields, "rounds", 1),
-            eval_data=eval_data,
-            local_epochs=_integer(merged, "local_epochs", 1),
-            batch_size=_integer(merged, "batch_size", 1),
-            optimizer=optimizer_config,
-            local_loss=_choice(merged, "local_loss", LOCAL_LOSSES),
-            mode=_choice(merged, "mode", MODES),
-            compression=_choice(merged, "compression", ENCODINGS),
-            strategy=_choice({"strategy": str(strategy["name"]).lower()}, "strategy", STRATEGIES),
-            strategy_options={k: v for k, v in strategy.items() if k != "name"},
-            round_deadline_seconds=parse_duration(
-                fields.get("round_deadline", 300), "round_deadline"
-            ),
-            seed=_integer(merged, "seed", 0),
-            federated_eval=float(federated),
-        )
+        """Read RUN.yaml's mapping (or a stored ``to_dict()``, of this version or earlier)."""
+        if isinstance(data, Mapping) and "strategy_options" in data:  # stored before sections
+            fields = dict(data)
+            options = fields.pop("strategy_options")
+            if not isinstance(options, Mapping):
+                raise ConfigError(f"strategy_options: expected a mapping, got {options!r}")
+            fields["strategy"] = {"name": fields.get("strategy", "fedavg"), **options}
+            data = fields
+        return parse_config(cls, data, "run config")
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["input_shape"] = list(self.input_shape)
-        if isinstance(self.devices.edges, tuple):
-            data["devices"]["edges"] = list(self.devices.edges)
-        return data
+        """Plain JSON-able data under the RUN.yaml keys; ``parse`` reads it back equal."""
+        return config_to_dict(self)
 
 
 def load_run_config(path: str | Path) -> RunConfig:

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from coordinator.planner import stored_plan
+from split_models.config import ModelConfig, stored_section
 from split_models.errors import ConfigError
 from split_models.onnx_export import check_onnx, export_onnx
 from split_models.segment import Segment
@@ -39,19 +39,6 @@ class ExportResult:
         return self.max_abs_diff <= TOLERANCE
 
 
-def _model_config(config: dict[str, Any]) -> tuple[str, tuple[int, ...], int]:
-    try:
-        return (
-            str(config["model"]),
-            tuple(int(d) for d in config["input_shape"]),
-            int(config["num_classes"]),
-        )
-    except (KeyError, TypeError, ValueError) as error:
-        raise ConfigError(
-            f"the run's stored configuration lacks model/input_shape/num_classes: {error}"
-        ) from error
-
-
 def _export(segment: Segment, name: str, input_shape: tuple[int, ...], out: Path) -> ExportResult:
     path = export_onnx(segment.module, input_shape, out / f"{name}.onnx")
     check = check_onnx(path, segment.module, input_shape)
@@ -74,8 +61,9 @@ def export_run(
     weights: dict[str, np.ndarray] = {}
     for tensors in state.weights.values():
         weights.update(tensors)
-    name, input_shape, num_classes = _model_config(run.config)
-    model = build_model(name, input_shape, num_classes, seed=0)
+    spec = stored_section(ModelConfig, run.config, f"run {run_id!r}'s stored config")
+    input_shape = spec.input_shape
+    model = build_model(spec.name, input_shape, spec.num_classes, seed=0)
     whole = Segment.from_model(model, 0, model.num_blocks)
     load_segment_state(whole, weights)
     out.mkdir(parents=True, exist_ok=True)

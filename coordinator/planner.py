@@ -114,12 +114,16 @@ class Planner:
         """Plan, ask the edges, plan again around refusals; the edges' and servers' blocks."""
         config = self.config
         partition = PartitionConfig(
-            batch_size=config.batch_size,
-            optimizer=config.optimizer.name,
-            local_loss=config.local_loss,
-            compression=config.compression,
+            batch_size=config.training.batch_size,
+            optimizer=config.training.optimizer.name,
+            local_loss=config.training.local_loss,
+            compression=config.training.compression,
         )
-        log.info("profiling %s at batch %d (fresh process)", config.model, config.batch_size)
+        log.info(
+            "profiling %s at batch %d (fresh process)",
+            config.model.name,
+            config.training.batch_size,
+        )
         profile = self._profile(config)
         candidates = list(edges)
         for _ in range(2 * len(edges) + 2):  # each pass drops an edge or lowers a budget
@@ -198,17 +202,21 @@ class Planner:
         and passes its output on)."""
         config = self.config
         need = estimate_segment_memory(
-            profile, start, profile.num_blocks, config.batch_size, config.optimizer.name
+            profile,
+            start,
+            profile.num_blocks,
+            config.training.batch_size,
+            config.training.optimizer.name,
         ).total
         fitting = [s for s in servers if s.memory >= need]
         if fitting:
             return [Assignment(s.device, start, profile.num_blocks, need, "gpu") for s in fitting]
         pieces = [p for p in plan.servers if p.blocks[1] > start]
-        if not pieces or pieces[0].blocks[0] > start or config.mode == "backprop":
+        if not pieces or pieces[0].blocks[0] > start or config.training.mode == "backprop":
             best = max(servers, key=lambda s: s.memory)
             why = (
                 "; backprop mode needs one server to hold all of it"
-                if config.mode == "backprop"
+                if config.training.mode == "backprop"
                 else ""
             )
             raise InfeasiblePlanError(

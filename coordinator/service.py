@@ -88,17 +88,17 @@ def initial_weights(
 
 def _strategy(config: RunConfig) -> tuple[FedAvg, int]:
     """The configured split-aware strategy and the edges a round needs."""
-    options = dict(config.strategy_options)
+    options = dict(config.aggregation.options)
     min_edges = int(options.pop("min_train_nodes", 1))
     options.pop("min_available_nodes", None)
-    options.setdefault("fraction_evaluate", 1.0 if config.federated_eval > 0 else 0.0)
+    options.setdefault("fraction_evaluate", 1.0 if config.training.federated_eval > 0 else 0.0)
     options.setdefault("min_evaluate_nodes", 1)
     flower = logging.getLogger("flwr")
     level = flower.level
     flower.setLevel(logging.ERROR)  # Flower warns that federated evaluation is off
     try:
         strategy = build_strategy(
-            config.strategy, min_available_nodes=1, min_train_nodes=1, **options
+            config.aggregation.name, min_available_nodes=1, min_train_nodes=1, **options
         )
     finally:
         flower.setLevel(level)
@@ -128,21 +128,21 @@ class Coordinator:
         self.planner = Planner(
             config, store, self.grid, self.session, profile or _profile_fresh, self.min_edges
         )
-        eval_data = load_dataset(config.eval_data) if config.eval_data else None
+        eval_data = load_dataset(config.data.eval_data) if config.data.eval_data else None
         recorder = RoundRecorder(
             store,
             config.run_id,
             self.strategy,
             self.observer,
             _central(config, eval_data) if eval_data is not None else None,
-            config.rounds,
+            config.training.rounds,
         )
         self.runner = RoundRunner(
             self.grid,
             self.strategy,
             recorder,
-            config.seed,
-            config.round_deadline_seconds,
+            config.training.seed,
+            config.training.round_deadline_seconds,
             max_attempts,
             self.min_edges,
         )
@@ -164,9 +164,9 @@ class Coordinator:
         self.transport.publish(topics.coordinator(config.run_id), self.session.encode(), True)
         resumed = store.resume(config.run_id)
         done = 0 if resumed is None else resumed.round.number
-        if done >= config.rounds:
+        if done >= config.training.rounds:
             store.set_run_status(config.run_id, "finished")
-            log.info("run %s already has all %d rounds", config.run_id, config.rounds)
+            log.info("run %s already has all %d rounds", config.run_id, config.training.rounds)
             return 0
         store.set_run_status(config.run_id, "planning")
         placement = self._placement(resumed is not None)
@@ -174,24 +174,24 @@ class Coordinator:
             b.end for b in placement.servers if b.end < placement.plan.num_blocks
         ]
         weights = initial_weights(
-            config.model,
-            config.input_shape,
-            config.num_classes,
-            config.local_loss,
+            config.model.name,
+            config.model.input_shape,
+            config.model.num_classes,
+            config.training.local_loss,
             cuts,
-            config.seed,
+            config.training.seed,
         )
         if resumed is not None:
             weights |= resumed.weights[WEIGHTS_SEGMENT]
         store.set_run_status(config.run_id, "training")
         try:
-            for number in range(done + 1, config.rounds + 1):
+            for number in range(done + 1, config.training.rounds + 1):
                 weights = self._round(number, weights, placement)
         except CoordinatorError:
             store.set_run_status(config.run_id, "failed")
             raise
         store.set_run_status(config.run_id, "finished")
-        return config.rounds - done
+        return config.training.rounds - done
 
     def _create_or_check(self) -> None:
         """Create the run, or check that the stored one trains the same model."""
@@ -199,7 +199,7 @@ class Coordinator:
         try:
             run = store.get_run(config.run_id)
         except NotFoundError:
-            store.create_run(config.run_id, config.to_dict(), config.seed)
+            store.create_run(config.run_id, config.to_dict(), config.training.seed)
             return
         for key in ("model", "input_shape", "num_classes"):
             if run.config.get(key) != config.to_dict()[key]:
@@ -239,7 +239,7 @@ class Coordinator:
         ) -> dict[str, float]:
             return self._federated(number, merged, placement, edges)
 
-        federated = evaluate if self.config.federated_eval > 0 else None
+        federated = evaluate if self.config.training.federated_eval > 0 else None
         return self.runner.run(number, prepare, federated)
 
     def _work(self, number: int, weights: dict[str, np.ndarray], placement: Placement) -> RoundWork:
@@ -299,7 +299,11 @@ class Coordinator:
 def _central(config: RunConfig, data: Dataset) -> Evaluate:
     def evaluate(weights: Mapping[str, np.ndarray]) -> dict[str, float]:
         return evaluate_weights(
-            config.model, config.input_shape, config.num_classes, dict(weights), data
+            config.model.name,
+            config.model.input_shape,
+            config.model.num_classes,
+            dict(weights),
+            data,
         )
 
     return evaluate
@@ -307,9 +311,9 @@ def _central(config: RunConfig, data: Dataset) -> Evaluate:
 
 def _profile_fresh(config: RunConfig) -> ModelProfile:
     return profile_in_fresh_process(
-        config.model,
-        config.input_shape,
-        config.num_classes,
-        (config.local_loss,),
-        config.batch_size,
+        config.model.name,
+        config.model.input_shape,
+        config.model.num_classes,
+        (config.training.local_loss,),
+        config.training.batch_size,
     )

@@ -12,12 +12,39 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 
+from coordinator.partitioner import PartitionConfig
 from edgesplit import __version__
+from simulation.config import BASELINES, METHODS, SimConfig
+from split_models.config import TrainingConfig, default_of
+from split_models.heads import LOCAL_LOSSES
 from split_models.runtime import configure_process
+from split_models.segment import OPTIMIZERS, OptimizerConfig
+from wire.codec import ENCODINGS
 
 __all__ = ["main"]
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+# The model `plan` and `profile` measure when not told (a run's model has no default: RUN.yaml
+# must name it). Every other default below is a configuration dataclass's.
+_MODEL_SHAPE, _MODEL_CLASSES = "1,28,28", 10
+
+
+def _model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model's shape and the batch, shared by ``plan`` and ``profile``."""
+    parser.add_argument(
+        "--input-shape",
+        default=_MODEL_SHAPE,
+        help="input shape without the batch, e.g. 1,28,28 (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--num-classes", type=int, default=_MODEL_CLASSES, help="default: %(default)s"
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=default_of(TrainingConfig, "batch_size"),
+        help="default: %(default)s, as in RUN.yaml",
+    )
 
 
 def _plan_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -33,36 +60,30 @@ def _plan_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[
         help="zoo model (mlp, cnn, resnet8, resnet20...) or package.module:function",
     )
     plan.add_argument("--devices", required=True, help="devices YAML file")
-    plan.add_argument(
-        "--input-shape",
-        default="1,28,28",
-        help="input shape without the batch, e.g. 1,28,28 (default: %(default)s)",
-    )
-    plan.add_argument("--num-classes", type=int, default=10, help="default: %(default)s")
-    plan.add_argument("--batch-size", type=int, default=64, help="default: %(default)s")
+    _model_arguments(plan)
     plan.add_argument(
         "--optimizer",
-        default="sgd-momentum",
-        choices=["sgd", "sgd-momentum", "adam"],
+        default=default_of(OptimizerConfig, "name"),
+        choices=OPTIMIZERS,
         help="default: %(default)s",
     )
     plan.add_argument(
         "--local-loss",
-        default="linear",
-        choices=["linear", "mlp", "supcon"],
+        default=default_of(TrainingConfig, "local_loss"),
+        choices=LOCAL_LOSSES,
         help="default: %(default)s",
     )
     plan.add_argument(
         "--compression",
-        default="fp32",
-        choices=["fp32", "fp16", "bf16", "int8"],
+        default=default_of(TrainingConfig, "compression"),
+        choices=ENCODINGS,
         help="precision of the streamed activations (default: %(default)s)",
     )
     plan.add_argument(
         "--min-edge-blocks",
         type=int,
-        default=1,
-        help="blocks every edge keeps, so raw data never leaves it (default: 1)",
+        default=default_of(PartitionConfig, "min_edge_blocks"),
+        help="blocks every edge keeps, so raw data never leaves it (default: %(default)s)",
     )
     plan.add_argument("--json", action="store_true", help="print the plan as one JSON object")
 
@@ -74,13 +95,11 @@ def _profile_parser(commands: argparse._SubParsersAction) -> None:  # type: igno
         description="Measure every block of a model for training at a batch size.",
     )
     profile.add_argument("--model", required=True, help="zoo model or package.module:function")
-    profile.add_argument("--input-shape", default="1,28,28", help="default: %(default)s")
-    profile.add_argument("--num-classes", type=int, default=10, help="default: %(default)s")
-    profile.add_argument("--batch-size", type=int, default=64, help="default: %(default)s")
+    _model_arguments(profile)
     profile.add_argument(
         "--local-loss",
         action="append",
-        choices=["linear", "mlp", "supcon"],
+        choices=LOCAL_LOSSES,
         help="heads to profile (repeatable; default: all)",
     )
     profile.add_argument("--json", action="store_true", help="print the profile as JSON")
@@ -153,17 +172,33 @@ def _simulate_parser(commands: argparse._SubParsersAction) -> None:  # type: ign
     )
     sim.add_argument("--config", help="simulation config (SIM.yaml); defaults when omitted")
     sim.add_argument("--out", default="sim-out", help="output directory (default: %(default)s)")
-    sim.add_argument("--method", choices=("local-loss", "splitfed", "fedavg", "centralized"))
+    # No defaults here: a flag given wins over SIM.yaml, which wins over SimConfig's defaults.
+    defaults = SimConfig()
+    sim.add_argument(
+        "--method",
+        choices=(*METHODS, *BASELINES),
+        help=f"default: the config's, else {defaults.method}",
+    )
     sim.add_argument(
         "--broker",
         default="none",
         help="none (in-process, default), embedded (a private mosquitto) or mqtt://host:port",
     )
-    sim.add_argument("--rounds", type=int)
-    sim.add_argument("--clients", type=int)
-    sim.add_argument("--data", help="training data: npz:PATH, digits, ...")
+    sim.add_argument(
+        "--rounds", type=int, help=f"default: the config's, else {defaults.training.rounds}"
+    )
+    sim.add_argument(
+        "--clients", type=int, help=f"default: the config's, else {defaults.fleet.clients}"
+    )
+    sim.add_argument(
+        "--data",
+        help=f"training data: npz:PATH, digits, ... (default: the config's, else "
+        f"{defaults.data.data})",
+    )
     sim.add_argument("--test-data", help="held-out data (else test_fraction of --data)")
-    sim.add_argument("--seed", type=int)
+    sim.add_argument(
+        "--seed", type=int, help=f"default: the config's, else {defaults.training.seed}"
+    )
     sim.add_argument(
         "--workers", type=int, help="clients training at once (default: one per CPU core)"
     )

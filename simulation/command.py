@@ -16,8 +16,9 @@ def simulate_command(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from coordinator.service import RoundObserver
+    from simulation.config import load_sim_config
     from simulation.progress import RoundProgress
-    from simulation.simulator import load_sim_config, simulate
+    from simulation.simulator import simulate
     from split_models.runtime import configure_logging
 
     configure_logging(args.verbose)
@@ -35,11 +36,11 @@ def simulate_command(args: argparse.Namespace) -> int:
     }
     config = load_sim_config(args.config, overrides)
     out = Path(args.out)
-    title = f"{config.method}: {config.clients} clients, {config.raw['model']}"
+    title = f"{config.method}: {config.fleet.clients} clients, {config.model.name}"
     if args.quiet or config.method == "centralized":
         summary = simulate(config, out, broker=args.broker, observer=RoundObserver())
     else:
-        with RoundProgress(int(config.raw["rounds"]), title) as progress:
+        with RoundProgress(config.training.rounds, title) as progress:
             summary = simulate(config, out, broker=args.broker, observer=progress)
     _print_summary(summary, out)
     return 0

@@ -7,274 +7,43 @@ FLOP/s, uplink) mixed by share; the plan respects each client's memory. Results 
 ``--out``: ``summary.json``, ``rounds.csv``, ``plan.txt`` and the run store ``runs.db``
 (so ``edgesplit status`` and ``edgesplit export`` work on a simulation).
 
-SIM.yaml (every key validated, unknown keys rejected by name); without ``--config`` the
-embedded defaults below run on scikit-learn's bundled digits, offline.
+The configuration is ``simulation.config.SimConfig`` (SIM.yaml); without ``--config`` its
+defaults run on scikit-learn's bundled digits, offline.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import os
-import random
-import re
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
-from coordinator.config import RunConfig, _expect_keys
+from coordinator.config import RunConfig
 from coordinator.service import Coordinator, RoundObserver
 from edge_client.agent import EdgeAgent
 from gpu_server.agent import GpuAgent
+from simulation.config import BASELINES, Profile, SimConfig, client_names, run_config
 from simulation.pool import SegmentPool
 from simulation.report import client_rows, round_rows, write_outputs
-from split_models.data import PARTITIONS, Dataset, load_dataset, partition
+from split_models.data import Dataset, load_dataset, partition
 from split_models.errors import ConfigError
 from split_models.measure import measure_in_fresh_process
 from split_models.segment import Segment
-from split_models.units import parse_bandwidth, parse_flops, parse_memory
 from storage import open_store
 from wire.flower import node_will
 from wire.roles import Announcement, node_id_for
 from wire.transport import InProcessHub, Transport, Will
 
-__all__ = ["DEFAULTS", "METHODS", "Availability", "SimConfig", "load_sim_config", "simulate"]
+__all__ = ["simulate"]
 
 log = logging.getLogger(__name__)
-
-METHODS = {"local-loss": "local-loss", "splitfed": "backprop"}
-BASELINES = ("fedavg", "centralized")
-
-DEFAULTS: dict[str, Any] = {
-    "model": "cnn",
-    "input_shape": [1, 8, 8],
-    "num_classes": 10,
-    "data": "digits",
-    "test_fraction": 0.25,
-    "clients": 4,
-    "partition": {"kind": "iid"},
-    "devices": [
-        {"profile": "small", "share": 0.5, "memory": "8MiB", "flops": 2e9, "uplink": "20Mbit"},
-        {"profile": "large", "share": 0.5, "memory": "64MiB", "flops": 5e10, "uplink": "100Mbit"},
-    ],
-    "gpu": {"memory": "16GiB", "flops": 5e13},
-    "rounds": 3,
-    "local_epochs": 1,
-    "batch_size": 32,
-    "optimizer": {"name": "adam", "lr": 0.002},
-    "local_loss": "linear",
-    "method": "local-loss",
-    "compression": "fp32",
-    "strategy": {"name": "fedavg"},
-    "seed": 0,
-}
-_KEYS = set(DEFAULTS) | {
-    "test_data",
-    "availability",
-    "workers",
-    "measure_memory",
-    "federated_eval",
-    "batched",
-    "client_device",
-}
-
-
-@dataclass(frozen=True)
-class Profile:
-    name: str
-    share: float
-    memory: int
-    flops: float
-    uplink: float
-
-
-@dataclass(frozen=True)
-class Availability:
-    """Which clients are offline in which rounds: each client is online with probability
-    ``online`` each round (seeded), and offline in the rounds ``offline`` lists for it."""
-
-    online: float = 1.0
-    offline: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
-
-    def offline_in(self, number: int, names: list[str], seed: int) -> set[str]:
-        draw = random.Random(seed * 7_919 + number)
-        return {
-            name
-            for name in names
-            if draw.random() >= self.online or number in self.offline.get(name, ())
-        }
-
-
-def _availability(data: object, clients: int, rounds: int) -> Availability | None:
-    if data is None:
-        return None
-    fields = _expect_keys(data, "availability", set(), {"online", "offline"})
-    online = fields.get("online", 1.0)
-    if isinstance(online, bool) or not isinstance(online, int | float) or not 0 < online <= 1:
-        raise ConfigError(f"availability.online: expected a fraction in (0, 1], got {online!r}")
-    offline = fields.get("offline", {})
-    if not isinstance(offline, dict):
-        raise ConfigError("availability.offline: expected {client name: [round, ...]}")
-    names = set(client_names(clients))
-    trace = {}
-    for name, numbers in offline.items():
-        if name not in names:
-            raise ConfigError(
-                f"availability.offline: {name!r} is not a client (client-000 .. "
-                f"client-{clients - 1:03d})"
-            )
-        if not isinstance(numbers, list) or not all(
-            isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= rounds for n in numbers
-        ):
-            raise ConfigError(
-                f"availability.offline.{name}: expected a list of rounds in 1..{rounds}, "
-                f"got {numbers!r}"
-            )
-        trace[name] = tuple(numbers)
-    return Availability(float(online), trace)
-
-
-@dataclass(frozen=True)
-class SimConfig:
-    raw: dict[str, Any]
-    profiles: tuple[Profile, ...]
-    gpu_memory: int
-    gpu_flops: float
-    clients: int
-    partition: dict[str, Any] = field(default_factory=dict)
-    availability: Availability | None = None
-    workers: int = 1
-    measure_memory: bool = True
-    batched: bool = False
-    client_device: str = "cpu"
-
-    @property
-    def method(self) -> str:
-        return str(self.raw["method"])
-
-
-def _profiles(entries: object) -> tuple[Profile, ...]:
-    if not isinstance(entries, list) or not entries:
-        raise ConfigError("devices: expected a list of {profile, share, memory, flops, uplink}")
-    profiles = []
-    for index, entry in enumerate(entries):
-        where = f"devices[{index}]"
-        data = _expect_keys(entry, where, {"memory", "flops"}, {"profile", "share", "uplink"})
-        share = data.get("share", 1.0 / len(entries))
-        if isinstance(share, bool) or not isinstance(share, int | float) or not 0 < share <= 1:
-            raise ConfigError(f"{where}.share: expected a fraction in (0, 1], got {share!r}")
-        profiles.append(
-            Profile(
-                str(data.get("profile", f"profile-{index}")),
-                float(share),
-                parse_memory(data["memory"], f"{where}.memory"),
-                parse_flops(data["flops"], f"{where}.flops"),
-                parse_bandwidth(data.get("uplink", "100Mbit"), f"{where}.uplink"),
-            )
-        )
-    if not math.isclose(sum(p.share for p in profiles), 1.0, abs_tol=1e-6):
-        raise ConfigError(f"devices: shares must add up to 1, got {sum(p.share for p in profiles)}")
-    return tuple(profiles)
-
-
-def parse_sim_config(data: object, overrides: Mapping[str, Any] | None = None) -> SimConfig:
-    fields = _expect_keys(data if data is not None else {}, "simulation config", set(), _KEYS)
-    merged = {**DEFAULTS, **fields, **{k: v for k, v in (overrides or {}).items() if v is not None}}
-    method = merged["method"]
-    if method not in METHODS and method not in BASELINES:
-        raise ConfigError(f"method: {method!r} is not one of {[*METHODS, *BASELINES]}")
-    clients = merged["clients"]
-    if isinstance(clients, bool) or not isinstance(clients, int) or clients < 1:
-        raise ConfigError(f"clients: expected an integer >= 1, got {clients!r}")
-    part = _expect_keys(merged["partition"], "partition", {"kind"}, {"alpha", "per_client"})
-    if part["kind"] not in PARTITIONS:
-        raise ConfigError(f"partition.kind: {part['kind']!r} is not one of {list(PARTITIONS)}")
-    gpu = _expect_keys(merged["gpu"], "gpu", {"memory", "flops"}, set())
-    test_fraction = merged["test_fraction"]
-    if not isinstance(test_fraction, int | float) or not 0 < test_fraction < 1:
-        raise ConfigError(f"test_fraction: expected a fraction in (0, 1), got {test_fraction!r}")
-    workers = merged.get("workers")
-    workers = min(os.cpu_count() or 1, clients) if workers is None else workers
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise ConfigError(f"workers: expected an integer >= 1, got {workers!r}")
-    measure = merged.get("measure_memory", True)
-    if not isinstance(measure, bool):
-        raise ConfigError(f"measure_memory: expected true or false, got {measure!r}")
-    batched = merged.get("batched", False)
-    if not isinstance(batched, bool):
-        raise ConfigError(f"batched: expected true or false, got {batched!r}")
-    device = merged.get("client_device", "cpu")
-    if not isinstance(device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?|mps", device):
-        raise ConfigError(f"client_device: expected cpu, cuda, cuda:N or mps, got {device!r}")
-    rounds = merged["rounds"]
-    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
-        raise ConfigError(f"rounds: expected an integer >= 1, got {rounds!r}")
-    config = SimConfig(
-        raw=merged,
-        profiles=_profiles(merged["devices"]),
-        gpu_memory=parse_memory(gpu["memory"], "gpu.memory"),
-        gpu_flops=parse_flops(gpu["flops"], "gpu.flops"),
-        clients=clients,
-        partition=part,
-        availability=_availability(merged.get("availability"), clients, rounds),
-        workers=workers,
-        measure_memory=measure,
-        batched=batched,
-        client_device=device,
-    )
-    run_config(config, "check")  # the shared keys are validated by the run configuration
-    return config
-
-
-def load_sim_config(path: str | Path | None, overrides: Mapping[str, Any]) -> SimConfig:
-    data = None
-    if path is not None:
-        try:
-            data = yaml.safe_load(Path(path).read_text())
-        except OSError as error:
-            raise ConfigError(f"simulation config {str(path)!r} cannot be read: {error}") from error
-        except yaml.YAMLError as error:
-            raise ConfigError(
-                f"simulation config {str(path)!r} is not valid YAML: {error}"
-            ) from error
-    return parse_sim_config(data, overrides)
-
-
-def client_names(count: int) -> list[str]:
-    return [f"client-{index:03d}" for index in range(count)]
-
-
-def run_config(config: SimConfig, run_id: str, eval_data: str | None = None) -> RunConfig:
-    raw = config.raw
-    return RunConfig.parse(
-        {
-            "run_id": run_id,
-            "model": raw["model"],
-            "input_shape": list(raw["input_shape"]),
-            "num_classes": raw["num_classes"],
-            "eval_data": eval_data,
-            "devices": {"edges": client_names(config.clients), "gpu_servers": 1, "wait": "60s"},
-            "rounds": raw["rounds"],
-            "local_epochs": raw["local_epochs"],
-            "batch_size": raw["batch_size"],
-            "optimizer": raw["optimizer"],
-            "local_loss": raw["local_loss"],
-            "mode": METHODS.get(raw["method"], "local-loss"),
-            "compression": raw["compression"],
-            "strategy": raw["strategy"],
-            "round_deadline": 600,
-            "seed": raw["seed"],
-            "federated_eval": raw.get("federated_eval", 0.0),
-        }
-    )
 
 
 def _profile_of(index: int, count: int, profiles: tuple[Profile, ...]) -> Profile:
@@ -286,12 +55,23 @@ def _profile_of(index: int, count: int, profiles: tuple[Profile, ...]) -> Profil
     return profiles[-1]
 
 
+def _partition(config: SimConfig, train: Dataset) -> list[np.ndarray]:
+    split = config.fleet.partition
+    return partition(
+        train.y,
+        config.fleet.clients,
+        split.kind,
+        alpha=split.alpha,
+        per_client=split.per_client,
+        seed=config.training.seed,
+    )
+
+
 def _data(config: SimConfig) -> tuple[Dataset, Dataset]:
-    raw = config.raw
-    data = load_dataset(raw["data"])
-    if raw.get("test_data"):
-        return data, load_dataset(raw["test_data"])
-    return data.split(float(raw["test_fraction"]), seed=int(raw["seed"]))
+    data = load_dataset(config.data.data)
+    if config.data.test_data:
+        return data, load_dataset(config.data.test_data)
+    return data.split(config.data.test_fraction, seed=config.training.seed)
 
 
 class _Fleet(RoundObserver):
@@ -307,11 +87,12 @@ class _Fleet(RoundObserver):
         connect: Callable[..., Transport],
     ) -> None:
         self.config, self.data, self.profiles, self.connect = config, data, profiles, connect
+        fleet = config.fleet
         self.pool: SegmentPool[Segment] = SegmentPool(
-            config.workers,
-            stacked=config.batched,
-            capacity=config.clients,
-            device=config.client_device,
+            fleet.worker_count,
+            stacked=fleet.batched,
+            capacity=fleet.clients,
+            device=fleet.client_device,
         )
         self.coordinator: Coordinator | None = None
         self._agents: dict[str, tuple[EdgeAgent, Transport, Transport]] = {}
@@ -336,10 +117,11 @@ class _Fleet(RoundObserver):
         stream.close()
 
     def round_starting(self, number: int) -> None:
-        if self.config.availability is None:
+        availability = self.config.fleet.availability
+        if availability is None:
             return
         names = list(self.data)
-        offline = self.config.availability.offline_in(number, names, int(self.config.raw["seed"]))
+        offline = availability.offline_in(number, names, self.config.training.seed)
         for name in names:
             if name in offline and name in self._agents:
                 self._stop(name)
@@ -384,20 +166,20 @@ class _Observers(RoundObserver):
 def _measure_peaks(config: SimConfig, edges: dict[str, Any]) -> dict[tuple[int, int], int | None]:
     """The real peak of each distinct client assignment, trained in a fresh process (one
     process hosts every client here, so per-client peaks cannot be told apart in it)."""
-    raw = config.raw
+    model, training = config.model, config.training
     ranges = sorted({tuple(e["blocks"]) for e in edges.values()})
 
     def measure(blocks: tuple[int, int]) -> int | None:
         return measure_in_fresh_process(
-            raw["model"],
-            raw["input_shape"],
-            raw["num_classes"],
+            model.name,
+            model.input_shape,
+            model.num_classes,
             blocks[0],
             blocks[1],
-            int(raw["batch_size"]),
-            str(raw["optimizer"]["name"]),
-            str(raw["local_loss"]),
-            METHODS[config.method],
+            training.batch_size,
+            training.optimizer.name,
+            training.local_loss,
+            training.mode,
         )
 
     with ThreadPoolExecutor(max_workers=max(1, min(len(ranges), os.cpu_count() or 1))) as pool:
@@ -416,59 +198,25 @@ def simulate(
     started = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     train, test = _data(config)
-    if tuple(train.x.shape[1:]) != tuple(config.raw["input_shape"]):
+    if tuple(train.x.shape[1:]) != config.model.input_shape:
         raise ConfigError(
             f"input_shape: the data has samples of shape {list(train.x.shape[1:])}, "
-            f"the config says {list(config.raw['input_shape'])}"
+            f"the config says {list(config.model.input_shape)}"
         )
     test_path = out / "test.npz"
     np.savez(test_path, x=test.x, y=test.y)
     run_id = run_id or f"sim-{uuid.uuid4().hex[:8]}"
     run = run_config(config, run_id, f"npz:{test_path}")
-    names = client_names(config.clients)
-    parts = partition(
-        train.y,
-        config.clients,
-        config.partition["kind"],
-        alpha=float(config.partition.get("alpha", 0.5)),
-        per_client=int(config.partition.get("per_client", 2)),
-        seed=int(config.raw["seed"]),
-    )
+    names = client_names(config.fleet.clients)
+    parts = _partition(config, train)
     if config.method in BASELINES:
         summary = _baseline(config, train, test, parts, names, out, run_id, started)
         write_outputs(out, summary, summary.pop("_plan_text"))
         return summary
-    profiles = {
-        name: _profile_of(index, config.clients, config.profiles)
-        for index, name in enumerate(names)
-    }
-    connect, closer = _transports(broker)
-    fleet = None
-    try:
-        gpu = Announcement("gpu-sim", "gpu", config.gpu_memory, config.gpu_flops)
-        GpuAgent(
-            gpu,
-            connect("gpu-sim-control", node_will(gpu.node_id, "gpu-sim")),
-            connect("gpu-sim-stream"),
-        )
-        data = {name: train.subset(rows) for name, rows in zip(names, parts, strict=True)}
-        fleet = _Fleet(config, data, profiles, connect)
-        observers = _Observers(fleet, *([observer] if observer is not None else []))
-        with open_store(f"sqlite:///{out / 'runs.db'}") as store:
-            coordinator = Coordinator(run, store, connect("coordinator"), observer=observers)
-            fleet.coordinator = coordinator
-            coordinator.run()
-            trained = time.perf_counter()
-            plan = store.get_run(run_id).plan or {}
-            edges = {e["name"]: e for e in plan.get("edges", [])}
-            measured = _measure_peaks(config, edges) if config.measure_memory else {}
-            backprop = METHODS[config.method] == "backprop"
-            rows = round_rows(store, run_id, edges, profiles, backprop)
-            clients = client_rows(store, run_id, edges, profiles, measured)
-    finally:
-        if fleet is not None:
-            fleet.close()
-        closer()
+    data = {name: train.subset(rows) for name, rows in zip(names, parts, strict=True)}
+    trained, plan, rows, clients, batched = _split_learning(
+        config, run, data, out, broker, observer
+    )
     training = sum(r["wall_seconds"] or 0.0 for r in rows)
     summary = {
         "run_id": run_id,
@@ -478,13 +226,57 @@ def simulate(
         "training_wall_seconds": training,
         "setup_wall_seconds": trained - started - training,
         "total_simulated_seconds": sum(r["simulated_seconds"] or 0.0 for r in rows),
-        "workers": config.workers,
-        "batched": fleet.pool.stack_counts if config.batched else None,
+        "workers": config.fleet.worker_count,
+        "batched": batched,
         "rounds": rows,
         "clients": clients,
     }
     write_outputs(out, summary, _plan_text(plan))
     return summary
+
+
+def _split_learning(
+    config: SimConfig,
+    run: RunConfig,
+    data: dict[str, Dataset],
+    out: Path,
+    broker: str,
+    observer: RoundObserver | None,
+) -> tuple[float, dict[str, Any], list[dict[str, Any]], list[dict[str, Any]], Any]:
+    """Train ``run`` on the simulated fleet (its store in ``out``); return when training
+    ended, the stored plan, the round and client rows, and the batched slots' counts."""
+    profiles = {
+        name: _profile_of(index, config.fleet.clients, config.fleet.devices)
+        for index, name in enumerate(data)
+    }
+    connect, closer = _transports(broker)
+    fleet = None
+    try:
+        gpu = Announcement("gpu-sim", "gpu", config.gpu.memory, config.gpu.flops)
+        GpuAgent(
+            gpu,
+            connect("gpu-sim-control", node_will(gpu.node_id, "gpu-sim")),
+            connect("gpu-sim-stream"),
+        )
+        fleet = _Fleet(config, data, profiles, connect)
+        observers = _Observers(fleet, *([observer] if observer is not None else []))
+        with open_store(f"sqlite:///{out / 'runs.db'}") as store:
+            coordinator = Coordinator(run, store, connect("coordinator"), observer=observers)
+            fleet.coordinator = coordinator
+            coordinator.run()
+            trained = time.perf_counter()
+            plan = store.get_run(run.run_id).plan or {}
+            edges = {e["name"]: e for e in plan.get("edges", [])}
+            measured = _measure_peaks(config, edges) if config.fleet.measure_memory else {}
+            backprop = config.training.mode == "backprop"
+            rows = round_rows(store, run.run_id, edges, profiles, backprop)
+            clients = client_rows(store, run.run_id, edges, profiles, measured)
+        batched = fleet.pool.stack_counts if config.fleet.batched else None
+    finally:
+        if fleet is not None:
+            fleet.close()
+        closer()
+    return trained, plan, rows, clients, batched
 
 
 def _plan_text(plan: dict[str, Any]) -> str:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from split_models.config import TrainingConfig, stored_section
+from split_models.errors import ConfigError
 from storage.base import RunStore
 from storage.records import RoundRecord, RunRecord
 
@@ -56,6 +58,15 @@ def run_status(store: RunStore, run_id: str) -> dict[str, Any]:
     }
 
 
+def _rounds_planned(run: RunRecord) -> int | None:
+    """The rounds the run's stored configuration asks for (None when it cannot be read: the
+    overview still lists the run)."""
+    try:
+        return stored_section(TrainingConfig, run.config, f"run {run.run_id!r}").rounds
+    except ConfigError:
+        return None
+
+
 def _overview(run: RunRecord, rounds: list[RoundRecord]) -> dict[str, Any]:
     committed = [r for r in rounds if r.state == "committed"]
     last = committed[-1] if committed else None
@@ -63,7 +74,7 @@ def _overview(run: RunRecord, rounds: list[RoundRecord]) -> dict[str, Any]:
         "run_id": run.run_id,
         "status": run.status,
         "rounds_committed": len(committed),
-        "rounds_planned": run.config.get("rounds"),
+        "rounds_planned": _rounds_planned(run),
         "accuracy": last.evaluation.get("accuracy") if last else None,
         "updated_at": run.updated_at.isoformat(),
     }

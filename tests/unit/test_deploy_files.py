@@ -49,5 +49,5 @@ def test_make_data_writes_what_the_run_expects(tmp_path: Path) -> None:
     config = load_run_config(DEPLOY / "compose" / "run.yaml")
     for name in ("pi-01", "pi-02", "pi-03", "test"):
         data = load_dataset(f"npz:{tmp_path / f'{name}.npz'}")
-        assert data.x.shape[1:] == config.input_shape
-        assert set(np.unique(data.y)) <= set(range(config.num_classes))
+        assert data.x.shape[1:] == config.model.input_shape
+        assert set(np.unique(data.y)) <= set(range(config.model.num_classes))

@@ -22,21 +22,33 @@ def example() -> dict[str, object]:
 
 def test_the_example_parses_with_every_field() -> None:
     config = load_run_config(EXAMPLE)
-    assert (config.run_id, config.model, config.input_shape, config.num_classes) == (
+    model, training = config.model, config.training
+    assert (config.run_id, model.name, model.input_shape, model.num_classes) == (
         "demo-1",
         "cnn",
         (1, 28, 28),
         10,
     )
     assert config.devices.edge_count == 3 and config.devices.gpu_servers == 1
-    assert config.devices.wait_seconds == 120.0 and config.round_deadline_seconds == 300.0
-    assert (config.rounds, config.local_epochs, config.batch_size, config.seed) == (3, 1, 32, 0)
-    assert config.optimizer.name == "sgd-momentum" and config.optimizer.lr == 0.01
-    assert (config.local_loss, config.mode, config.compression) == ("linear", "local-loss", "fp16")
-    assert config.strategy == "fedavg" and config.eval_data == "npz:path/to/test.npz"
+    assert config.devices.wait_seconds == 120.0 and training.round_deadline_seconds == 300.0
+    assert (training.rounds, training.local_epochs, training.batch_size, training.seed) == (
+        3,
+        1,
+        32,
+        0,
+    )
+    assert training.optimizer.name == "sgd-momentum" and training.optimizer.lr == 0.01
+    assert (training.local_loss, training.mode, training.compression) == (
+        "linear",
+        "local-loss",
+        "fp16",
+    )
+    assert config.aggregation.name == "fedavg"
+    assert config.data.eval_data == "npz:path/to/test.npz"
     stored = json.loads(json.dumps(config.to_dict()))  # what the run store keeps
     assert stored["input_shape"] == [1, 28, 28] and stored["devices"]["edges"] == 3
-    assert stored["optimizer"]["lr"] == 0.01 and stored["round_deadline_seconds"] == 300.0
+    assert stored["optimizer"]["lr"] == 0.01 and stored["round_deadline"] == 300.0
+    assert RunConfig.parse(stored) == config
 
 
 def test_minimal_config_gets_defaults_and_named_edges() -> None:
@@ -52,8 +64,8 @@ def test_minimal_config_gets_defaults_and_named_edges() -> None:
         }
     )
     assert config.devices.edges == ("pi-01", "pi-02") and config.devices.edge_count == 2
-    assert config.strategy == "fedadam" and config.strategy_options == {"eta": 0.01}
-    assert config.mode == "local-loss" and config.batch_size == 32
+    assert config.aggregation.name == "fedadam" and config.aggregation.options == {"eta": 0.01}
+    assert config.training.mode == "local-loss" and config.training.batch_size == 32
 
 
 @pytest.mark.parametrize(
@@ -65,7 +77,7 @@ def test_minimal_config_gets_defaults_and_named_edges() -> None:
         ({"mode": "telepathy"}, r"mode: 'telepathy' is not one of"),
         ({"compression": "fp8"}, r"compression: 'fp8'"),
         ({"local_loss": "hinge"}, r"local_loss: 'hinge'"),
-        ({"strategy": {"name": "fedmagic"}}, r"strategy: 'fedmagic'"),
+        ({"strategy": {"name": "fedmagic"}}, r"strategy.name: 'fedmagic' is not one of \['fedavg'"),
         ({"rounds": 0}, r"rounds: expected an integer >= 1"),
         ({"federated_eval": 1.0}, r"federated_eval: expected the share"),
         ({"federated_eval": True}, r"federated_eval: expected the share"),

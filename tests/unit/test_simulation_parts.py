@@ -12,10 +12,10 @@ import pytest
 from rich.console import Console
 
 from coordinator.assignments import Assignment, route
+from simulation.config import Availability
 from simulation.pool import SegmentPool
 from simulation.progress import RoundProgress
 from simulation.report import simulated_round_seconds
-from simulation.simulator import Availability
 
 pytestmark = pytest.mark.unit
 

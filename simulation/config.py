@@ -1,0 +1,336 @@
+"""The simulation configuration (SIM.yaml): the run's sections plus the simulation's own.
+
+```yaml
+model: cnn                            # the run's model section: model, input_shape, num_classes
+input_shape: [1, 8, 8]
+num_classes: 10
+data: digits                          # or npz:PATH, torchvision:MNIST:ROOT, folder:PATH
+test_data: npz:test.npz               # optional; else test_fraction of data is held out
+test_fraction: 0.25
+clients: 4
+partition: {kind: iid}                # or {kind: dirichlet, alpha: 0.5}, {kind: shards, ...}
+devices:                              # client profiles mixed by share
+  - {profile: small, share: 0.5, memory: 8MiB, flops: 2e9, uplink: 20Mbit}
+  - {profile: large, share: 0.5, memory: 64MiB, flops: 5e10, uplink: 100Mbit}
+gpu: {memory: 16GiB, flops: 5e13}
+availability: {online: 0.9, offline: {client-003: [2, 3]}}   # optional
+workers: 4                            # clients training at once (default: one per core)
+measure_memory: true                  # each assignment's real peak, in a fresh process
+batched: false                        # vmapped client steps (simulation.stack)
+client_device: cpu                    # cpu | cuda | cuda:N | mps
+method: local-loss                    # local-loss | splitfed | fedavg | centralized
+rounds: 3                             # the run's training section (but mode: from method)
+local_epochs: 1
+batch_size: 32
+optimizer: {name: adam, lr: 0.002}
+local_loss: linear
+compression: fp32
+seed: 0
+federated_eval: 0.0
+strategy: {name: fedavg}              # the run's aggregation section
+```
+
+Like RUN.yaml the file is flat and the object sectioned: ``SimConfig`` embeds the run
+configuration's ``ModelConfig``, ``TrainingConfig`` and ``AggregationConfig`` (with the
+simulation's defaults: the digits CNN, 3 rounds, Adam at 0.002), and holds the simulation's own
+keys in ``SimDataConfig`` (data, test_data, test_fraction), ``FleetConfig`` (clients, partition,
+devices, availability, workers, measure_memory, batched, client_device) and ``GpuConfig``. The
+training mode is not a key: ``method`` sets it (splitfed trains by back-propagation); the round
+deadline is the simulation's (600 s). Every default is a dataclass field's; ``to_dict()`` writes
+the flat keys that ``parse_sim_config`` reads back to an equal object.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from coordinator.config import AggregationConfig, DataConfig, DevicesConfig, RunConfig
+from split_models.config import (
+    ModelConfig,
+    TrainingConfig,
+    config_to_dict,
+    parse_config,
+    setting,
+)
+from split_models.data import PARTITIONS
+from split_models.errors import ConfigError
+from split_models.segment import OptimizerConfig
+from wire.topics import check_name
+
+__all__ = [
+    "BASELINES",
+    "METHODS",
+    "Availability",
+    "FleetConfig",
+    "GpuConfig",
+    "Partition",
+    "Profile",
+    "SimConfig",
+    "SimDataConfig",
+    "client_names",
+    "load_sim_config",
+    "parse_sim_config",
+    "run_config",
+]
+
+METHODS = {"local-loss": "local-loss", "splitfed": "backprop"}
+BASELINES = ("fedavg", "centralized")
+_NOT_KEYS = frozenset({"mode", "round_deadline"})  # set by the method and the simulation
+
+
+def client_names(count: int) -> list[str]:
+    return [f"client-{index:03d}" for index in range(count)]
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A client device profile: its memory budget, FLOP/s and uplink, and its share of clients."""
+
+    name: str = setting(key="profile")
+    share: float = setting(above=0, maximum=1, what="a fraction")
+    memory: int = setting(kind="memory")
+    flops: float = setting(kind="flops")
+    uplink: float = setting(100e6 / 8, kind="bandwidth")
+
+
+def _profiles(value: object, path: str) -> tuple[Profile, ...]:
+    if not isinstance(value, list | tuple) or not value:
+        raise ConfigError(f"{path}: expected a list of {{profile, share, memory, flops, uplink}}")
+    profiles = []
+    for index, entry in enumerate(value):
+        where = f"{path}[{index}]"
+        if isinstance(entry, Mapping):  # a profile's name and share default by its place
+            entry = {"profile": f"profile-{index}", "share": 1.0 / len(value), **entry}
+        profiles.append(parse_config(Profile, entry, where, prefix=f"{where}."))
+    total = sum(p.share for p in profiles)
+    if not math.isclose(total, 1.0, abs_tol=1e-6):
+        raise ConfigError(f"{path}: shares must add up to 1, got {total}")
+    return tuple(profiles)
+
+
+def _dump_profiles(profiles: tuple[Profile, ...]) -> list[dict[str, Any]]:
+    return [config_to_dict(p) for p in profiles]
+
+
+def _default_profiles() -> tuple[Profile, ...]:
+    return (
+        Profile("small", 0.5, 8 * 1024**2, 2e9, 20e6 / 8),
+        Profile("large", 0.5, 64 * 1024**2, 5e10, 100e6 / 8),
+    )
+
+
+def _offline(value: object, path: str) -> dict[str, tuple[int, ...]]:
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{path}: expected {{client name: [round, ...]}}, got {value!r}")
+    trace = {}
+    for name, numbers in value.items():
+        if not isinstance(numbers, list | tuple) or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in numbers
+        ):
+            raise ConfigError(f"{path}.{name}: expected a list of rounds >= 1, got {numbers!r}")
+        trace[str(name)] = tuple(numbers)
+    return trace
+
+
+@dataclass(frozen=True)
+class Availability:
+    """Which clients are offline in which rounds: each client is online with probability
+    ``online`` each round (seeded), and offline in the rounds ``offline`` lists for it."""
+
+    online: float = setting(1.0, above=0, maximum=1, what="a fraction")
+    offline: Mapping[str, tuple[int, ...]] = setting(factory=dict, parse=_offline)
+
+    def offline_in(self, number: int, names: list[str], seed: int) -> set[str]:
+        draw = random.Random(seed * 7_919 + number)
+        return {
+            name
+            for name in names
+            if draw.random() >= self.online or number in self.offline.get(name, ())
+        }
+
+    def check(self, clients: int, rounds: int) -> None:
+        """Every client named is one of the ``clients`` and every round is in 1..``rounds``."""
+        names = set(client_names(clients))
+        for name, numbers in self.offline.items():
+            if name not in names:
+                raise ConfigError(
+                    f"availability.offline: {name!r} is not a client (client-000 .. "
+                    f"client-{clients - 1:03d})"
+                )
+            if any(n > rounds for n in numbers):
+                raise ConfigError(
+                    f"availability.offline.{name}: expected a list of rounds in 1..{rounds}, "
+                    f"got {list(numbers)!r}"
+                )
+
+
+def _availability(value: object, path: str) -> Availability | None:
+    if value is None:
+        return None
+    return parse_config(Availability, value, path, prefix=f"{path}.")
+
+
+def _dump_availability(value: Availability | None) -> dict[str, Any] | None:
+    return None if value is None else config_to_dict(value)
+
+
+def _device(value: object, path: str) -> str:
+    if not isinstance(value, str) or not re.fullmatch(r"cpu|cuda(:\d+)?|mps", value):
+        raise ConfigError(f"{path}: expected cpu, cuda, cuda:N or mps, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Partition:
+    """How the training data is split among clients (``alpha``: dirichlet, ``per_client``:
+    shards)."""
+
+    kind: str = setting("iid", choices=PARTITIONS)
+    alpha: float = setting(0.5, above=0)
+    per_client: int = setting(2, minimum=1)
+
+
+@dataclass(frozen=True)
+class SimDataConfig:
+    """The training data and the held-out set (given, or ``test_fraction`` of the data)."""
+
+    data: str = setting("digits", what="a dataset spec such as digits or npz:PATH")
+    test_data: str | None = setting(None, what="a dataset spec such as npz:PATH")
+    test_fraction: float = setting(0.25, above=0, below=1, what="a fraction")
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    """The simulated clients: how many, their device profiles, data split and availability,
+    and how the host trains them."""
+
+    clients: int = setting(4, minimum=1)
+    devices: tuple[Profile, ...] = setting(
+        factory=_default_profiles, parse=_profiles, dump=_dump_profiles
+    )
+    partition: Partition = setting(factory=Partition)
+    availability: Availability | None = setting(None, parse=_availability, dump=_dump_availability)
+    workers: int | None = setting(None, minimum=1)
+    measure_memory: bool = True
+    batched: bool = False
+    client_device: str = setting("cpu", parse=_device)
+
+    @property
+    def worker_count(self) -> int:
+        """``workers``, or one per CPU core (at most one per client) when not set."""
+        return self.workers or min(os.cpu_count() or 1, self.clients)
+
+
+@dataclass(frozen=True)
+class GpuConfig:
+    """The simulated GPU server."""
+
+    memory: int = setting(16 * 1024**3, kind="memory")
+    flops: float = setting(5e13, kind="flops")
+
+
+def _model() -> ModelConfig:
+    return ModelConfig("cnn", (1, 8, 8), 10)
+
+
+def _training() -> TrainingConfig:
+    return TrainingConfig(
+        rounds=3, optimizer=OptimizerConfig("adam", 0.002), round_deadline_seconds=600.0
+    )
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """A validated simulation configuration (see the module docstring for its keys)."""
+
+    method: str = setting("local-loss", choices=(*METHODS, *BASELINES))
+    model: ModelConfig = setting(factory=_model, flat=True)
+    data: SimDataConfig = setting(factory=SimDataConfig, flat=True)
+    fleet: FleetConfig = setting(factory=FleetConfig, flat=True)
+    gpu: GpuConfig = setting(factory=GpuConfig)
+    training: TrainingConfig = setting(factory=_training, flat=True)
+    aggregation: AggregationConfig = setting(
+        factory=AggregationConfig,
+        key="strategy",
+        parse=AggregationConfig.parse,
+        dump=AggregationConfig.to_dict,
+    )
+
+    @property
+    def clients(self) -> int:
+        return self.fleet.clients
+
+    @property
+    def profiles(self) -> tuple[Profile, ...]:
+        return self.fleet.devices
+
+    @property
+    def raw(self) -> dict[str, Any]:
+        """The flat SIM.yaml mapping (``to_dict()``), for the baselines that read plain keys."""
+        return self.to_dict()
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able data under the SIM.yaml keys; ``parse_sim_config`` reads it back."""
+        return config_to_dict(self, _NOT_KEYS)
+
+
+def parse_sim_config(data: object, overrides: Mapping[str, Any] | None = None) -> SimConfig:
+    """Read SIM.yaml's mapping (None: every default); ``overrides`` (the command line's
+    flags, None where not given) win over the file."""
+    fields = dict(_mapping(data))
+    fields.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    config = parse_config(SimConfig, fields, "simulation config", SimConfig(), _NOT_KEYS)
+    mode = METHODS.get(config.method, "local-loss")
+    config = replace(config, training=replace(config.training, mode=mode))
+    if config.fleet.availability is not None:
+        config.fleet.availability.check(config.fleet.clients, config.training.rounds)
+    return config
+
+
+def _mapping(data: object) -> Mapping[str, Any]:
+    if data is None:
+        return {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"simulation config: expected a mapping, got {type(data).__name__}")
+    return data
+
+
+def load_sim_config(path: str | Path | None, overrides: Mapping[str, Any]) -> SimConfig:
+    """Read and validate SIM.yaml (None: the defaults), with the command line's overrides."""
+    data = None
+    if path is not None:
+        try:
+            data = yaml.safe_load(Path(path).read_text())
+        except OSError as error:
+            raise ConfigError(f"simulation config {str(path)!r} cannot be read: {error}") from error
+        except yaml.YAMLError as error:
+            raise ConfigError(
+                f"simulation config {str(path)!r} is not valid YAML: {error}"
+            ) from error
+    return parse_sim_config(data, overrides)
+
+
+def run_config(config: SimConfig, run_id: str, eval_data: str | None = None) -> RunConfig:
+    """The run the simulated coordinator drives: the simulation's model, training and
+    aggregation sections, its clients as the named edges, one GPU server."""
+    try:
+        check_name(run_id, "run_id")
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
+    return RunConfig(
+        run_id=run_id,
+        model=config.model,
+        devices=DevicesConfig(tuple(client_names(config.fleet.clients)), 1, 60.0),
+        training=config.training,
+        data=DataConfig(eval_data),
+        aggregation=config.aggregation,
+    )

@@ -1,0 +1,406 @@
+"""Typed configuration: frozen dataclasses parsed and written by one field-driven parser.
+
+Every configuration of edgesplit (the run's ``coordinator.config.RunConfig``, the simulation's
+``simulation.config.SimConfig``) is a tree of frozen dataclasses, one section per component
+(model, data, devices, training, aggregation, ...). Each field holds its one default and, in
+its metadata (``setting(...)``), what the parser checks: integer minimums, number ranges,
+choices, durations (``30s``, ``5m``, numbers of seconds), memory sizes (``16MiB``), names.
+``parse_config`` reads a mapping into a section (unknown keys rejected by name, missing ones
+named, every error a ``ConfigError`` naming the key, the bad value and the valid options);
+``config_to_dict`` writes a section back as plain JSON-able data that ``parse_config`` reads
+to an equal object.
+
+**Flat files.** A section marked ``flat`` has its keys at the level of its parent: RUN.yaml
+stays the flat file it always was (``batch_size: 32``, not ``training: {batch_size: 32}``), each
+key owned by exactly one section, and ``to_dict`` writes the same flat keys, so stored configs
+and the files users wrote keep parsing and comparing key by key. ``aliases`` name keys older
+versions wrote (``round_deadline_seconds``), accepted on reading, never written.
+
+This module also holds the sections every role shares, so that they can travel to devices as
+they are: ``ModelConfig`` (which network) and ``TrainingConfig`` (how each round trains).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, dataclass, field
+from typing import Any, TypeVar
+
+from split_models.errors import ConfigError
+from split_models.heads import LOCAL_LOSSES
+from split_models.segment import OptimizerConfig
+from split_models.units import parse_bandwidth, parse_flops, parse_memory
+from wire.codec import ENCODINGS
+from wire.topics import check_name
+
+__all__ = [
+    "MODES",
+    "ModelConfig",
+    "TrainingConfig",
+    "config_keys",
+    "config_to_dict",
+    "default_of",
+    "parse_config",
+    "parse_duration",
+    "setting",
+    "stored_section",
+]
+
+MODES = ("local-loss", "backprop")
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+_ABSENT = object()
+T = TypeVar("T")
+
+
+def parse_duration(value: object, field_name: str) -> float:
+    """Seconds from ``120``, ``"120s"``, ``"5m"``, ``"1h"`` or ``"500ms"``."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{field_name}: expected a duration such as 120s, got {value!r}")
+    if isinstance(value, int | float):
+        seconds = float(value)
+    else:
+        match = _DURATION.match(str(value))
+        if match is None:
+            raise ConfigError(
+                f"{field_name}: expected a duration such as 120s or 5m, got {value!r}"
+            )
+        seconds = float(match.group(1)) * _SECONDS[match.group(2)]
+    if seconds <= 0:
+        raise ConfigError(f"{field_name}: must be positive, got {value!r}")
+    return seconds
+
+
+def setting(
+    default: Any = MISSING,
+    *,
+    factory: Callable[[], Any] | Any = MISSING,
+    key: str | None = None,
+    aliases: tuple[str, ...] = (),
+    kind: str | None = None,
+    what: str | None = None,
+    minimum: float | None = None,
+    above: float | None = None,
+    below: float | None = None,
+    maximum: float | None = None,
+    choices: tuple[str, ...] | None = None,
+    parse: Callable[[object, str], Any] | None = None,
+    dump: Callable[[Any], Any] | None = None,
+    flat: bool = False,
+) -> Any:
+    """A configuration field: its default and what the parser checks.
+
+    ``key`` is the name in the file (default: the field's name); ``kind`` one of ``int``,
+    ``number``, ``text``, ``choice``, ``bool``, ``duration``, ``memory``, ``flops``,
+    ``bandwidth``, ``name``, ``shape``, ``mapping`` (default: from the field's type);
+    ``what`` the expectation named in errors; ``parse``/``dump`` a custom reader and writer;
+    ``flat`` a section whose keys sit beside its parent's.
+    """
+    metadata = {
+        "key": key,
+        "aliases": aliases,
+        "kind": kind,
+        "what": what,
+        "minimum": minimum,
+        "above": above,
+        "below": below,
+        "maximum": maximum,
+        "choices": choices,
+        "parse": parse,
+        "dump": dump,
+        "flat": flat,
+    }
+    if factory is not MISSING:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def _key(spec: dataclasses.Field[Any]) -> str:
+    return str(spec.metadata.get("key") or spec.name)
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _section_type(cls: type, spec: dataclasses.Field[Any]) -> type | None:
+    hint = _hints(cls)[spec.name]
+    return hint if isinstance(hint, type) and dataclasses.is_dataclass(hint) else None
+
+
+def _fields(cls: type) -> tuple[dataclasses.Field[Any], ...]:
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"{cls!r} is not a configuration dataclass")
+    return dataclasses.fields(cls)
+
+
+def config_keys(cls: type, exclude: frozenset[str] = frozenset()) -> set[str]:
+    """Every key a mapping for ``cls`` may hold (flat sections' keys, aliases included)."""
+    keys: set[str] = set()
+    for spec in dataclasses.fields(cls):
+        section = _section_type(cls, spec)
+        if spec.metadata.get("flat") and section is not None:
+            keys |= config_keys(section, exclude)
+        elif _key(spec) not in exclude:
+            keys |= {_key(spec), *spec.metadata.get("aliases", ())}
+    return keys
+
+
+def default_of(cls: type, name: str) -> Any:
+    """The default of field ``name`` of ``cls`` (the one place it is written)."""
+    for spec in dataclasses.fields(cls):
+        if spec.name == name:
+            if spec.default is not MISSING:
+                return spec.default
+            if spec.default_factory is not MISSING:
+                return spec.default_factory()
+            raise TypeError(f"{cls.__name__}.{name} has no default; it must be given")
+    raise TypeError(f"{cls.__name__} has no field {name!r}")
+
+
+def _mapping(data: object, where: str) -> Mapping[str, Any]:
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
+    return data
+
+
+def _lookup(data: Mapping[str, Any], spec: dataclasses.Field[Any]) -> Any:
+    for key in (_key(spec), *spec.metadata.get("aliases", ())):
+        if key in data:
+            return data[key]
+    return _ABSENT
+
+
+def parse_config(
+    cls: type[T],
+    data: object,
+    where: str = "config",
+    base: T | None = None,
+    exclude: frozenset[str] = frozenset(),
+    prefix: str = "",
+) -> T:
+    """Read ``data`` into the dataclass ``cls``; absent keys take ``base``'s values (when
+    given) or the fields' defaults; keys in ``exclude`` are not accepted (they keep those).
+    ``where`` names the mapping in errors, ``prefix`` goes before each key's name in them."""
+    mapping = _mapping(data, where)
+    valid = config_keys(cls, exclude)
+    unknown = sorted(set(mapping) - valid)
+    if unknown:
+        raise ConfigError(
+            f"{where}: unknown key(s) {unknown}; valid keys: {', '.join(sorted(valid))}"
+        )
+    values: dict[str, Any] = {}
+    missing: list[str] = []
+    for spec in _fields(cls):
+        if spec.init:
+            _parse_field(cls, spec, mapping, (where, prefix), base, exclude, values, missing)
+    if missing:
+        raise ConfigError(f"{where}: missing key(s) {sorted(missing)}")
+    try:
+        return cls(**values)
+    except TypeError as error:
+        raise ConfigError(f"{where}: {error}") from error
+
+
+def _parse_field(
+    cls: type,
+    spec: dataclasses.Field[Any],
+    mapping: Mapping[str, Any],
+    place: tuple[str, str],
+    base: object,
+    exclude: frozenset[str],
+    values: dict[str, Any],
+    missing: list[str],
+) -> None:
+    where, prefix = place
+    section = _section_type(cls, spec)
+    inherited = getattr(base, spec.name) if base is not None else _ABSENT
+    if spec.metadata.get("flat") and section is not None:
+        own = config_keys(section, exclude)
+        subset = {k: v for k, v in mapping.items() if k in own}
+        child = None if inherited is _ABSENT else inherited
+        values[spec.name] = parse_config(section, subset, where, child, exclude, prefix)
+        return
+    value = _ABSENT if _key(spec) in exclude else _lookup(mapping, spec)
+    if value is _ABSENT:
+        if inherited is not _ABSENT:
+            values[spec.name] = inherited
+        elif spec.default is MISSING and spec.default_factory is MISSING:
+            missing.append(_key(spec))
+        return
+    path = prefix + _key(spec)
+    if spec.metadata.get("parse") is not None:
+        values[spec.name] = spec.metadata["parse"](value, path)
+    elif section is not None:
+        values[spec.name] = parse_config(section, value, path, prefix=path + ".")
+    else:
+        values[spec.name] = _convert(spec, _hints(cls)[spec.name], value, path)
+
+
+def stored_section(cls: type[T], data: object, where: str = "stored config") -> T:
+    """The section ``cls`` of a whole flat config (a stored run's, or a simulation's): its own
+    keys are read, the other sections' are left to their readers."""
+    own = config_keys(cls)
+    mapping = _mapping(data, where)
+    return parse_config(cls, {k: v for k, v in mapping.items() if k in own}, where)
+
+
+def _kind(spec: dataclasses.Field[Any], hint: Any) -> str:
+    kind = spec.metadata.get("kind")
+    if kind:
+        return str(kind)
+    if spec.metadata.get("choices"):
+        return "choice"
+    for name, tested in (("bool", bool), ("int", int), ("number", float), ("text", str)):
+        if hint is tested or (hint == tested | None):
+            return name
+    raise TypeError(f"field {spec.name}: no parser for type {hint!r}; give setting(kind=...)")
+
+
+def _convert(spec: dataclasses.Field[Any], hint: Any, value: object, path: str) -> Any:
+    if value is None and spec.default is None:
+        return None
+    meta = spec.metadata
+    kind = _kind(spec, hint)
+    if kind in _UNITS:
+        return _UNITS[kind](value, path)
+    if kind == "choice":
+        if value not in meta["choices"]:
+            raise ConfigError(f"{path}: {value!r} is not one of {list(meta['choices'])}")
+        return str(value)
+    if kind in ("int", "number"):
+        return _number(kind, meta, value, path)
+    checks = {
+        "bool": isinstance(value, bool),
+        "text": isinstance(value, str) and bool(value),
+        "mapping": isinstance(value, Mapping),
+    }
+    if not checks.get(kind, False):
+        what = meta.get("what") or {"bool": "true or false", "mapping": "a mapping"}.get(
+            kind, "a non-empty string"
+        )
+        raise ConfigError(f"{path}: expected {what}, got {value!r}")
+    return dict(value) if isinstance(value, Mapping) else value
+
+
+def _number(kind: str, meta: Mapping[str, Any], value: object, path: str) -> int | float:
+    low, above = meta.get("minimum"), meta.get("above")
+    below, high = meta.get("below"), meta.get("maximum")
+    types: type | tuple[type, ...] = int if kind == "int" else (int, float)
+    ok = not isinstance(value, bool) and isinstance(value, types)
+    number = float(value) if ok else 0.0  # type: ignore[arg-type]
+    ok = ok and not (
+        (low is not None and number < low)
+        or (above is not None and number <= above)
+        or (below is not None and number >= below)
+        or (high is not None and number > high)
+    )
+    if not ok:
+        what = meta.get("what") or ("an integer" if kind == "int" else "a number")
+        bounds = _bounds(low, above, below, high)
+        raise ConfigError(f"{path}: expected {what}{bounds}, got {value!r}")
+    return int(value) if kind == "int" else number  # type: ignore[call-overload]
+
+
+def _bounds(low: float | None, above: float | None, below: float | None, high: float | None) -> str:
+    if below is None and high is None:
+        if low is None and above is None:
+            return ""
+        return f" >= {low}" if low is not None else f" > {above}"
+    start = f"[{low}" if low is not None else f"({above}" if above is not None else "(-inf"
+    return f" in {start}, {below})" if below is not None else f" in {start}, {high}]"
+
+
+def _name(value: object, path: str) -> str:
+    try:
+        return check_name(str(value), path)
+    except ValueError as error:
+        raise ConfigError(str(error)) from error
+
+
+def _shape(value: object, path: str) -> tuple[int, ...]:
+    if (
+        not isinstance(value, list | tuple)
+        or not value
+        or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in value)
+    ):
+        raise ConfigError(f"{path}: expected a list of positive integers, got {value!r}")
+    return tuple(value)
+
+
+_UNITS: dict[str, Callable[[object, str], Any]] = {
+    "duration": parse_duration,
+    "memory": parse_memory,
+    "flops": parse_flops,
+    "bandwidth": parse_bandwidth,
+    "name": _name,
+    "shape": _shape,
+}
+
+
+def config_to_dict(config: object, exclude: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """``config`` as plain JSON-able data under its file keys (``parse_config`` reads it back)."""
+    out: dict[str, Any] = {}
+    for spec in dataclasses.fields(config):  # type: ignore[arg-type]
+        value = getattr(config, spec.name)
+        if spec.metadata.get("flat"):
+            out.update(config_to_dict(value, exclude))
+        elif _key(spec) not in exclude:
+            out[_key(spec)] = _plain(value, spec.metadata.get("dump"))
+    return out
+
+
+def _plain(value: Any, dump: Callable[[Any], Any] | None) -> Any:
+    if dump is not None:
+        return dump(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return config_to_dict(value)
+    if isinstance(value, tuple | list):
+        return [_plain(item, None) for item in value]
+    if isinstance(value, Mapping):
+        return {key: _plain(item, None) for key, item in value.items()}
+    return value
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which network: a zoo name (or ``package.module:function``), its input and classes."""
+
+    name: str = setting(key="model", what="a zoo name or package.module:function")
+    input_shape: tuple[int, ...] = setting(kind="shape")
+    num_classes: int = setting(minimum=2)
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """How each round trains: plain data, so a device can be sent it as it is."""
+
+    rounds: int = setting(minimum=1)
+    local_epochs: int = setting(1, minimum=1)
+    batch_size: int = setting(32, minimum=1)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    local_loss: str = setting("linear", choices=LOCAL_LOSSES)
+    mode: str = setting("local-loss", choices=MODES)
+    compression: str = setting("fp32", choices=ENCODINGS)
+    seed: int = setting(0, minimum=0)
+    round_deadline_seconds: float = setting(
+        300.0, key="round_deadline", aliases=("round_deadline_seconds",), kind="duration"
+    )
+    federated_eval: float = setting(
+        0.0,
+        minimum=0,
+        below=1,
+        what="the share of each edge's data to hold out for evaluation (0: off)",
+    )
+
+    def to_dict(self) -> dict[str, Any]:
+        return config_to_dict(self)
+
+    @classmethod
+    def parse(cls, data: object) -> TrainingConfig:
+        return parse_config(cls, data, "training")

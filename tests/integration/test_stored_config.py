@@ -1,0 +1,52 @@
+"""The config a finished run left in its SQLite store parses back to the config it ran with,
+and the readers of stored runs (status, export) take what they need from it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from coordinator.config import RunConfig
+from coordinator.export import export_run
+from simulation.config import parse_sim_config, run_config
+from simulation.simulator import simulate
+from split_models.config import TrainingConfig, stored_section
+from storage import open_store
+from storage.report import runs_overview
+
+pytestmark = pytest.mark.integration
+
+
+def _quick(method: str) -> dict[str, object]:
+    return {"method": method, "clients": 2, "rounds": 1, "workers": 1, "measure_memory": False}
+
+
+def test_a_simulated_runs_stored_config_parses_back(tmp_path: Path) -> None:
+    pytest.importorskip("sklearn")
+    config = parse_sim_config(
+        _quick("local-loss") | {"strategy": {"name": "fedprox", "proximal_mu": 0.1}}
+    )
+    summary = simulate(config, tmp_path, run_id="stored-1")
+    with open_store(f"sqlite:///{tmp_path / 'runs.db'}") as store:
+        stored = store.get_run("stored-1").config
+        (overview,) = runs_overview(store)
+        exported = export_run(store, "stored-1", tmp_path / "onnx")
+    parsed = RunConfig.parse(stored)
+    assert parsed == run_config(config, "stored-1", f"npz:{tmp_path / 'test.npz'}")
+    assert parsed.aggregation.options == {"proximal_mu": 0.1} and parsed.training.rounds == 1
+    assert overview["rounds_planned"] == 1 and summary["rounds"]
+    assert exported[0].ok and exported[0].blocks[0] == 0
+
+
+def test_a_baseline_runs_stored_config_parses_as_the_simulation(tmp_path: Path) -> None:
+    pytest.importorskip("sklearn")
+    config = parse_sim_config(_quick("centralized"))
+    simulate(config, tmp_path, run_id="central-1")
+    with open_store(f"sqlite:///{tmp_path / 'runs.db'}") as store:
+        stored = store.get_run("central-1").config
+        (overview,) = runs_overview(store)
+    assert parse_sim_config(stored) == config
+    training = stored_section(TrainingConfig, stored)
+    assert (training.rounds, training.optimizer) == (1, config.training.optimizer)
+    assert overview["rounds_planned"] == 1
