@@ -15,7 +15,6 @@ import argparse
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
 
 from _report import Report, machine
 
@@ -27,13 +26,13 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-from simulation.config import parse_sim_config  # noqa: E402
+from simulation.config import SimConfig, parse_sim_config  # noqa: E402
 from simulation.simulator import simulate  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist8k.npz"
 
 
-def _config(data: str, shape: list[int], clients: int, batched: bool, device: str) -> Any:
+def _config(data: str, shape: list[int], clients: int, batched: bool, device: str) -> SimConfig:
     return parse_sim_config(
         {
             "model": "cnn",

@@ -40,7 +40,7 @@ import torch  # noqa: E402
 
 # benchmarks/storage.py would shadow the `storage` package the simulation imports
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-from simulation.config import parse_sim_config  # noqa: E402
+from simulation.config import SimConfig, parse_sim_config  # noqa: E402
 from simulation.simulator import simulate  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist8k.npz"
@@ -54,7 +54,7 @@ def _config(
     partition: dict[str, Any],
     rounds: int,
     clients: int = 8,
-) -> Any:
+) -> SimConfig:
     return parse_sim_config(
         {
             "model": "cnn",

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,11 +26,15 @@ from flwr.clientapp import ClientApp
 
 from coordinator.aggregation import build_strategy
 from coordinator.federated import run_federated
+from simulation.config import BASELINES, Profile, SimConfig
+from split_models.config import ModelConfig, TrainingConfig
 from split_models.data import Dataset
+from split_models.errors import ConfigError
 from split_models.evaluation import evaluate_weights
 from split_models.isolated import profile_in_fresh_process
 from split_models.memory import estimate_segment_memory
-from split_models.segment import OptimizerConfig, Segment
+from split_models.profiler import ModelProfile
+from split_models.segment import Segment
 from split_models.weights import load_segment_state, segment_state
 from split_models.zoo import build_model
 from storage.base import RunStore
@@ -38,7 +42,6 @@ from wire.flower import FlowerNode, TransportGrid, array_record, node_will, nump
 from wire.transport import InProcessHub
 
 __all__ = [
-    "ClientProfile",
     "run_baseline",
     "train_centralized",
     "train_fedavg",
@@ -48,19 +51,18 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-def _whole(raw: dict[str, Any]) -> Segment:
-    model = build_model(raw["model"], raw["input_shape"], raw["num_classes"], seed=raw["seed"])
-    return Segment.from_model(
-        model, 0, model.num_blocks, optimizer=OptimizerConfig(**raw["optimizer"])
-    )
+def _whole(config: SimConfig) -> Segment:
+    model = config.model
+    built = build_model(model.name, model.input_shape, model.num_classes, seed=config.training.seed)
+    return Segment.from_model(built, 0, built.num_blocks, optimizer=config.training.optimizer)
 
 
-def _epochs(segment: Segment, data: Dataset, raw: dict[str, Any], seed: int) -> float:
+def _epochs(segment: Segment, data: Dataset, training: TrainingConfig, seed: int) -> float:
     """``local_epochs`` shuffled passes; the mean loss."""
     generator = np.random.default_rng(seed)
     losses = []
-    batch = int(raw["batch_size"])
-    for _ in range(int(raw["local_epochs"])):
+    batch = training.batch_size
+    for _ in range(training.local_epochs):
         order = generator.permutation(len(data))
         for begin in range(0, len(order), batch):
             rows = order[begin : begin + batch]
@@ -72,16 +74,17 @@ def _epochs(segment: Segment, data: Dataset, raw: dict[str, Any], seed: int) -> 
 
 
 def _evaluate(
-    raw: dict[str, Any], test: Dataset
+    model: ModelConfig, test: Dataset
 ) -> Callable[[Mapping[str, np.ndarray]], dict[str, float]]:
-    shape = tuple(raw["input_shape"])
-    return lambda weights: evaluate_weights(raw["model"], shape, raw["num_classes"], weights, test)
+    return lambda weights: evaluate_weights(
+        model.name, model.input_shape, model.num_classes, weights, test
+    )
 
 
-def _client(raw: dict[str, Any], data: Dataset, reset: bool, upload: bool) -> ClientApp:
+def _client(config: SimConfig, data: Dataset, reset: bool, upload: bool) -> ClientApp:
     """A client training the whole model on ``data`` each round; ``reset``: a fresh optimizer
     state each round; ``upload``: its weights count as bytes sent."""
-    segment, app = _whole(raw), ClientApp()
+    segment, app, training = _whole(config), ClientApp(), config.training
 
     @app.train()
     def train(message: Message, _context: Context) -> Message:
@@ -89,11 +92,11 @@ def _client(raw: dict[str, Any], data: Dataset, reset: bool, upload: bool) -> Cl
         load_segment_state(segment, numpy_arrays(message))
         if reset:
             segment.reset_optimizer()
-        loss = _epochs(segment, data, raw, int(raw["seed"]) + round_of(message))
+        loss = _epochs(segment, data, training, training.seed + round_of(message))
         arrays = segment_state(segment)
         metrics = MetricRecord(
             {
-                "num-examples": len(data) * int(raw["local_epochs"]),
+                "num-examples": len(data) * training.local_epochs,
                 "loss": loss,
                 "wall-seconds": time.perf_counter() - started,
             }
@@ -107,14 +110,14 @@ def _client(raw: dict[str, Any], data: Dataset, reset: bool, upload: bool) -> Cl
 
 
 def _train(
-    raw: dict[str, Any],
+    config: SimConfig,
     clients: dict[str, ClientApp],
     test: Dataset,
     store: RunStore,
     run_id: str,
-    method: str,
 ) -> None:
-    """``clients`` (name -> app) as Flower nodes; FedAvg rounds over them, committed."""
+    """``clients`` (name -> app) as Flower nodes; FedAvg rounds over them, committed. The run
+    stores ``config`` (its ``method`` the baseline's), which ``parse_sim_config`` reads back."""
     hub = InProcessHub()
     grid = TransportGrid(hub.connect("coordinator"))
     nodes = {name: index + 1 for index, name in enumerate(clients)}
@@ -138,55 +141,42 @@ def _train(
         )
     finally:
         flower.setLevel(level)
-    store.create_run(run_id, {**raw, "method": method}, int(raw["seed"]))
-    initial = segment_state(_whole(raw))
-    rounds, evaluate = int(raw["rounds"]), _evaluate(raw, test)
+    training = config.training
+    store.create_run(run_id, config.to_dict(), training.seed)
+    initial = segment_state(_whole(config))
+    evaluate = _evaluate(config.model, test)
     run_federated(
-        store, run_id, strategy, grid, initial, rounds, nodes, evaluate, seed=int(raw["seed"])
+        store, run_id, strategy, grid, initial, training.rounds, nodes, evaluate, seed=training.seed
     )
 
 
 def train_centralized(
-    raw: dict[str, Any], train: Dataset, test: Dataset, store: RunStore, run_id: str
+    config: SimConfig, train: Dataset, test: Dataset, store: RunStore, run_id: str
 ) -> None:
     """The pooled ``train`` data on one device, ``central``, end to end."""
-    clients = {"central": _client(raw, train, reset=False, upload=False)}
-    _train(raw, clients, test, store, run_id, "centralized")
+    config = replace(config, method="centralized")
+    clients = {"central": _client(config, train, reset=False, upload=False)}
+    _train(config, clients, test, store, run_id)
 
 
-def whole_model_bytes(raw: dict[str, Any], profile: Any) -> int:
+def whole_model_bytes(training: TrainingConfig, profile: ModelProfile) -> int:
     """Estimated training memory of the whole model on one client."""
     return estimate_segment_memory(
-        profile, 0, profile.num_blocks, int(raw["batch_size"]), raw["optimizer"]["name"]
+        profile, 0, profile.num_blocks, training.batch_size, training.optimizer.name
     ).total
 
 
 def train_fedavg(
-    raw: dict[str, Any],
+    config: SimConfig,
     parts: dict[str, Dataset],
     test: Dataset,
     store: RunStore,
     run_id: str,
 ) -> None:
     """Every client of ``parts`` trains the whole model; FedAvg averages them each round."""
-    clients = {name: _client(raw, data, reset=True, upload=True) for name, data in parts.items()}
-    _train(raw, clients, test, store, run_id, "fedavg")
-
-
-class ClientProfile(Protocol):
-    """What the report needs of a simulated client's device profile."""
-
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def memory(self) -> int: ...
-
-    @property
-    def flops(self) -> float: ...
-
-    @property
-    def uplink(self) -> float: ...
+    config = replace(config, method="fedavg")
+    clients = {name: _client(config, data, reset=True, upload=True) for name, data in parts.items()}
+    _train(config, clients, test, store, run_id)
 
 
 @dataclass(frozen=True)
@@ -199,16 +189,17 @@ class _Whole:
     num_blocks: int = 0
 
 
-def _whole_profile(raw: dict[str, Any]) -> _Whole:
+def _whole_profile(config: SimConfig) -> _Whole:
+    model, training = config.model, config.training
     profile = profile_in_fresh_process(
-        raw["model"],
-        raw["input_shape"],
-        raw["num_classes"],
-        (raw["local_loss"],),
-        raw["batch_size"],
+        model.name,
+        model.input_shape,
+        model.num_classes,
+        (training.local_loss,),
+        training.batch_size,
     )
     return _Whole(
-        whole_model_bytes(raw, profile),
+        whole_model_bytes(training, profile),
         sum(b.flops for b in profile.blocks),
         sum(b.param_bytes + b.buffer_bytes for b in profile.blocks),
         profile.num_blocks,
@@ -216,12 +207,12 @@ def _whole_profile(raw: dict[str, Any]) -> _Whole:
 
 
 def _client_rows(
-    raw: dict[str, Any],
+    training: TrainingConfig,
     data: dict[str, Dataset],
-    profiles: Mapping[str, ClientProfile],
+    profiles: Mapping[str, Profile],
     whole: _Whole,
 ) -> list[dict[str, Any]]:
-    rounds, epochs = int(raw["rounds"]), int(raw["local_epochs"])
+    rounds, epochs = training.rounds, training.local_epochs
     return [
         {
             "name": name,
@@ -243,13 +234,13 @@ def _client_rows(
 
 
 def _simulated(
-    raw: dict[str, Any],
+    training: TrainingConfig,
     data: dict[str, Dataset],
-    profiles: Mapping[str, ClientProfile],
+    profiles: Mapping[str, Profile],
     whole: _Whole,
 ) -> float:
     """A FedAvg round's simulated time: the slowest client's max(compute, upload)."""
-    epochs = int(raw["local_epochs"])
+    epochs = training.local_epochs
     return max(
         max(3 * len(data[n]) * epochs * whole.flops / p.flops, whole.model_bytes / p.uplink)
         for n, p in profiles.items()
@@ -257,27 +248,28 @@ def _simulated(
 
 
 def run_baseline(
-    method: str,
-    raw: dict[str, Any],
+    config: SimConfig,
     data: tuple[Dataset, Dataset],
-    parts: dict[str, np.ndarray],
-    profiles: Mapping[str, ClientProfile],
+    parts: Sequence[np.ndarray],
     store: RunStore,
     run_id: str,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], str]:
-    """Train ``method`` on ``data`` (train, test): ``fedavg`` over the clients' ``parts``
-    (name -> rows of train), ``centralized`` on all of it pooled, into ``store``; the
-    report's round rows, client rows and plan text."""
+    """Train ``config.method`` on ``data`` (train, test) into ``store``: ``fedavg`` over the
+    fleet's clients, each on its part (rows of train, in client order), ``centralized`` on all
+    of it pooled; the report's round rows, client rows and plan text."""
     train, test = data
     whole, clients, simulated = _Whole(), [], None
-    if method == "fedavg":  # centralized has no clients to size (and is not timed so)
-        whole = _whole_profile(raw)
-        subsets = {name: train.subset(rows) for name, rows in parts.items()}
-        train_fedavg(raw, subsets, test, store, run_id)
-        clients = _client_rows(raw, subsets, profiles, whole)
-        simulated = _simulated(raw, subsets, profiles, whole)
+    if config.method == "fedavg":  # centralized has no clients to size (and is not timed so)
+        profiles = config.fleet.client_profiles()
+        whole = _whole_profile(config)
+        subsets = {name: train.subset(rows) for name, rows in zip(profiles, parts, strict=True)}
+        train_fedavg(config, subsets, test, store, run_id)
+        clients = _client_rows(config.training, subsets, profiles, whole)
+        simulated = _simulated(config.training, subsets, profiles, whole)
+    elif config.method == "centralized":
+        train_centralized(config, train, test, store, run_id)
     else:
-        train_centralized(raw, train, test, store, run_id)
+        raise ConfigError(f"method: {config.method!r} is not a baseline; use one of {BASELINES}")
     rows = [
         {
             "round": record.number,
@@ -291,12 +283,15 @@ def run_baseline(
         }
         for record in store.list_rounds(run_id)
     ]
+    return rows, clients, _plan_text(config.method, clients, whole)
+
+
+def _plan_text(method: str, clients: list[dict[str, Any]], whole: _Whole) -> str:
+    if method == "centralized":
+        return "centralized: one process, the whole model, pooled data"
     unfit = [c["name"] for c in clients if not c["fits"]]
-    plan = (
-        "centralized: one process, the whole model, pooled data"
-        if method == "centralized"
-        else f"fedavg: the whole model ({whole.num_blocks} blocks, estimated "
+    return (
+        f"fedavg: the whole model ({whole.num_blocks} blocks, estimated "
         f"{whole.need} bytes to train) on every client"
         + (f"; it does not fit {', '.join(unfit)}" if unfit else "")
     )
-    return rows, clients, plan

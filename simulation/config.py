@@ -48,6 +48,7 @@ import random
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -229,6 +230,20 @@ class FleetConfig:
         """``workers``, or one per CPU core (at most one per client) when not set."""
         return self.workers or min(os.cpu_count() or 1, self.clients)
 
+    def client_profiles(self) -> dict[str, Profile]:
+        """Each client's device profile, by name: clients take the profiles by share, in
+        order (50% / 50% of 4 clients: two of each)."""
+        bounds = [
+            round(total * self.clients) for total in accumulate(p.share for p in self.devices)
+        ]
+        return {
+            name: next(
+                (p for p, bound in zip(self.devices, bounds, strict=True) if index < bound),
+                self.devices[-1],
+            )
+            for index, name in enumerate(client_names(self.clients))
+        }
+
 
 @dataclass(frozen=True)
 class GpuConfig:
@@ -264,19 +279,6 @@ class SimConfig:
         parse=AggregationConfig.parse,
         dump=AggregationConfig.to_dict,
     )
-
-    @property
-    def clients(self) -> int:
-        return self.fleet.clients
-
-    @property
-    def profiles(self) -> tuple[Profile, ...]:
-        return self.fleet.devices
-
-    @property
-    def raw(self) -> dict[str, Any]:
-        """The flat SIM.yaml mapping (``to_dict()``), for the baselines that read plain keys."""
-        return self.to_dict()
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able data under the SIM.yaml keys; ``parse_sim_config`` reads it back."""

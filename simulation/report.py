@@ -21,6 +21,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from split_models.plan import EdgeAssignment
+from storage.base import RunStore
+
 __all__ = ["client_rows", "round_rows", "simulated_round_seconds", "write_outputs"]
 
 log = logging.getLogger(__name__)
@@ -28,7 +31,7 @@ log = logging.getLogger(__name__)
 
 def simulated_round_seconds(
     results: Sequence[Any],
-    edges: Mapping[str, Mapping[str, Any]],
+    edges: Mapping[str, EdgeAssignment],
     profiles: Mapping[str, Any],
     backprop: bool,
 ) -> float:
@@ -38,10 +41,10 @@ def simulated_round_seconds(
         edge, profile = edges.get(result.device), profiles.get(result.device)
         if edge is None or profile is None or result.failure:
             continue
-        compute = 3 * result.examples * edge["flops_per_sample"] / profile.flops
-        upload = result.examples * edge["cut_bytes_per_sample"] / profile.uplink
+        compute = 3 * result.examples * edge.flops_per_sample / profile.flops
+        upload = result.examples * edge.cut_bytes_per_sample / profile.uplink
         if backprop:
-            download = result.examples * edge["cut_bytes_per_sample"] / profile.uplink
+            download = result.examples * edge.cut_bytes_per_sample / profile.uplink
             slowest = max(slowest, compute + upload + download)
         else:
             slowest = max(slowest, compute, upload)
@@ -57,16 +60,17 @@ def _by_device(points: Sequence[Any]) -> dict[str, float]:
 
 
 def round_rows(
-    store: Any,
+    store: RunStore,
     run_id: str,
-    edges: Mapping[str, Mapping[str, Any]],
+    edges: Mapping[str, EdgeAssignment],
     profiles: Mapping[str, Any],
     backprop: bool,
 ) -> list[dict[str, Any]]:
-    rows = []
+    """One row per committed round; ``edges``: the stored plan's edge assignments by name."""
+    rows: list[dict[str, Any]] = []
     for record in store.list_rounds(run_id):
         trained = [r for r in record.results if not r.failure and r.device in profiles]
-        federated = {
+        federated: dict[str, Any] = {
             key: record.evaluation[key]
             for key in ("federated_accuracy", "federated_loss")
             if key in record.evaluation
@@ -90,9 +94,9 @@ def round_rows(
 
 
 def client_rows(
-    store: Any,
+    store: RunStore,
     run_id: str,
-    edges: Mapping[str, Mapping[str, Any]],
+    edges: Mapping[str, EdgeAssignment],
     profiles: Mapping[str, Any],
     measured: Mapping[tuple[int, int], int | None],
 ) -> list[dict[str, Any]]:
@@ -102,8 +106,8 @@ def client_rows(
     cut_down = _by_device(store.metrics(run_id, "cut_bytes_received"))
     clients = []
     for name, profile in profiles.items():
-        edge = edges.get(name, {})
-        blocks = tuple(edge["blocks"]) if "blocks" in edge else None
+        edge = edges.get(name)
+        blocks = edge.blocks if edge is not None else None
         results = [r for record in rounds for r in record.results if r.device == name]
         clients.append(
             {
@@ -111,7 +115,7 @@ def client_rows(
                 "profile": profile.name,
                 "blocks": list(blocks) if blocks else None,
                 "budget_bytes": profile.memory,
-                "estimated_peak_bytes": edge.get("estimated_peak_bytes"),
+                "estimated_peak_bytes": edge.estimated_peak_bytes if edge is not None else None,
                 "measured_peak_bytes": measured.get(blocks) if blocks else None,
                 "bytes_up": sum(r.bytes_sent for r in results),
                 "bytes_down": sum(r.bytes_received for r in results),

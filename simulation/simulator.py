@@ -13,7 +13,6 @@ defaults run on scikit-learn's bundled digits, offline.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -26,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from coordinator.config import RunConfig
+from coordinator.planner import stored_plan
 from coordinator.service import Coordinator, RoundObserver
 from edge_client.agent import EdgeAgent
 from gpu_server.agent import GpuAgent
@@ -35,6 +35,7 @@ from simulation.report import client_rows, round_rows, write_outputs
 from split_models.data import Dataset, load_dataset, partition
 from split_models.errors import ConfigError
 from split_models.measure import measure_in_fresh_process
+from split_models.plan import EdgeAssignment, Plan
 from split_models.segment import Segment
 from storage import open_store
 from wire.flower import node_will
@@ -44,15 +45,6 @@ from wire.transport import InProcessHub, Transport, Will
 __all__ = ["simulate"]
 
 log = logging.getLogger(__name__)
-
-
-def _profile_of(index: int, count: int, profiles: tuple[Profile, ...]) -> Profile:
-    """Clients take profiles by share, in order (50% / 50% of 4: two of each)."""
-    bounds = np.cumsum([p.share for p in profiles]) * count
-    for profile, bound in zip(profiles, bounds, strict=True):
-        if index < round(bound):
-            return profile
-    return profiles[-1]
 
 
 def _partition(config: SimConfig, train: Dataset) -> list[np.ndarray]:
@@ -163,11 +155,13 @@ class _Observers(RoundObserver):
             observer.round_committed(number, evaluation, results)
 
 
-def _measure_peaks(config: SimConfig, edges: dict[str, Any]) -> dict[tuple[int, int], int | None]:
+def _measure_peaks(
+    config: SimConfig, edges: dict[str, EdgeAssignment]
+) -> dict[tuple[int, int], int | None]:
     """The real peak of each distinct client assignment, trained in a fresh process (one
     process hosts every client here, so per-client peaks cannot be told apart in it)."""
     model, training = config.model, config.training
-    ranges = sorted({tuple(e["blocks"]) for e in edges.values()})
+    ranges = sorted({e.blocks for e in edges.values()})
 
     def measure(blocks: tuple[int, int]) -> int | None:
         return measure_in_fresh_process(
@@ -207,12 +201,12 @@ def simulate(
     np.savez(test_path, x=test.x, y=test.y)
     run_id = run_id or f"sim-{uuid.uuid4().hex[:8]}"
     run = run_config(config, run_id, f"npz:{test_path}")
-    names = client_names(config.fleet.clients)
     parts = _partition(config, train)
     if config.method in BASELINES:
-        summary = _baseline(config, train, test, parts, names, out, run_id, started)
+        summary = _baseline(config, (train, test), parts, out, run_id, started)
         write_outputs(out, summary, summary.pop("_plan_text"))
         return summary
+    names = client_names(config.fleet.clients)
     data = {name: train.subset(rows) for name, rows in zip(names, parts, strict=True)}
     trained, plan, rows, clients, batched = _split_learning(
         config, run, data, out, broker, observer
@@ -242,13 +236,10 @@ def _split_learning(
     out: Path,
     broker: str,
     observer: RoundObserver | None,
-) -> tuple[float, dict[str, Any], list[dict[str, Any]], list[dict[str, Any]], Any]:
+) -> tuple[float, Plan | None, list[dict[str, Any]], list[dict[str, Any]], Any]:
     """Train ``run`` on the simulated fleet (its store in ``out``); return when training
     ended, the stored plan, the round and client rows, and the batched slots' counts."""
-    profiles = {
-        name: _profile_of(index, config.fleet.clients, config.fleet.devices)
-        for index, name in enumerate(data)
-    }
+    profiles = config.fleet.client_profiles()
     connect, closer = _transports(broker)
     fleet = None
     try:
@@ -265,8 +256,8 @@ def _split_learning(
             fleet.coordinator = coordinator
             coordinator.run()
             trained = time.perf_counter()
-            plan = store.get_run(run.run_id).plan or {}
-            edges = {e["name"]: e for e in plan.get("edges", [])}
+            plan = stored_plan(store.get_run(run.run_id))
+            edges = {e.name: e for e in plan.edges} if plan is not None else {}
             measured = _measure_peaks(config, edges) if config.fleet.measure_memory else {}
             backprop = config.training.mode == "backprop"
             rows = round_rows(store, run.run_id, edges, profiles, backprop)
@@ -279,43 +270,22 @@ def _split_learning(
     return trained, plan, rows, clients, batched
 
 
-def _plan_text(plan: dict[str, Any]) -> str:
-    from split_models.plan import Plan
-
-    if not plan:
-        return "no plan"
-    try:
-        return str(Plan.from_dict(plan))
-    except (KeyError, TypeError, ValueError):
-        return json.dumps(plan, indent=2)
+def _plan_text(plan: Plan | None) -> str:
+    return "no plan" if plan is None else str(plan)
 
 
 def _baseline(
     config: SimConfig,
-    train: Dataset,
-    test: Dataset,
+    data: tuple[Dataset, Dataset],
     parts: list[np.ndarray],
-    names: list[str],
     out: Path,
     run_id: str,
     started: float,
 ) -> dict[str, Any]:
     from simulation.baselines import run_baseline
 
-    profiles = {
-        name: _profile_of(index, config.clients, config.profiles)
-        for index, name in enumerate(names)
-    }
     with open_store(f"sqlite:///{out / 'runs.db'}") as store:
-        rows, clients, plan = run_baseline(
-            config.method,
-            config.raw,
-            (train, test),
-            dict(zip(names, parts, strict=True)),
-            profiles,
-            store,
-            run_id,
-        )
+        rows, clients, plan = run_baseline(config, data, parts, store, run_id)
     return {
         "run_id": run_id,
         "method": config.method,

@@ -12,10 +12,11 @@ import pytest
 from rich.console import Console
 
 from coordinator.assignments import Assignment, route
-from simulation.config import Availability
+from simulation.config import Availability, FleetConfig, Profile
 from simulation.pool import SegmentPool
 from simulation.progress import RoundProgress
 from simulation.report import simulated_round_seconds
+from split_models.plan import EdgeAssignment
 
 pytestmark = pytest.mark.unit
 
@@ -95,6 +96,15 @@ def test_availability_draws_are_seeded_and_follow_the_trace() -> None:
     assert trace.offline_in(1, names, 0) == set() and trace.offline_in(2, names, 0) == {"c1"}
 
 
+def test_clients_take_the_device_profiles_by_share_in_order() -> None:
+    small, large = Profile("small", 0.25, 1, 1.0), Profile("large", 0.75, 2, 2.0)
+    fleet = FleetConfig(clients=4, devices=(small, large))
+    profiles = fleet.client_profiles()
+    assert list(profiles) == ["client-000", "client-001", "client-002", "client-003"]
+    assert [p.name for p in profiles.values()] == ["small", "large", "large", "large"]
+    assert {p.name for p in FleetConfig(clients=1).client_profiles().values()} == {"large"}
+
+
 @dataclass
 class _Result:
     device: str
@@ -109,7 +119,7 @@ class _Profile:
 
 
 def test_simulated_time_overlaps_in_local_loss_and_adds_up_in_splitfed() -> None:
-    edges = {"a": {"flops_per_sample": 1e6, "cut_bytes_per_sample": 1000}}
+    edges = {"a": EdgeAssignment("a", (0, 2), 0, 0, 1000, 1_000_000, 0.0)}
     profiles = {"a": _Profile(flops=3e8, uplink=1e5)}  # compute 1 s, upload 1 s per 100 samples
     results = [_Result("a", 100), _Result("b", 100), _Result("a", 100, failure="offline")]
     assert simulated_round_seconds(results, edges, profiles, backprop=False) == pytest.approx(1.0)
