@@ -108,9 +108,7 @@ class GpuAgent:
             finished = sorted(back.finished)
             late = sorted(set(task.edges) - set(finished))
             if late:
-                log.warning(
-                    "round %d: not every batch of %s came before the deadline", number, late
-                )
+                log.warning("round %d: %s not finished before the deadline", number, late)
             arrays = back.state()
             metrics = MetricRecord(
                 {

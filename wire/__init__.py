@@ -3,9 +3,10 @@
 Torch-free: tensors are numpy arrays here, converted at the edge of each role.
 """
 
-from wire.channel import Channel, ChannelStats
+from wire.channel import Channel, ChannelStats, Rejection
 from wire.codec import ENCODINGS, KINDS, Envelope, TensorSpec, decode, encode
 from wire.errors import TransportError, WireError
+from wire.stream import StreamServer, StreamStats
 from wire.transport import InProcessHub, InProcessTransport, Transport, Will
 
 __all__ = [
@@ -16,6 +17,9 @@ __all__ = [
     "Envelope",
     "InProcessHub",
     "InProcessTransport",
+    "Rejection",
+    "StreamServer",
+    "StreamStats",
     "TensorSpec",
     "Transport",
     "TransportError",
