@@ -12,6 +12,7 @@ high-water mark above the level at the round's start) and reports it with the es
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import threading
 import time
@@ -194,7 +195,8 @@ class EdgeAgent:
 
     def _trainer(self, job: _Job, segment: Segment) -> EdgeTrainer:
         task, training = job.task, job.training
-        key = Task(**{**task.__dict__, "estimated_peak_bytes": 0, "session": None}).to_json()
+        # one trainer per task up to the estimate (a new session gets a fresh one)
+        key = dataclasses.replace(task, estimated_peak_bytes=0).to_json()
         if self._built is None or self._built.key != key:
             config = EdgeTrainerConfig(
                 task.run,
