@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -17,6 +17,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
 from coordinator.config import RunConfig
+from split_models.config import config_to_dict
 from wire.roles import Task, node_id_for
 
 __all__ = ["Assignment", "Route", "build_message", "build_task", "keys_for", "route", "span"]
@@ -101,36 +102,25 @@ def build_task(
     segment: str = "seg-0",
     server_route: Route | None = None,
 ) -> Task:
-    """The task ``assignment``'s device gets; ``server_route`` for a GPU server's round."""
-    extra: dict[str, Any] = {"session": session}
+    """The task ``assignment``'s device gets; ``server_route`` for a GPU server's round. The
+    run's model and training sections travel as they are; the rest is the device's own."""
     edges: Sequence[str] = ()
+    peers: Sequence[str] = ()
+    forward = None
     if server_route is not None:
         edges, peers, segment, forward = server_route
-        if peers:
-            extra["servers"] = list(peers)
-        if forward is not None:
-            extra["next"] = forward
-    if assignment.role == "edge" and config.training.federated_eval > 0:
-        extra["eval_fraction"] = config.training.federated_eval
     return Task(
         run=config.run_id,
-        model=config.model.name,
-        input_shape=config.model.input_shape,
-        num_classes=config.model.num_classes,
+        model=config_to_dict(config.model),
+        training=config.training.to_dict(),
         start=assignment.start,
         end=assignment.end,
-        batch_size=config.training.batch_size,
-        local_epochs=config.training.local_epochs,
-        optimizer=asdict(config.training.optimizer),
-        local_loss=config.training.local_loss,
-        mode=config.training.mode,
-        compression=config.training.compression,
-        seed=config.training.seed,
-        deadline_seconds=config.training.round_deadline_seconds,
         estimated_peak_bytes=assignment.estimate,
-        edges=tuple(edges),
         segment=segment,
-        extra=extra,
+        edges=tuple(edges),
+        servers=tuple(peers),
+        forward=forward,
+        session=session,
     )
 
 

@@ -1,17 +1,18 @@
 """The edge agent: a device that announces itself and trains whatever prefix a round assigns.
 
 The agent keeps no assignment state: every ``train`` message carries its :class:`~wire.roles.Task`
-(model, blocks, optimizer, deadline), so an agent restarted mid-run serves the next round it is
-sent. A task whose memory estimate exceeds the agent's budget is refused with the reason; the
-coordinator asks first (a ``query`` message) and plans around a refusal. Each round the agent
-measures the real peak memory of its training (resident high-water mark above the level at the
-round's start) and reports it with the estimate.
+(the run's model and training sections, the blocks), so an agent restarted mid-run serves the
+next round it is sent. The sections are parsed once a message; a task that does not parse is
+answered with an error naming the bad field. A task whose memory estimate exceeds the agent's
+budget is refused with the reason; the coordinator asks first (a ``query`` message) and plans
+around a refusal. Each round the agent measures the real peak memory of its training (resident
+high-water mark above the level at the round's start) and reports it with the estimate.
 """
 
 from __future__ import annotations
 
 import copy
-import json
+import dataclasses
 import logging
 import threading
 import time
@@ -25,15 +26,18 @@ from flwr.clientapp import ClientApp
 
 from edge_client.source import OwnSegment, SegmentSource
 from edge_client.trainer import EdgeRoundReport, EdgeTrainer, EdgeTrainerConfig
+from split_models.config import ModelConfig, TrainingConfig, parse_config
 from split_models.data import Dataset
+from split_models.errors import ConfigError
 from split_models.evaluation import evaluate_weights
 from split_models.measure import PeakMeter, peak_supported
-from split_models.segment import OptimizerConfig, Segment
+from split_models.segment import Segment
 from split_models.units import format_bytes
 from split_models.zoo import build_model
 from wire import topics
 from wire.channel import Channel
 from wire.codec import Envelope, encode
+from wire.errors import WireError
 from wire.flow import CreditGate
 from wire.flower import array_record, numpy_arrays, round_of
 from wire.roles import Announcement, Task, go_online
@@ -67,10 +71,36 @@ def _warm_up(segment: Segment, data: Dataset, encoding: str) -> None:
     encode(envelope, encoding)
 
 
-def _segment_key(task: Task) -> str:
-    """What a built segment depends on (not the run's bookkeeping or this round's weights)."""
-    fields = ("model", "input_shape", "num_classes", "start", "end", "local_loss", "optimizer")
-    return json.dumps({name: getattr(task, name) for name in fields}, sort_keys=True)
+@dataclass(frozen=True)
+class _Job:
+    """A message's task with its sections parsed."""
+
+    task: Task
+    model: ModelConfig
+    training: TrainingConfig
+
+
+def _job(message: Message) -> _Job:
+    """The task of ``message``; raises ``WireError``/``ConfigError`` naming the bad field."""
+    task = Task.parse(str(message.content.config_records["config"]["task"]))
+    model = parse_config(ModelConfig, task.model, "task.model", prefix="task.model.")
+    training = parse_config(TrainingConfig, task.training, "task.training", prefix="task.training.")
+    return _Job(task, model, training)
+
+
+def _with_job(handle: Callable[[Message, _Job], Message]) -> Callable[[Message, Context], Message]:
+    """A Flower handler that parses the message's task once and passes it to ``handle``; a
+    task that does not parse is answered with an error naming the bad field."""
+
+    def handler(message: Message, _context: Context) -> Message:
+        try:
+            job = _job(message)
+        except (WireError, ConfigError) as error:
+            log.warning("rejected a task: %s", error)
+            return Message(Error(code=3, reason=f"bad task: {error}"), reply_to=message)
+        return handle(message, job)
+
+    return handler
 
 
 class EdgeAgent:
@@ -122,17 +152,18 @@ class EdgeAgent:
             return self._gates[run]
 
     # ---------------------------------------------------------------- decisions
-    def check(self, task: Task) -> None:
-        """Raise :class:`AssignmentRefused` unless ``task`` fits this device and its data."""
-        if tuple(self.data.x.shape[1:]) != task.input_shape:
+    def check(self, task: Task, model: ModelConfig) -> None:
+        """Raise :class:`AssignmentRefused` unless ``task`` of ``model`` fits this device and
+        its data."""
+        if tuple(self.data.x.shape[1:]) != model.input_shape:
             raise AssignmentRefused(
                 f"{self.device}: local data has samples of shape {list(self.data.x.shape[1:])}, "
-                f"the model expects {list(task.input_shape)}"
+                f"the model expects {list(model.input_shape)}"
             )
-        if int(self.data.y.max()) >= task.num_classes:
+        if int(self.data.y.max()) >= model.num_classes:
             raise AssignmentRefused(
                 f"{self.device}: local labels reach {int(self.data.y.max())}, "
-                f"the model has {task.num_classes} classes"
+                f"the model has {model.num_classes} classes"
             )
         budget = self.budget
         if task.estimated_peak_bytes > budget:
@@ -141,106 +172,110 @@ class EdgeAgent:
                 f"{format_bytes(task.estimated_peak_bytes)}, the budget is {format_bytes(budget)}"
             )
 
-    def _datasets(self, task: Task) -> tuple[Dataset, Dataset | None]:
-        """The data this agent trains on and, with federated evaluation (``eval_fraction`` in
-        the task), the share it holds out for evaluating the assembled model."""
-        fraction = task.extra.get("eval_fraction")
-        if not isinstance(fraction, float | int) or not 0 < fraction < 1 or len(self.data) < 2:
+    def _datasets(self, training: TrainingConfig) -> tuple[Dataset, Dataset | None]:
+        """The data this agent trains on and, with federated evaluation
+        (``training.federated_eval``), the share it holds out for evaluating the assembled
+        model."""
+        fraction = training.federated_eval
+        if not 0 < fraction < 1 or len(self.data) < 2:
             return self.data, None
-        key = (float(fraction), task.seed)
+        key = (fraction, training.seed)
         if self._split is None or self._split[0] != key:
-            self._split = (key, *self.data.split(float(fraction), seed=task.seed))
+            self._split = (key, *self.data.split(fraction, seed=training.seed))
         return self._split[1], self._split[2]
 
-    def _build_segment(self, task: Task) -> Segment:
-        model = build_model(task.model, task.input_shape, task.num_classes, seed=task.seed)
+    def _build_segment(self, job: _Job) -> Segment:
+        task, spec, training = job.task, job.model, job.training
+        model = build_model(spec.name, spec.input_shape, spec.num_classes, seed=training.seed)
         segment = Segment.from_model(
-            model, task.start, task.end, task.local_loss, OptimizerConfig(**task.optimizer)
+            model, task.start, task.end, training.local_loss, training.optimizer
         )
-        _warm_up(segment, self.data, task.compression)
+        _warm_up(segment, self.data, training.compression)
         return segment
 
-    def _trainer(self, task: Task, segment: Segment) -> EdgeTrainer:
-        key = Task(**{**task.__dict__, "deadline_seconds": 1.0, "estimated_peak_bytes": 0})
-        key_text = key.to_json()
-        if self._built is None or self._built.key != key_text:
+    def _trainer(self, job: _Job, segment: Segment) -> EdgeTrainer:
+        task, training = job.task, job.training
+        # one trainer per task up to the estimate (a new session gets a fresh one)
+        key = dataclasses.replace(task, estimated_peak_bytes=0).to_json()
+        if self._built is None or self._built.key != key:
             config = EdgeTrainerConfig(
                 task.run,
                 self.device,
                 task.segment,
-                batch_size=task.batch_size,
-                local_epochs=task.local_epochs,
-                encoding=task.compression,
-                credit_timeout=task.deadline_seconds,
-                mode=task.mode,
+                batch_size=training.batch_size,
+                local_epochs=training.local_epochs,
+                encoding=training.compression,
+                credit_timeout=training.round_deadline_seconds,
+                mode=training.mode,
             )
-            train, _ = self._datasets(task)
+            train, _ = self._datasets(training)
             trainer = EdgeTrainer(self.channel, self._gate(task.run), segment, train, config)
-            self._built = _Built(key_text, trainer)
+            self._built = _Built(key, trainer)
         self._built.trainer.segment = segment
         return self._built.trainer
 
     # ---------------------------------------------------------------- Flower
     def client_app(self) -> ClientApp:
         app = ClientApp()
-
-        @app.query()
-        def query(message: Message, _context: Context) -> Message:
-            task = Task.parse(str(message.content.config_records["config"]["task"]))
-            try:
-                self.check(task)
-                accepted, reason = 1, ""
-            except AssignmentRefused as refusal:
-                accepted, reason = 0, str(refusal)
-                log.warning("refused an assignment: %s", refusal)
-            content = RecordDict(
-                {
-                    "metrics": MetricRecord({"accepted": accepted, "budget": self.budget}),
-                    "answer": ConfigRecord({"reason": reason}),
-                }
-            )
-            return Message(content, reply_to=message)
-
-        @app.train()
-        def train(message: Message, _context: Context) -> Message:
-            task = Task.parse(str(message.content.config_records["config"]["task"]))
-            self.check(task)
-            try:
-                return self._train(message, task, self.sessions.follow(task.run, task.session))
-            except RoundAbandoned as abandoned:
-                log.warning("%s", abandoned)
-                return Message(Error(code=2, reason=str(abandoned)), reply_to=message)
-
-        @app.evaluate()
-        def evaluate(message: Message, _context: Context) -> Message:
-            task = Task.parse(str(message.content.config_records["config"]["task"]))
-            _, held_out = self._datasets(task)
-            if held_out is None:
-                result, count = {"accuracy": 0.0, "loss": 0.0}, 0
-            else:
-                weights = numpy_arrays(message)
-                with self.source.slot():  # on a shared host, bounded as training is
-                    result = evaluate_weights(
-                        task.model, task.input_shape, task.num_classes, weights, held_out, 64
-                    )
-                count = len(held_out)
-            metrics = MetricRecord({"num-examples": count, **result})
-            return Message(RecordDict({"metrics": metrics}), reply_to=message)
-
+        app.query()(_with_job(self._query))
+        app.train()(_with_job(self._round))
+        app.evaluate()(_with_job(self._evaluate))
         return app
 
-    def _train(self, message: Message, task: Task, cancelled: Callable[[], bool]) -> Message:
-        """Train one round of ``task``; ``cancelled`` turns true when its session is replaced."""
+    def _query(self, message: Message, job: _Job) -> Message:
+        """Whether this device takes ``job`` (accepted, or refused with the reason)."""
+        try:
+            self.check(job.task, job.model)
+            accepted, reason = 1, ""
+        except AssignmentRefused as refusal:
+            accepted, reason = 0, str(refusal)
+            log.warning("refused an assignment: %s", refusal)
+        content = RecordDict(
+            {
+                "metrics": MetricRecord({"accepted": accepted, "budget": self.budget}),
+                "answer": ConfigRecord({"reason": reason}),
+            }
+        )
+        return Message(content, reply_to=message)
+
+    def _round(self, message: Message, job: _Job) -> Message:
+        task = job.task
+        self.check(task, job.model)
+        try:
+            return self._train(message, job, self.sessions.follow(task.run, task.session))
+        except RoundAbandoned as abandoned:
+            log.warning("%s", abandoned)
+            return Message(Error(code=2, reason=str(abandoned)), reply_to=message)
+
+    def _evaluate(self, message: Message, job: _Job) -> Message:
+        """The assembled model's accuracy on the held-out share (none: zero examples)."""
+        _, held_out = self._datasets(job.training)
+        if held_out is None:
+            result, count = {"accuracy": 0.0, "loss": 0.0}, 0
+        else:
+            weights = numpy_arrays(message)
+            spec = job.model
+            with self.source.slot():  # on a shared host, bounded as training is
+                result = evaluate_weights(
+                    spec.name, spec.input_shape, spec.num_classes, weights, held_out, 64
+                )
+            count = len(held_out)
+        metrics = MetricRecord({"num-examples": count, **result})
+        return Message(RecordDict({"metrics": metrics}), reply_to=message)
+
+    def _train(self, message: Message, job: _Job, cancelled: Callable[[], bool]) -> Message:
+        """Train one round of ``job``; ``cancelled`` turns true when its session is replaced."""
         started = time.perf_counter()
+        task, seed = job.task, job.training.seed
         weights = numpy_arrays(message)
         number = round_of(message)
-        key, build = _segment_key(task), lambda: self._build_segment(task)
-        stackable = task.mode != "backprop"
+        key, build = task.segment_key(), lambda: self._build_segment(job)
+        stackable = job.training.mode != "backprop"
         with self.source.lease(key, build, weights, stackable) as lease:
-            trainer = self._trainer(task, lease.segment)
+            trainer = self._trainer(job, lease.segment)
             with self._peak() as peak:
                 report = trainer.train_round(
-                    number, seed=task.seed, step=lease.train_step, cancelled=cancelled
+                    number, seed=seed, step=lease.train_step, cancelled=cancelled
                 )
             arrays = lease.state()
         self.rounds += 1

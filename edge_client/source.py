@@ -50,7 +50,8 @@ class SegmentSource(abc.ABC):
         weights: Mapping[str, np.ndarray],
         stackable: bool = False,
     ) -> AbstractContextManager[SegmentLease]:
-        """A segment for the task ``key`` (``build`` makes one), loaded with ``weights`` and
+        """A segment for ``key`` (the task's ``Task.segment_key()``: tasks with one key train
+        one kind of built segment; ``build`` makes one), loaded with ``weights`` and
         a fresh optimizer state, held for the round. ``stackable``: the round may train
         together with other clients of ``key`` (local-loss mode), where the source can."""
 

@@ -2,10 +2,11 @@
 activation streams.
 
 Like the edge agent it keeps no assignment state: each ``train`` message's
-:class:`~wire.roles.Task` names the model, the first block this server holds and the edges whose
-streams the round trains. The server answers before the round's deadline with whatever it
-trained, and names the edges whose batches all arrived, so the coordinator can tell a late edge
-from a finished one. Several servers take one shared subscription and split the stream.
+:class:`~wire.roles.Task` carries the run's model and training sections (parsed once a message;
+a bad one is answered with an error naming the field), the blocks this server holds and the
+edges whose streams the round trains. The server answers before the round's deadline with
+whatever it trained, and names the edges whose batches all arrived, so the coordinator can tell
+a late edge from a finished one. Several servers take one shared subscription and split the stream.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, Record
 from flwr.clientapp import ClientApp
 
 from gpu_server.trainer import BackTrainer
-from split_models.segment import OptimizerConfig
+from split_models.config import ModelConfig, TrainingConfig, parse_config
+from split_models.errors import ConfigError
 from split_models.zoo import build_model
 from wire.channel import Channel
+from wire.errors import WireError
 from wire.flower import array_record, numpy_arrays, round_of
 from wire.roles import Announcement, Task, go_online
 from wire.session import RoundAbandoned, SessionWatch
@@ -36,6 +39,13 @@ def server_wait_seconds(deadline: float) -> float:
     return max(0.5 * deadline, deadline - max(5.0, 0.1 * deadline))
 
 
+def _sections(task: Task) -> tuple[ModelConfig, TrainingConfig]:
+    """``task``'s model and training sections; raises ``ConfigError`` naming the bad field."""
+    model = parse_config(ModelConfig, task.model, "task.model", prefix="task.model.")
+    training = parse_config(TrainingConfig, task.training, "task.training", prefix="task.training.")
+    return model, training
+
+
 class GpuAgent:
     """Serves Flower ``train`` messages for the back segment of each round."""
 
@@ -46,34 +56,33 @@ class GpuAgent:
         self.device = announcement.device
         self.stream = stream
         self.sessions = SessionWatch(stream)
-        self._backs: dict[str, tuple[str, BackTrainer]] = {}  # run -> (task key, trainer)
+        # run -> (the task's segment key and stream wiring, trainer)
+        self._backs: dict[str, tuple[str, BackTrainer]] = {}
         self.node = go_online(announcement, control, self.client_app())
 
-    def back(self, task: Task) -> BackTrainer:
-        """The trainer for ``task``'s run, rebuilt when the run's model or blocks change."""
-        forward = task.extra.get("next")
-        forward = str(forward) if forward else None
-        key = (
-            f"{task.model}|{task.input_shape}|{task.num_classes}|{task.start}|{task.end}|"
-            f"{task.segment}|{forward}|{task.local_loss}|{task.optimizer}|{task.compression}"
-        )
+    def back(self, task: Task, sections: tuple[ModelConfig, TrainingConfig]) -> BackTrainer:
+        """The trainer for ``task``'s run, rebuilt when its segment (``Task.segment_key``) or
+        its streams (the one it serves, the next piece's, their encoding) change."""
+        spec, training = sections
+        wiring = [task.segment, task.forward, training.compression]
+        key = f"{task.segment_key()}|{wiring}"
         known = self._backs.get(task.run)
         if known is None or known[0] != key:
             if known is not None:  # re-planned: the old piece leaves its streams first (the
                 known[1].close()  # new one may subscribe to the same filters)
-            model = build_model(task.model, task.input_shape, task.num_classes, seed=task.seed)
+            model = build_model(spec.name, spec.input_shape, spec.num_classes, seed=training.seed)
             trainer = BackTrainer(
                 Channel(self.stream, self.device),
                 model,
                 start=task.start,
                 run=task.run,
                 segment=task.segment,
-                optimizer=OptimizerConfig(**task.optimizer),
+                optimizer=training.optimizer,
                 device=self.announcement.accelerator,
                 end=task.end,
-                local_loss=task.local_loss,
-                forward=forward,
-                encoding=task.compression,
+                local_loss=training.local_loss,
+                forward=task.forward,
+                encoding=training.compression,
             )
             self._backs[task.run] = (key, trainer)
         return self._backs[task.run][1]
@@ -88,46 +97,52 @@ class GpuAgent:
 
         @app.train()
         def train(message: Message, _context: Context) -> Message:
-            started = time.perf_counter()
-            task = Task.parse(str(message.content.config_records["config"]["task"]))
-            back = self.back(task)
-            weights = numpy_arrays(message)
-            number = round_of(message)
-            servers = task.extra.get("servers", [])
-            peers = (
-                [str(s) for s in servers if s != self.device] if isinstance(servers, list) else []
-            )
-            cancelled = self.sessions.follow(task.run, task.session)
-            back.begin_round(number, task.edges, weights, peers=peers)
-            wait = server_wait_seconds(task.deadline_seconds)
-            examples, loss = back.wait_round(task.edges, wait, cancelled)
-            if cancelled():
-                abandoned = RoundAbandoned(number)
-                log.warning("%s", abandoned)
-                return Message(Error(code=2, reason=str(abandoned)), reply_to=message)
-            finished = sorted(back.finished)
-            late = sorted(set(task.edges) - set(finished))
-            if late:
-                log.warning("round %d: %s not finished before the deadline", number, late)
-            arrays = back.state()
-            metrics = MetricRecord(
-                {
-                    "num-examples": examples,
-                    "loss": loss,
-                    "bytes-received": sum(w.nbytes for w in weights.values()),
-                    "bytes-sent": sum(a.nbytes for a in arrays.values()),
-                    "wall-seconds": time.perf_counter() - started,
-                }
-            )
-            content = RecordDict(
-                {
-                    "arrays": array_record(arrays),
-                    "metrics": metrics,
-                    "report": ConfigRecord(
-                        {"finished": ",".join(finished), "late": ",".join(late)}
-                    ),
-                }
-            )
-            return Message(content, reply_to=message)
+            try:
+                task = Task.parse(str(message.content.config_records["config"]["task"]))
+                sections = _sections(task)
+            except (WireError, ConfigError) as error:
+                log.warning("rejected a task: %s", error)
+                return Message(Error(code=3, reason=f"bad task: {error}"), reply_to=message)
+            return self._round(message, task, sections)
 
         return app
+
+    def _round(
+        self, message: Message, task: Task, sections: tuple[ModelConfig, TrainingConfig]
+    ) -> Message:
+        """Train one round of ``task`` on its edges' streams and reply before the deadline."""
+        started = time.perf_counter()
+        back = self.back(task, sections)
+        weights = numpy_arrays(message)
+        number = round_of(message)
+        peers = [s for s in task.servers if s != self.device]
+        cancelled = self.sessions.follow(task.run, task.session)
+        back.begin_round(number, task.edges, weights, peers=peers)
+        wait = server_wait_seconds(sections[1].round_deadline_seconds)
+        examples, loss = back.wait_round(task.edges, wait, cancelled)
+        if cancelled():
+            abandoned = RoundAbandoned(number)
+            log.warning("%s", abandoned)
+            return Message(Error(code=2, reason=str(abandoned)), reply_to=message)
+        finished = sorted(back.finished)
+        late = sorted(set(task.edges) - set(finished))
+        if late:
+            log.warning("round %d: %s not finished before the deadline", number, late)
+        arrays = back.state()
+        metrics = MetricRecord(
+            {
+                "num-examples": examples,
+                "loss": loss,
+                "bytes-received": sum(w.nbytes for w in weights.values()),
+                "bytes-sent": sum(a.nbytes for a in arrays.values()),
+                "wall-seconds": time.perf_counter() - started,
+            }
+        )
+        content = RecordDict(
+            {
+                "arrays": array_record(arrays),
+                "metrics": metrics,
+                "report": ConfigRecord({"finished": ",".join(finished), "late": ",".join(late)}),
+            }
+        )
+        return Message(content, reply_to=message)

@@ -7,8 +7,9 @@ round asks of it.
   ``edgesplit/v1/capabilities/<device>``; its Flower node presence (retained ``online``, last
   will ``offline``) tells whether it is alive.
 - Every ``train`` (and ``query``) message carries a :class:`Task` as JSON in its config record:
-  the model, the blocks the device trains, the optimizer and the round's deadline. Agents keep no
-  assignment state of their own; a restarted agent is ready for the next round it is sent.
+  the run's model and training sections, the blocks the device trains and its streams. Agents
+  keep no assignment state of their own; a restarted agent is ready for the next round it is
+  sent.
 
 Every inbound announcement and task is validated; a bad one raises :class:`WireError`.
 """
@@ -19,7 +20,7 @@ import json
 import math
 import zlib
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from wire.errors import WireError
@@ -35,6 +36,9 @@ __all__ = ["ROLES", "Announcement", "Task", "go_online", "node_id_for"]
 
 ROLES = ("edge", "gpu")
 MAX_CONTROL_BYTES = 64 * 1024
+MAX_SECTION_BYTES = 8 * 1024  # one section of a task (model, training), as JSON
+MAX_SECTION_KEYS = 64
+_SCALARS = (str, int, float, bool)
 
 
 def node_id_for(device: str) -> int:
@@ -111,68 +115,160 @@ class Announcement:
         )
 
 
+def _section(data: Mapping[str, Any], key: str) -> dict[str, Any]:
+    """A run section (``model``, ``training``) as it travels: a JSON object of bounded size
+    whose keys are names and whose values are plain data, nested at most one object deep.
+    What the values mean is the agent's to check (``split_models.config`` parses them)."""
+    value = data.get(key)
+    where = f"task.{key}"
+    if not isinstance(value, dict):
+        raise WireError("field", f"{where}: expected a JSON object, got {type(value).__name__}")
+    size = len(json.dumps(value))
+    if size > MAX_SECTION_BYTES:
+        raise WireError(
+            "size", f"{where}: {size} bytes exceeds {MAX_SECTION_BYTES}; send only the section"
+        )
+    _check_object(value, where, depth=0)
+    return value
+
+
+def _check_object(value: Mapping[Any, Any], where: str, depth: int) -> None:
+    if len(value) > MAX_SECTION_KEYS:
+        raise WireError(
+            "field", f"{where}: {len(value)} keys exceeds {MAX_SECTION_KEYS} for a section"
+        )
+    for name, item in value.items():
+        if not isinstance(name, str) or not 0 < len(name) <= 64:
+            raise WireError("field", f"{where}: keys are names of 1-64 characters, got {name!r}")
+        path = f"{where}.{name}"
+        if isinstance(item, dict):
+            if depth >= 1:
+                raise WireError("field", f"{path}: sections nest one object deep at most")
+            _check_object(item, path, depth + 1)
+        elif isinstance(item, list):
+            if not all(_plain(element) for element in item):
+                raise WireError("field", f"{path}: expected a list of plain values, got {item!r}")
+        elif not _plain(item):
+            raise WireError("field", f"{path}: expected a plain value, got {item!r}")
+
+
+def _plain(value: object) -> bool:
+    """A JSON scalar: null, a boolean, a string or a finite number."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    return value is None or isinstance(value, _SCALARS)
+
+
+def _names(data: Mapping[str, Any], key: str) -> tuple[str, ...]:
+    value = data.get(key, [])
+    if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
+        raise WireError("field", f"task.{key}: expected a list of device names, got {value!r}")
+    for name in value:
+        try:
+            check_name(name, f"task.{key}")
+        except ValueError as error:
+            raise WireError("field", str(error)) from error
+    return tuple(value)
+
+
+def _stream_name(data: Mapping[str, Any], key: str, optional: bool) -> str | None:
+    value = data.get(key)
+    if value is None and optional:
+        return None
+    if not isinstance(value, str):
+        raise WireError(
+            "field", f"task.{key}: expected a stream name such as 'seg-0', got {value!r}"
+        )
+    try:
+        return check_name(value, f"task.{key}")
+    except ValueError as error:
+        raise WireError("field", str(error)) from error
+
+
+def _count(data: Mapping[str, Any], key: str) -> int:
+    value = data.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise WireError("field", f"task.{key}: expected an integer >= 0, got {value!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class Task:
-    """What a round asks of one device (JSON in the config record's ``task`` entry)."""
+    """What a round asks of one device (JSON in the config record's ``task`` entry).
+
+    ``model`` and ``training`` are the run's sections as plain data (``ModelConfig`` and
+    ``TrainingConfig`` written by ``split_models.config.config_to_dict``): the agent parses them
+    with ``split_models.config``. The rest is the device's own: blocks ``[start, end)`` (an edge
+    trains them with a local head, a server is a piece of the back), the memory estimate, the
+    stream it feeds or serves (``segment``), a server's senders (``edges``), the peers sharing
+    its piece (``servers``), the next piece's stream (``forward``) and the coordinator's
+    ``session``.
+    """
 
     run: str
-    model: str
-    input_shape: tuple[int, ...]
-    num_classes: int
+    model: dict[str, Any]
+    training: dict[str, Any]
     start: int
-    end: int  # the edge trains [start, end) with a local head; a server [start, N)
-    batch_size: int
-    local_epochs: int
-    optimizer: dict[str, Any]
-    local_loss: str
-    mode: str
-    compression: str
-    seed: int
-    deadline_seconds: float
+    end: int
     estimated_peak_bytes: int = 0
-    edges: tuple[str, ...] = ()  # servers: the edges whose streams this round trains
     segment: str = "seg-0"
-    extra: dict[str, Any] = field(default_factory=dict)
+    edges: tuple[str, ...] = ()
+    servers: tuple[str, ...] = ()
+    forward: str | None = None
+    session: str | None = None
 
-    @property
-    def session(self) -> str | None:
-        """The session of the coordinator that asked for this task (``wire.session``)."""
-        session = self.extra.get("session")
-        return None if session is None else str(session)
+    def segment_key(self) -> str:
+        """What a built segment depends on: the model, the blocks, whether it ends in a head
+        that passes its output on, and the training settings that shape it (optimizer, local
+        loss, mode). Not the run's bookkeeping (session, deadline, estimate, streams) nor a
+        round's weights: tasks with one key can train one built segment."""
+        shaping = {k: self.training.get(k) for k in ("optimizer", "local_loss", "mode")}
+        key = {
+            "model": self.model,
+            "blocks": [self.start, self.end],
+            "passes_on": self.forward is not None,
+            "training": shaping,
+        }
+        return json.dumps(key, sort_keys=True)
 
     def to_json(self) -> str:
         data = asdict(self)
-        data["input_shape"] = list(self.input_shape)
-        data["edges"] = list(self.edges)
+        data["edges"], data["servers"] = list(self.edges), list(self.servers)
         return json.dumps(data)
 
     @classmethod
     def parse(cls, text: str | bytes) -> Task:
         data = _loads(text, "task")
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - names)
+        unknown = sorted(set(data) - {f.name for f in fields(cls)})
         if unknown:
             raise WireError("field", f"task: unknown key(s) {unknown}")
+        run = data.get("run")
+        if not isinstance(run, str):
+            raise WireError("field", f"task.run: expected a run name, got {run!r}")
         try:
-            task = cls(**data)
-        except TypeError as error:
-            raise WireError("field", f"task: {error}") from error
-        shape = data["input_shape"]
-        if not isinstance(shape, list) or not all(isinstance(d, int) and d > 0 for d in shape):
-            raise WireError("field", f"task.input_shape: expected positive sizes, got {shape!r}")
-        ints = ("num_classes", "start", "end", "batch_size", "local_epochs", "seed")
-        for key in ints:
-            value = data[key]
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise WireError("field", f"task.{key}: expected an integer >= 0, got {value!r}")
-        if not 0 <= task.start < task.end:
-            raise WireError("field", f"task: blocks [{task.start}, {task.end}) are empty")
-        _number(data, "deadline_seconds", "task")
-        edges = data.get("edges", [])
-        if not isinstance(edges, list) or not all(isinstance(e, str) for e in edges):
-            raise WireError("field", "task.edges: expected a list of device names")
-        check_name(task.run, "run")
-        return cls(**{**data, "input_shape": tuple(shape), "edges": tuple(edges)})
+            check_name(run, "task.run")
+        except ValueError as error:
+            raise WireError("field", str(error)) from error
+        start, end = _count(data, "start"), _count(data, "end")
+        if not start < end:
+            raise WireError("field", f"task: blocks [{start}, {end}) are empty; need start < end")
+        session = data.get("session")
+        if session is not None and not isinstance(session, str):
+            raise WireError("field", f"task.session: expected a string, got {session!r}")
+        estimate = "estimated_peak_bytes" in data
+        return cls(
+            run=run,
+            model=_section(data, "model"),
+            training=_section(data, "training"),
+            start=start,
+            end=end,
+            estimated_peak_bytes=_count(data, "estimated_peak_bytes") if estimate else 0,
+            segment=_stream_name(data, "segment", True) or "seg-0",
+            edges=_names(data, "edges"),
+            servers=_names(data, "servers"),
+            forward=_stream_name(data, "forward", True),
+            session=session,
+        )
 
 
 def go_online(announcement: Announcement, control: Transport, app: ClientApp) -> FlowerNode:

@@ -6,7 +6,7 @@ held-out accuracy of a weight set."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -17,6 +17,7 @@ from edge_client.agent import EdgeAgent
 from gpu_server.agent import GpuAgent
 from gpu_server.trainer import BackTrainer
 from split_models import Dataset, OptimizerConfig, Segment, build_model, partition
+from split_models.config import ModelConfig, TrainingConfig, config_to_dict
 from split_models.evaluation import evaluate_weights
 from split_models.weights import segment_state
 from wire.flower import FlowerNode, node_will
@@ -57,21 +58,16 @@ class Fleet:
 
 
 def _task(run: str, start: int, end: int, edges: tuple[str, ...] = ()) -> Task:
+    model = ModelConfig(*MODEL)
+    training = TrainingConfig(
+        rounds=1, batch_size=32, optimizer=OPTIMIZER, round_deadline_seconds=DEADLINE
+    )
     return Task(
         run=run,
-        model=MODEL[0],
-        input_shape=MODEL[1],
-        num_classes=MODEL[2],
+        model=config_to_dict(model),
+        training=training.to_dict(),
         start=start,
         end=end,
-        batch_size=32,
-        local_epochs=1,
-        optimizer=asdict(OPTIMIZER),
-        local_loss="linear",
-        mode="local-loss",
-        compression="fp32",
-        seed=0,
-        deadline_seconds=DEADLINE,
         edges=edges,
     )
 

@@ -1,0 +1,160 @@
+"""The round's task: it carries the run's model and training sections as plain data that
+``Task.parse`` checks for shape, the agents parse them with ``split_models.config`` (a bad one
+is an error reply naming the field), and one ``segment_key`` says which tasks can share a
+built segment."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+from flwr.app import ConfigRecord, Context, RecordDict
+
+from coordinator.assignments import Assignment, build_task
+from coordinator.config import RunConfig
+from edge_client.agent import EdgeAgent
+from split_models.config import ModelConfig, TrainingConfig, config_to_dict, parse_config
+from split_models.data import Dataset
+from split_models.segment import OptimizerConfig
+from wire.errors import WireError
+from wire.flower import TransportGrid
+from wire.roles import MAX_SECTION_BYTES, Announcement, Task, node_id_for
+from wire.transport import InProcessHub, InProcessTransport
+
+pytestmark = pytest.mark.unit
+
+MODEL = ModelConfig("mlp", (1, 8, 8), 10)
+TRAINING = TrainingConfig(rounds=3, batch_size=16, optimizer=OptimizerConfig("adam", lr=0.001))
+
+
+def _task(**changes: object) -> Task:
+    task = Task(
+        run="r1",
+        model=config_to_dict(MODEL),
+        training=TRAINING.to_dict(),
+        start=0,
+        end=2,
+        estimated_peak_bytes=1 << 20,
+        edges=("pi-01",),
+        servers=("gpu-a", "gpu-b"),
+        forward="seg-1",
+        session="s-1",
+    )
+    return dataclasses.replace(task, **changes)  # type: ignore[arg-type]
+
+
+def test_a_task_round_trips_through_json_and_its_sections_parse_back() -> None:
+    task = _task()
+    again = Task.parse(task.to_json())
+    assert again == task
+    assert parse_config(ModelConfig, again.model) == MODEL
+    assert TrainingConfig.parse(again.training) == TRAINING
+    bare = Task.parse(_task(edges=(), servers=(), forward=None, session=None).to_json())
+    assert bare.forward is None and bare.session is None and bare.segment == "seg-0"
+
+
+def test_build_task_sends_the_run_sections_as_they_are() -> None:
+    config = RunConfig.parse(
+        {
+            "run_id": "r",
+            "model": "mlp",
+            "input_shape": [1, 8, 8],
+            "num_classes": 10,
+            "devices": {"edges": ["pi-01"]},
+            "rounds": 2,
+            "federated_eval": 0.25,
+        }
+    )
+    back = build_task(
+        config,
+        Assignment("gpu-a", 1, 3, 5, "gpu"),
+        "s",
+        server_route=(["pi-01"], [], "seg-0", None),
+    )
+    edge = build_task(config, Assignment("pi-01", 0, 1, 7, "edge"), "s")
+    assert parse_config(ModelConfig, edge.model) == config.model
+    assert TrainingConfig.parse(edge.training) == config.training
+    assert edge.training["federated_eval"] == 0.25 and edge.session == "s"
+    assert (back.edges, back.servers, back.forward, back.estimated_peak_bytes) == (
+        ("pi-01",),
+        (),
+        None,
+        5,
+    )
+
+
+def _raw(section: str, value: object) -> str:
+    data = json.loads(_task().to_json())
+    data[section] = value
+    return json.dumps(data)
+
+
+@pytest.mark.parametrize(
+    ("payload", "message"),
+    [
+        (_raw("model", "mlp"), "task.model: expected a JSON object"),
+        (_raw("training", [1, 2]), "task.training: expected a JSON object"),
+        (_raw("training", {"note": "x" * MAX_SECTION_BYTES}), "exceeds"),
+        (_raw("training", {str(k): k for k in range(100)}), "keys exceeds"),
+        (_raw("training", {"optimizer": {"name": {"deep": 1}}}), "one object deep"),
+        (_raw("model", {"input_shape": [{"a": 1}]}), "task.model.input_shape"),
+        (_raw("model", {"": "mlp"}), "keys are names"),
+        (_raw("model", {"k" * 65: "mlp"}), "keys are names"),
+        (_raw("training", {"lr": float("nan")}), "task.training.lr"),
+        (_raw("start", 3), "blocks [3, 2) are empty"),
+        (_raw("servers", "gpu-a"), "task.servers"),
+        (_raw("forward", 1), "task.forward"),
+        (_raw("extra", {}), "unknown key(s) ['extra']"),
+    ],
+)
+def test_a_malformed_task_is_rejected(payload: str, message: str) -> None:
+    with pytest.raises(WireError) as error:
+        Task.parse(payload)
+    assert message in str(error.value)
+
+
+def test_an_edge_agent_answers_a_bad_training_section_with_the_field() -> None:
+    hub = InProcessHub()
+    rng = np.random.default_rng(0)
+    data = Dataset(rng.normal(size=(8, 1, 8, 8)).astype(np.float32), np.arange(8) % 10, 10)
+    agent = EdgeAgent(
+        Announcement("pi-01", "edge", 1 << 32, 1e9, 1e7),
+        data,
+        InProcessTransport(hub, "pi-01-control"),
+        InProcessTransport(hub, "pi-01-stream"),
+        measure_peak=False,
+    )
+    task = _task(training={**TRAINING.to_dict(), "batch_size": 0})
+    config = ConfigRecord({"task": task.to_json(), "server-round": 1})
+    grid = TransportGrid(InProcessTransport(hub, "coordinator"))
+    message = grid.create_message(
+        RecordDict({"config": config}), "train", node_id_for("pi-01"), "edgesplit"
+    )
+    context = Context(1, node_id_for("pi-01"), {}, RecordDict(), {})
+    reply = agent.client_app()(message, context)
+    assert reply.has_error()
+    assert "task.training.batch_size" in reply.error.reason, reply.error.reason
+    assert "got 0" in reply.error.reason
+
+
+def test_the_segment_key_ignores_bookkeeping_but_not_what_shapes_the_segment() -> None:
+    base = _task()
+    later = TrainingConfig(
+        rounds=9,
+        batch_size=16,
+        optimizer=TRAINING.optimizer,
+        round_deadline_seconds=30.0,
+        seed=4,
+    )
+    bookkeeping = _task(
+        session="s-2", estimated_peak_bytes=1, training=later.to_dict(), segment="seg-3"
+    )
+    other_optimizer = TrainingConfig(rounds=3, batch_size=16, optimizer=OptimizerConfig("sgd"))
+    assert bookkeeping.segment_key() == base.segment_key()
+    assert _task(end=3).segment_key() != base.segment_key()
+    assert _task(training=other_optimizer.to_dict()).segment_key() != base.segment_key()
+    assert _task(forward=None).segment_key() != base.segment_key()  # the last piece: no head
+    backprop = dataclasses.replace(TRAINING, mode="backprop")
+    assert _task(training=backprop.to_dict()).segment_key() != base.segment_key()
