@@ -5,11 +5,10 @@ transport and a real mosquitto, with the real edge and GPU server trainers."""
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -20,11 +19,11 @@ from edge_client import EdgeRoundReport, EdgeTrainer, EdgeTrainerConfig
 from gpu_server import BackTrainer
 from split_models import Dataset, OptimizerConfig, Segment, StepResult, build_model
 from tests.integration import split_fleet
+from tests.integration.mqtt_clients import mqtt_clients
 from wire.broker import Broker
 from wire.channel import Channel
 from wire.flow import CreditGate
 from wire.flower import TransportGrid, array_record
-from wire.mqtt import MqttConfig, MqttTransport
 from wire.roles import node_id_for
 from wire.transport import InProcessHub, Transport
 
@@ -112,25 +111,9 @@ def test_a_nan_last_batch_costs_one_batch_in_process(servers: int) -> None:
     _nan_last_batch_round(lambda name: hub.connect(name), servers)
 
 
-@contextlib.contextmanager
-def _mqtt(broker: Broker) -> Iterator[Callable[[str], Transport]]:
-    config = MqttConfig.from_url(broker.url)
-    made: list[MqttTransport] = []
-
-    def connect(name: str) -> Transport:
-        made.append(MqttTransport(config, f"{name}-{uuid.uuid4().hex[:6]}"))
-        return made[-1]
-
-    try:
-        yield connect
-    finally:
-        for transport in made:
-            transport.close()
-
-
 @pytest.mark.parametrize("servers", [1, 2])
 def test_a_nan_last_batch_costs_one_batch_over_mqtt(broker: Broker, servers: int) -> None:
-    with _mqtt(broker) as connect:
+    with mqtt_clients(broker) as connect:
         _nan_last_batch_round(connect, servers)
 
 

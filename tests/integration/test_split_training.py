@@ -3,11 +3,10 @@ server, over the in-process transport and over a real mosquitto."""
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -16,12 +15,12 @@ import pytest
 from edge_client import EdgeRoundReport, EdgeTrainer, EdgeTrainerConfig
 from gpu_server import BackTrainer
 from split_models import OptimizerConfig, Segment, build_model, load_dataset, partition
+from tests.integration.mqtt_clients import mqtt_clients
 from wire import topics
 from wire.broker import Broker
 from wire.channel import Channel
 from wire.codec import Envelope, encode
 from wire.flow import CreditGate
-from wire.mqtt import MqttConfig, MqttTransport
 from wire.transport import InProcessHub, Transport
 
 pytestmark = pytest.mark.integration
@@ -145,25 +144,8 @@ def test_split_training_in_process() -> None:
     train_split(lambda name: hub.connect(name))
 
 
-@contextlib.contextmanager
-def _mqtt_clients(broker: Broker) -> Iterator[Callable[[str], Transport]]:
-    """Connects named clients to ``broker``; all are closed on exit."""
-    config = MqttConfig.from_url(broker.url)
-    made: list[MqttTransport] = []
-
-    def connect(name: str) -> Transport:
-        made.append(MqttTransport(config, f"{name}-{uuid.uuid4().hex[:6]}"))
-        return made[-1]
-
-    try:
-        yield connect
-    finally:
-        for transport in made:
-            transport.close()
-
-
 def test_split_training_over_mqtt(broker: Broker) -> None:
-    with _mqtt_clients(broker) as connect:
+    with mqtt_clients(broker) as connect:
         train_split(connect)
 
 
@@ -210,5 +192,5 @@ def test_a_replaced_back_trainer_leaves_the_stream_in_process() -> None:
 
 
 def test_a_replaced_back_trainer_leaves_the_stream_over_mqtt(broker: Broker) -> None:
-    with _mqtt_clients(broker) as connect:
+    with mqtt_clients(broker) as connect:
         _closed_trainer_gets_nothing(connect)
