@@ -287,7 +287,7 @@ class Coordinator:
 
         def message(device: str, configured: Message) -> Message:
             a = assigned[device]
-            options = dict(configured.content.config_records["config"])
+            options = dict(configured.content.config_records[self.strategy.configrecord_key])
             arrays = configured.content.array_records["arrays"]
             task = build_task(self.config, a, self.session)
             return build_message(self.grid, a.node, arrays, "evaluate", number, task, options)
