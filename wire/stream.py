@@ -137,7 +137,8 @@ class StreamServer:
             self._parked = [p for p in self._parked if p.number > number]
             strangers = [p for p in ready if p.sender not in self._ledger.senders]
             ready = [p for p in ready if p.sender in self._ledger.senders]
-            self.stats.rejected["sender"] += sum(p.envelope is not None for p in strangers)
+            for _stranger in (p for p in strangers if p.envelope is not None):
+                self.stats.rejected["sender"] += 1  # a parked rejection was counted already
             for parked in ready:
                 self._handle_locked(parked.sender, parked.envelope)
         for parked in ready:
