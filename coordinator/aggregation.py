@@ -18,7 +18,9 @@ applied in one of three ways:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import contextlib
+import logging
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -41,7 +43,7 @@ from flwr.serverapp.strategy import (
 from split_models.errors import ConfigError
 from wire.flower import array_record, numpy_arrays
 
-__all__ = ["STRATEGIES", "build_strategy", "key_groups", "split_weighted_mean"]
+__all__ = ["STRATEGIES", "build_strategy", "flower_quiet", "key_groups", "split_weighted_mean"]
 
 _MEAN: dict[str, type[FedAvg]] = {"fedavg": FedAvg, "fedprox": FedProx}
 _SERVER_STEP: dict[str, type[FedAvg]] = {
@@ -163,8 +165,28 @@ def _split_aware(base: type[FedAvg], mode: str) -> type[FedAvg]:
     return SplitAware
 
 
-def build_strategy(name: str, **options: Any) -> FedAvg:
-    """A split-aware Flower strategy by name, e.g. ``build_strategy("fedadam", eta=0.01)``."""
+@contextlib.contextmanager
+def flower_quiet(level: int = logging.WARNING) -> Iterator[None]:
+    """Flower's logger passes only ``level`` and above while this is held (its strategies log
+    each round's sampling at INFO), then gets its own level back."""
+    flower = logging.getLogger("flwr")
+    before = flower.level
+    flower.setLevel(max(level, flower.getEffectiveLevel()))
+    try:
+        yield
+    finally:
+        flower.setLevel(before)
+
+
+def build_strategy(name: str, quiet: bool = True, **options: Any) -> FedAvg:
+    """A split-aware Flower strategy by name, e.g. ``build_strategy("fedadam", eta=0.01)``;
+    ``quiet``: Flower logs only errors while it is built (it warns, for one, that federated
+    evaluation is off)."""
+    with flower_quiet(logging.ERROR if quiet else logging.NOTSET):
+        return _build_strategy(name, options)
+
+
+def _build_strategy(name: str, options: dict[str, Any]) -> FedAvg:
     key = name.lower()
     for mode, table in (("mean", _MEAN), ("server_step", _SERVER_STEP), ("per_group", _PER_GROUP)):
         if key in table:

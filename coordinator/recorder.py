@@ -11,6 +11,7 @@ import numpy as np
 from flwr.app import Message
 from flwr.serverapp.strategy import FedAvg
 
+from coordinator.aggregation import flower_quiet
 from storage.base import RunStore
 from storage.records import DeviceResult, Event, MetricPoint
 
@@ -72,7 +73,8 @@ class RoundRecorder:
     def aggregate(self, number: int, replies: list[Message]) -> dict[str, np.ndarray] | None:
         """The round enters ``aggregating``; the strategy's new weights, or None."""
         self.store.set_round_state(self.run_id, number, "aggregating")
-        arrays, _ = self.strategy.aggregate_train(number, replies)
+        with flower_quiet():  # Flower logs each aggregation at INFO
+            arrays, _ = self.strategy.aggregate_train(number, replies)
         if arrays is None:
             return None
         return {k: v.numpy() for k, v in arrays.items()}

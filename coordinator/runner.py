@@ -24,6 +24,7 @@ from flwr.app import ConfigRecord, Message
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
+from coordinator.aggregation import flower_quiet
 from coordinator.errors import CoordinatorError
 from coordinator.recorder import Outcome, RoundRecorder
 from storage.records import DeviceResult
@@ -133,9 +134,10 @@ class RoundRunner:
         if not view.get_node_ids():
             return {}
         random.seed(self.seed * 100_003 + number)
-        messages = self.strategy.configure_train(
-            number, array_record(weights), ConfigRecord(), view
-        )
+        with flower_quiet():  # Flower logs each round's sample at INFO
+            messages = self.strategy.configure_train(
+                number, array_record(weights), ConfigRecord(), view
+            )
         return {
             m.metadata.dst_node_id: dict(m.content.config_records[self.strategy.configrecord_key])
             for m in messages
@@ -265,9 +267,10 @@ class RoundRunner:
         view = EdgeView(self.grid, lambda: sorted(n for n in by_node if n in online))
         if not view.get_node_ids():
             return {}
-        configured = self.strategy.configure_evaluate(
-            number, array_record(weights), ConfigRecord(), view
-        )
+        with flower_quiet():
+            configured = self.strategy.configure_evaluate(
+                number, array_record(weights), ConfigRecord(), view
+            )
         messages = {
             by_node[m.metadata.dst_node_id]: message(by_node[m.metadata.dst_node_id], m)
             for m in configured
@@ -279,7 +282,8 @@ class RoundRunner:
                 log.warning("federated evaluation on %s failed: %s", device, reply.error.reason)
             elif _examples(reply) > 0:
                 counted.append(reply)
-        metrics = self.strategy.aggregate_evaluate(number, counted) if counted else None
+        with flower_quiet():
+            metrics = self.strategy.aggregate_evaluate(number, counted) if counted else None
         if metrics is None:
             return {}
         examples = sum(_examples(r) for r in counted)

@@ -93,15 +93,9 @@ def _strategy(config: RunConfig) -> tuple[FedAvg, int]:
     options.pop("min_available_nodes", None)
     options.setdefault("fraction_evaluate", 1.0 if config.training.federated_eval > 0 else 0.0)
     options.setdefault("min_evaluate_nodes", 1)
-    flower = logging.getLogger("flwr")
-    level = flower.level
-    flower.setLevel(logging.ERROR)  # Flower warns that federated evaluation is off
-    try:
-        strategy = build_strategy(
-            config.aggregation.name, min_available_nodes=1, min_train_nodes=1, **options
-        )
-    finally:
-        flower.setLevel(level)
+    strategy = build_strategy(
+        config.aggregation.name, min_available_nodes=1, min_train_nodes=1, **options
+    )
     return strategy, min_edges
 
 
@@ -287,7 +281,7 @@ class Coordinator:
 
         def message(device: str, configured: Message) -> Message:
             a = assigned[device]
-            options = dict(configured.content.config_records["config"])
+            options = dict(configured.content.config_records[self.strategy.configrecord_key])
             arrays = configured.content.array_records["arrays"]
             task = build_task(self.config, a, self.session)
             return build_message(self.grid, a.node, arrays, "evaluate", number, task, options)

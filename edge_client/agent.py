@@ -26,7 +26,7 @@ from flwr.clientapp import ClientApp
 
 from edge_client.source import OwnSegment, SegmentSource
 from edge_client.trainer import EdgeRoundReport, EdgeTrainer, EdgeTrainerConfig
-from split_models.config import ModelConfig, TrainingConfig, parse_config
+from split_models.config import ModelConfig, TrainingConfig, task_sections
 from split_models.data import Dataset
 from split_models.errors import ConfigError
 from split_models.evaluation import evaluate_weights
@@ -83,9 +83,7 @@ class _Job:
 def _job(message: Message) -> _Job:
     """The task of ``message``; raises ``WireError``/``ConfigError`` naming the bad field."""
     task = Task.parse(str(message.content.config_records["config"]["task"]))
-    model = parse_config(ModelConfig, task.model, "task.model", prefix="task.model.")
-    training = parse_config(TrainingConfig, task.training, "task.training", prefix="task.training.")
-    return _Job(task, model, training)
+    return _Job(task, *task_sections(task.model, task.training))
 
 
 def _with_job(handle: Callable[[Message, _Job], Message]) -> Callable[[Message, Context], Message]:

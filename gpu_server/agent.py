@@ -18,7 +18,7 @@ from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, Record
 from flwr.clientapp import ClientApp
 
 from gpu_server.trainer import BackTrainer
-from split_models.config import ModelConfig, TrainingConfig, parse_config
+from split_models.config import ModelConfig, TrainingConfig, task_sections
 from split_models.errors import ConfigError
 from split_models.zoo import build_model
 from wire.channel import Channel
@@ -34,16 +34,10 @@ log = logging.getLogger(__name__)
 
 
 def server_wait_seconds(deadline: float) -> float:
-    """How long a server waits for the edges' last batches: long enough for a slow edge, and
-    short enough that its reply reaches the coordinator before the round's deadline."""
+    """How long a server waits for the round's edges to finish (their batches all handled, by
+    the counts they declare): long enough for a slow edge, and short enough that its reply
+    reaches the coordinator before the round's deadline."""
     return max(0.5 * deadline, deadline - max(5.0, 0.1 * deadline))
-
-
-def _sections(task: Task) -> tuple[ModelConfig, TrainingConfig]:
-    """``task``'s model and training sections; raises ``ConfigError`` naming the bad field."""
-    model = parse_config(ModelConfig, task.model, "task.model", prefix="task.model.")
-    training = parse_config(TrainingConfig, task.training, "task.training", prefix="task.training.")
-    return model, training
 
 
 class GpuAgent:
@@ -62,10 +56,11 @@ class GpuAgent:
 
     def back(self, task: Task, sections: tuple[ModelConfig, TrainingConfig]) -> BackTrainer:
         """The trainer for ``task``'s run, rebuilt when its segment (``Task.segment_key``) or
-        its streams (the one it serves, the next piece's, their encoding) change."""
+        its stream (the one it serves, its encoding) change."""
         spec, training = sections
-        wiring = [task.segment, task.forward, training.compression]
-        key = f"{task.segment_key()}|{wiring}"
+        # segment_key() already says whether the piece passes its output on, and the
+        # coordinator names the next piece's stream after this one's (seg-<k> -> seg-<k+1>)
+        key = f"{task.segment_key()}|{[task.segment, training.compression]}"
         known = self._backs.get(task.run)
         if known is None or known[0] != key:
             if known is not None:  # re-planned: the old piece leaves its streams first (the
@@ -99,7 +94,7 @@ class GpuAgent:
         def train(message: Message, _context: Context) -> Message:
             try:
                 task = Task.parse(str(message.content.config_records["config"]["task"]))
-                sections = _sections(task)
+                sections = task_sections(task.model, task.training)
             except (WireError, ConfigError) as error:
                 log.warning("rejected a task: %s", error)
                 return Message(Error(code=3, reason=f"bad task: {error}"), reply_to=message)

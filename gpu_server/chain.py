@@ -27,6 +27,12 @@ class ChainLink:
         self._lock = threading.Lock()
         self._sent: dict[int, int] = {}  # round -> batches passed on
 
+    def begin(self, round_number: int) -> None:
+        """Round ``round_number`` begins (again, when the runner retries it under the same
+        number): nothing of it has been passed on yet."""
+        with self._lock:
+            self._sent = {round_number: 0}
+
     def pass_on(self, output: np.ndarray, labels: np.ndarray, round_number: int) -> None:
         """Send one trained batch's output (the input of block ``cut``) and its labels."""
         self.channel.send(

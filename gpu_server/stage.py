@@ -58,6 +58,12 @@ class BackStage:
         if x is None or y is None:
             raise WireError("payload", "an activation batch needs tensors 'x' and 'y'")
         self.cut_specs[cut].check("x", x)
+        if x.shape[0] == 0:  # a loss over zero items is NaN and would poison the round's
+            raise WireError(  # mean loss
+                "shape",
+                f"tensor 'x' has shape {list(x.shape)}: 0 rows, expected at least 1; an "
+                "edge sends a batch of 1 or more examples",
+            )
         TensorSpec("int64", (x.shape[0],)).check("y", y)
         if len(y) and (y.min() < 0 or y.max() >= self.model.num_classes):
             raise WireError(

@@ -108,6 +108,8 @@ class BackTrainer:
                 load_segment_state(self.segment, weights)
                 self.segment.reset_optimizer()
             self._round_examples, self._round_losses = 0, []
+            if self.chain is not None:  # a retried round counts its batches afresh
+                self.chain.begin(round_number)
 
         self.stream.begin_round(round_number, devices, peers, setup)
 

@@ -129,18 +129,9 @@ def _train(
             name=name,
         )
     grid.wait_for_nodes(len(nodes), timeout=30)
-    flower = logging.getLogger("flwr")
-    level = flower.level
-    flower.setLevel(logging.ERROR)  # Flower warns that federated evaluation is off
-    try:
-        strategy = build_strategy(
-            "fedavg",
-            fraction_evaluate=0.0,
-            min_available_nodes=len(nodes),
-            min_train_nodes=len(nodes),
-        )
-    finally:
-        flower.setLevel(level)
+    strategy = build_strategy(
+        "fedavg", fraction_evaluate=0.0, min_available_nodes=len(nodes), min_train_nodes=len(nodes)
+    )
     training = config.training
     store.create_run(run_id, config.to_dict(), training.seed)
     initial = segment_state(_whole(config))

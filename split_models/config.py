@@ -48,6 +48,7 @@ __all__ = [
     "parse_duration",
     "setting",
     "stored_section",
+    "task_sections",
 ]
 
 MODES = ("local-loss", "backprop")
@@ -404,3 +405,12 @@ class TrainingConfig:
     @classmethod
     def parse(cls, data: object) -> TrainingConfig:
         return parse_config(cls, data, "training")
+
+
+def task_sections(model: object, training: object) -> tuple[ModelConfig, TrainingConfig]:
+    """A task's ``model`` and ``training`` sections, parsed; raises :class:`ConfigError`
+    naming the bad field as ``task.model.<key>`` or ``task.training.<key>``."""
+    return (
+        parse_config(ModelConfig, model, "task.model", prefix="task.model."),
+        parse_config(TrainingConfig, training, "task.training", prefix="task.training."),
+    )

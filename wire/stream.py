@@ -16,8 +16,11 @@ handler (raising :class:`~wire.errors.WireError`), costs one batch: its credit r
 is counted, so the round does not wait out its deadline for it. A rejection trusts only the
 topic for the sender (the broker's ACL binds it to the device) and takes the round, epoch and
 sequence number from what its header still says; without them it is only counted in the
-stats. Rejections are de-duplicated per round and bounded, so a redelivered or forged one
-cannot count twice or grow the server's state.
+stats. Rejections are de-duplicated per round (a key parked for a later round survives the
+round's start) and bounded, so a redelivered or forged one cannot count twice or grow the
+server's state. A batch of the current round from a device that is not one of the round's
+senders is rejected (``sender``) without a credit or a count: it is neither trained nor able to
+move the end of the round.
 """
 
 from __future__ import annotations
@@ -90,7 +93,7 @@ class StreamServer:
         self._ledger = RoundLedger(0, (), self.name)
         self._parked: list[_Parked] = []
         self._early: dict[tuple[str, int, str], Any] = {}  # (what, round, who) -> value
-        self._rejections: set[tuple[str, str, int]] = set()
+        self._rejections: set[tuple[int, str, str, int]] = set()  # (round, sender, epoch, seq)
         control = frozenset({"round_control"})
         self._filters = (
             topics.run_topic(run, "done") + "/+",
@@ -126,10 +129,16 @@ class StreamServer:
             if setup is not None:
                 setup()
             self._ledger = RoundLedger(number, senders, self.name, peers)
-            self._rejections = set()
+            # rejections parked for this round or a later one keep their keys: a redelivered
+            # copy must not count twice
+            self._rejections = {k for k in self._rejections if k[0] >= number}
             self._apply_early(number)
             ready = [p for p in self._parked if p.number == number]
             self._parked = [p for p in self._parked if p.number > number]
+            strangers = [p for p in ready if p.sender not in self._ledger.senders]
+            ready = [p for p in ready if p.sender in self._ledger.senders]
+            for _stranger in (p for p in strangers if p.envelope is not None):
+                self.stats.rejected["sender"] += 1  # a parked rejection was counted already
             for parked in ready:
                 self._handle_locked(parked.sender, parked.envelope)
         for parked in ready:
@@ -186,6 +195,9 @@ class StreamServer:
             if envelope.round > number and len(self._parked) < _MAX_PARKED:
                 self._parked.append(_Parked(envelope.round, sender, envelope))
                 return  # handled (and its credit returned) when the round begins here
+            if envelope.round == number and sender not in self._ledger.senders:
+                self._stranger(sender, number)
+                return  # no credit, no count: it is not one of the round's senders
             if envelope.round == number:
                 self._handle_locked(sender, envelope)
             else:
@@ -193,6 +205,10 @@ class StreamServer:
                 self.stats.rejected[reason] += 1
         self.granter.processed(sender, envelope.round)
         self._after_count(sender)
+
+    def _stranger(self, sender: str, number: int) -> None:
+        self.stats.rejected["sender"] += 1
+        log.warning("rejected activations from %s: not a sender of round %d", sender, number)
 
     def _handle_locked(self, sender: str, envelope: Envelope | None) -> None:
         if envelope is not None:
@@ -214,10 +230,13 @@ class StreamServer:
 
     def _reject(self, sender: str, number: int, key: tuple[Any, int], reason: str) -> None:
         """Count a batch of ``sender`` rejected before the handler, once per round."""
-        self.stats.rejected[reason] += 1
         with self._lock:
             current = self._ledger.number
-            seen = (sender, str(key[0]), key[1])
+            if number == current and sender not in self._ledger.senders:
+                self._stranger(sender, number)
+                return
+            self.stats.rejected[reason] += 1
+            seen = (number, sender, str(key[0]), key[1])
             if number < current or seen in self._rejections:
                 return
             if len(self._rejections) >= _MAX_REJECTIONS:

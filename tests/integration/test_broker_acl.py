@@ -19,7 +19,7 @@ from wire.mqtt import MqttConfig, MqttTransport
 pytestmark = pytest.mark.integration
 
 ACL = Path(__file__).resolve().parents[2] / "deploy" / "mosquitto" / "acl"
-ACCOUNTS = {"pi-01": "secret-1", "pi-02": "secret-2", "coordinator": "secret-c"}
+ACCOUNTS = {"pi-01": "secret-1", "pi-02": "secret-2", "coordinator": "secret-c", "gpu": "secret-g"}
 
 
 @pytest.fixture
@@ -56,6 +56,21 @@ def test_device_may_publish_only_on_its_own_topics(secured: Broker) -> None:
     assert sum(device.refused.values()) == 2, device.refused
     coordinator.close()
     device.close()
+
+
+def test_a_chained_gpu_server_may_pass_activations_on_under_its_id(secured: Broker) -> None:
+    coordinator, gpu = _connect(secured, "coordinator"), _connect(secured, "gpu")
+    seen: list[str] = []
+    coordinator.subscribe("edgesplit/v1/#", lambda t, _p: seen.append(t))
+    time.sleep(0.3)
+    gpu.publish(topics.activations("run-1", "seg-1", "gpu-a"), b"x")
+    gpu.publish(topics.done("run-1", "gpu-a"), b"n")
+    gpu.flush()
+    time.sleep(0.5)
+    assert seen == [topics.activations("run-1", "seg-1", "gpu-a"), topics.done("run-1", "gpu-a")]
+    assert sum(gpu.refused.values()) == 0, gpu.refused
+    coordinator.close()
+    gpu.close()
 
 
 def test_anonymous_and_wrong_password_are_refused(secured: Broker) -> None:

@@ -10,7 +10,7 @@ from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import FedAdam
 
-from coordinator.aggregation import build_strategy, key_groups, split_weighted_mean
+from coordinator.aggregation import build_strategy, flower_quiet, key_groups, split_weighted_mean
 from split_models.errors import ConfigError
 from wire.flower import FlowerNode, TransportGrid, array_record, node_will
 from wire.transport import InProcessHub
@@ -145,3 +145,12 @@ def test_unknown_strategy_and_bad_options_are_config_errors() -> None:
         build_strategy("fedmagic")
     with pytest.raises(ConfigError, match="bad option"):
         build_strategy("fedavg", learning_rate_of_doom=3)
+
+
+def test_flower_is_quiet_while_the_strategy_works_and_gets_its_level_back() -> None:
+    flower = logging.getLogger("flwr")
+    before = flower.level
+    with flower_quiet():
+        assert not flower.isEnabledFor(logging.INFO), "no 'Sampled N nodes' every round"
+        assert flower.isEnabledFor(logging.WARNING)
+    assert flower.level == before

@@ -102,3 +102,38 @@ def test_a_rejection_cannot_move_other_state() -> None:
     assert server.stats.rejected["sender"] == 1, "the topic names the sender, not the header"
     assert server.stats.handled[EDGE] == 1 and "pi-02" not in server.stats.handled
     assert _until(lambda: gate.available == 3), "only the attributable batch of round 1"
+
+
+def test_a_redelivered_rejection_parked_for_a_later_round_counts_once() -> None:
+    server, gate, handled, hub = _server()
+    raw = hub.connect("raw")
+    topic = topics.activations(RUN, "seg-0", EDGE)
+    nan = np.full((2, 4), np.nan, np.float32)
+    raw.publish(topic, _raw(0, 2, nan))  # round 2 not begun here yet: parked as rejected
+    assert _until(lambda: server.stats.rejected["non_finite"] == 1)
+    gate.start_round(2)
+    server.begin_round(2, [EDGE])
+    raw.publish(topic, _raw(0, 2, nan))  # the broker redelivers it after the round began
+    raw.publish(topic, _raw(1, 2, np.ones((2, 4), np.float32)))
+    assert _until(lambda: len(handled) == 1 and server.stats.rejected["non_finite"] == 2)
+    Channel(hub.connect("done"), EDGE).send(
+        topics.done(RUN, EDGE), "round_control", RUN, round=2, meta={"batches": 3}
+    )
+    assert not server.wait_round(0.5), "two batches handled of three: the copy counted once"
+    assert server.stats.handled[EDGE] == 2
+
+
+def test_a_batch_from_a_device_not_sending_in_the_round_is_not_trained() -> None:
+    server, _gate, handled, hub = _server()
+    stranger = "pi-09"
+    raw = hub.connect(stranger)
+    topic = topics.activations(RUN, "seg-0", stranger)
+    raw.publish(topic, _raw(0, 1, np.ones((2, 4), np.float32), sender=stranger))
+    raw.publish(topic, _raw(1, 1, np.full((2, 4), np.nan, np.float32), sender=stranger))
+    assert _until(lambda: server.stats.rejected["sender"] == 2)
+    assert handled == [] and server.stats.rejected["non_finite"] == 0
+    assert stranger not in server.stats.handled and server.finished == set()
+    Channel(hub.connect("done"), EDGE).send(
+        topics.done(RUN, EDGE), "round_control", RUN, round=1, meta={"batches": 0}
+    )
+    assert server.wait_round(5.0) and server.finished == {EDGE}, "the ledger did not move"

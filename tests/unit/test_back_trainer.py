@@ -1,0 +1,99 @@
+"""A GPU server's trainer over the in-process transport: a chain piece counts each attempt of
+a round afresh, an empty batch is rejected before training, and only the round's senders move
+it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from gpu_server import BackTrainer
+from split_models import build_model
+from wire import topics
+from wire.channel import Channel
+from wire.codec import Envelope
+from wire.transport import InProcessHub
+
+pytestmark = pytest.mark.unit
+
+RUN, EDGE, GPU = "r1", "pi-01", "gpu-a"
+
+
+def _until(condition: Callable[[], bool], timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return condition()
+
+
+def _piece(hub: InProcessHub, forward: str | None = "seg-1") -> BackTrainer:
+    """Blocks [1, 2) of an MLP (a chain piece passing on to ``forward``) or [1, 4)."""
+    return BackTrainer(
+        Channel(hub.connect(GPU), GPU),
+        build_model("mlp", (1, 4, 4), 10, seed=0),
+        start=1,
+        run=RUN,
+        segment="seg-0",
+        end=2 if forward is not None else None,
+        forward=forward,
+    )
+
+
+def _send(edge: Channel, round_number: int, rows: int = 2, sender: str = EDGE) -> None:
+    rng = np.random.default_rng(round_number)
+    edge.send(
+        topics.activations(RUN, "seg-0", sender),
+        "activations",
+        RUN,
+        round=round_number,
+        tensors={
+            "x": rng.normal(size=(rows, 1024)).astype(np.float32),
+            "y": rng.integers(0, 10, size=rows).astype(np.int64),
+        },
+        meta={"cut": 1},
+    )
+
+
+def _done(edge: Channel, round_number: int, batches: int) -> None:
+    edge.send(
+        topics.done(RUN, edge.sender),
+        "round_control",
+        RUN,
+        round=round_number,
+        meta={"batches": batches},
+    )
+
+
+def test_a_retried_round_of_a_chain_piece_counts_its_batches_afresh() -> None:
+    hub = InProcessHub()
+    back = _piece(hub)
+    published: list[Envelope] = []
+    Channel(hub.connect("next"), "next").listen(
+        topics.done(RUN, GPU), lambda _t, e: published.append(e), kinds=frozenset({"round_control"})
+    )
+    edge = Channel(hub.connect(EDGE), EDGE)
+    for attempt, attempt_batches in enumerate((3, 2), 1):  # the runner retries round 1
+        back.begin_round(1, [EDGE])
+        for _ in range(attempt_batches):
+            _send(edge, 1)
+        _done(edge, 1, attempt_batches)
+        assert back.stream.wait_round(5.0)
+        assert _until(lambda n=attempt: len(published) == n)
+    assert [e.meta["batches"] for e in published] == [3, 2], "attempt 2 passed on 2, not 5"
+
+
+def test_an_empty_batch_is_rejected_not_trained() -> None:
+    hub = InProcessHub()
+    back = _piece(hub, forward=None)
+    edge = Channel(hub.connect(EDGE), EDGE)
+    back.begin_round(1, [EDGE])
+    _send(edge, 1, rows=0)
+    _send(edge, 1)
+    _done(edge, 1, 2)
+    examples, loss = back.wait_round([EDGE], 5.0)
+    assert back.finished == {EDGE}, "the rejected batch still counts as handled"
+    assert back.stats.rejected["shape"] == 1 and back.stats.batches == 1
+    assert examples == 2 and np.isfinite(loss), "no NaN loss from a batch of zero rows"
