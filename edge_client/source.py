@@ -31,6 +31,13 @@ class SegmentLease:
     def __init__(self, segment: Segment) -> None:
         self.segment = segment
 
+    @classmethod
+    def fresh(cls, segment: Segment, weights: Mapping[str, np.ndarray]) -> SegmentLease:
+        """``segment`` loaded with ``weights`` and a fresh optimizer state, lent as is."""
+        load_segment_state(segment, weights)
+        segment.reset_optimizer()
+        return cls(segment)
+
     def train_step(self, inputs: torch.Tensor, labels: torch.Tensor) -> StepResult:
         return self.segment.train_step(inputs, labels)
 
@@ -77,7 +84,4 @@ class OwnSegment(SegmentSource):
     ) -> Iterator[SegmentLease]:
         if self._own is None or self._own[0] != key:
             self._own = (key, build())
-        segment = self._own[1]
-        load_segment_state(segment, weights)
-        segment.reset_optimizer()
-        yield SegmentLease(segment)
+        yield SegmentLease.fresh(self._own[1], weights)

@@ -27,7 +27,6 @@ import torch
 from edge_client.source import SegmentLease, SegmentSource
 from simulation.stack import SegmentStack, StepGroup, stackable
 from split_models.segment import Segment, StepResult
-from split_models.weights import load_segment_state
 
 __all__ = ["SegmentPool", "StackMember"]
 
@@ -90,10 +89,7 @@ class SegmentPool(SegmentSource, Generic[T]):
                 yield member
             return
         with self.borrow(key, cast(Callable[[], T], build)) as item:
-            segment = cast(Segment, item)
-            load_segment_state(segment, weights)
-            segment.reset_optimizer()
-            yield SegmentLease(segment)
+            yield SegmentLease.fresh(cast(Segment, item), weights)
 
     def can_stack(self, key: str, build: Callable[[], Segment]) -> bool:
         """Whether clients of ``key`` train stacked (the first call builds the stack)."""
