@@ -13,7 +13,12 @@ applied in one of three ways:
   completed with the current values, is handed to the strategy as one reply, so its own
   server update runs unchanged;
 - ``fedmedian``, ``fedtrimmedavg``, ``krum``, ``multikrum``, ``bulyan`` (robust rules): the
-  strategy aggregates each group of tensors held by the same set of replicas.
+  strategy aggregates each group of tensors held by the same set of replicas (with mixed cuts,
+  the blocks every replica holds form one group, the deeper blocks smaller ones). A group too
+  small for the rule (Krum and Multi-Krum need ``2f + 3`` replicas to tolerate ``f``
+  Byzantine ones, Bulyan ``4f + 3``; a trimmed mean of fewer than ``1 / beta`` replicas trims
+  nothing) is aggregated by the coordinate-wise median instead, and the strategy says so in
+  ``notes`` (the coordinator records each note as a run event).
 """
 
 from __future__ import annotations
@@ -117,8 +122,10 @@ def _weight(message: Message) -> float:
 
 
 def _reply_like(template: Message, arrays: Mapping[str, np.ndarray]) -> Message:
-    """A reply with ``template``'s metadata and metrics and the given arrays."""
-    (metrics,) = template.content.metric_records.values()
+    """A reply with ``template``'s metadata and weight and the given arrays (only the weight
+    of the metrics: Flower refuses replies whose metric keys differ, as an edge's and a GPU
+    server's do)."""
+    metrics = MetricRecord({WEIGHT_KEY: _weight(template)})
     content = RecordDict({"arrays": array_record(arrays), "metrics": metrics})
     reply = Message(content=content, reply_to=template)
     reply.metadata.__dict__["_src_node_id"] = template.metadata.src_node_id
@@ -130,6 +137,28 @@ def _split_aware(base: type[FedAvg], mode: str) -> type[FedAvg]:
         """``base`` with aggregation over exactly the replicas that trained each tensor."""
 
         _current: dict[str, np.ndarray] | None = None
+        notes: list[str] = []  # noqa: RUF012 (replaced per round): groups aggregated otherwise
+
+        def _robust(
+            self, server_round: int, replies: list[Message], group: list[dict[str, np.ndarray]]
+        ) -> dict[str, np.ndarray]:
+            """One group of replicas holding the same tensors, by the rule or its fallback."""
+            needed = _group_minimum(self)
+            if len(group) < needed:
+                senders = ", ".join(str(m.metadata.src_node_id) for m in replies)
+                self.notes.append(
+                    f"{type(self).__name__.removeprefix('SplitAware').lower()}: "
+                    f"{len(group)} replica(s) (nodes {senders}) hold {_describe(group[0])}, "
+                    f"fewer than the {needed} the rule needs; aggregated by the "
+                    "coordinate-wise median instead"
+                )
+                return {
+                    k: np.median(np.stack([g[k] for g in group]), axis=0).astype(group[0][k].dtype)
+                    for k in group[0]
+                }
+            messages = [_reply_like(m, g) for m, g in zip(replies, group, strict=True)]
+            arrays, _ = super().aggregate_train(server_round, messages)
+            return {} if arrays is None else {k: v.numpy() for k, v in arrays.items()}
 
         def configure_train(
             self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -145,15 +174,12 @@ def _split_aware(base: type[FedAvg], mode: str) -> type[FedAvg]:
                 return super().aggregate_train(server_round, valid)  # type: ignore[no-any-return]
             replicas = [numpy_arrays(m, key=None) for m in valid]
             metrics = self.train_metrics_aggr_fn([m.content for m in valid], WEIGHT_KEY)
+            self.notes = []
             if mode == "per_group":
                 merged = {k: np.array(v, copy=True) for k, v in self._current.items()}
                 for indices, keys in key_groups(replicas).items():
-                    group = [
-                        _reply_like(valid[i], {k: replicas[i][k] for k in keys}) for i in indices
-                    ]
-                    arrays, _ = super().aggregate_train(server_round, group)
-                    if arrays is not None:
-                        merged.update({k: v.numpy() for k, v in arrays.items()})
+                    group = [{k: replicas[i][k] for k in keys} for i in indices]
+                    merged.update(self._robust(server_round, [valid[i] for i in indices], group))
                 return array_record(merged), metrics
             mean = split_weighted_mean(replicas, [_weight(m) for m in valid], self._current)
             if mode == "mean":
@@ -163,6 +189,25 @@ def _split_aware(base: type[FedAvg], mode: str) -> type[FedAvg]:
 
     SplitAware.__name__ = SplitAware.__qualname__ = f"SplitAware{base.__name__}"
     return SplitAware
+
+
+def _group_minimum(strategy: FedAvg) -> int:
+    """How many replicas the robust rule of ``strategy`` needs to do what it says."""
+    byzantine = int(getattr(strategy, "num_malicious_nodes", 0))
+    if isinstance(strategy, Bulyan):
+        return 4 * byzantine + 3
+    if isinstance(strategy, MultiKrum):  # Krum is a MultiKrum selecting one
+        return 2 * byzantine + 3
+    if isinstance(strategy, FedTrimmedAvg):
+        beta = float(strategy.beta)
+        return 1 if beta == 0 else int(np.ceil(1 / beta))
+    return 1
+
+
+def _describe(tensors: Mapping[str, object]) -> str:
+    """``block2.*, block3.*`` for a group's tensor keys (by their first name part)."""
+    names = sorted({key.split(".", 1)[0] for key in tensors})
+    return ", ".join(f"{name}.*" for name in names)
 
 
 @contextlib.contextmanager

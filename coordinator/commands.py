@@ -85,7 +85,13 @@ def coordinator_command(args: argparse.Namespace) -> int:
     store = open_store(args.db)
     transport = MqttTransport(MqttConfig.from_url(args.broker), f"coordinator-{config.run_id}")
     try:
-        ran = Coordinator(config, store, transport, max_attempts=args.max_attempts).run()
+        ran = Coordinator(
+            config,
+            store,
+            transport,
+            max_attempts=args.max_attempts,
+            allow_config_change=args.allow_config_change,
+        ).run()
     except CoordinatorError as error:
         print(f"edgesplit coordinator: {error}", file=sys.stderr)
         return 1

@@ -163,6 +163,35 @@ class RunConfig:
         return config_to_dict(self)
 
 
+# What a resumed run may not change without ``--allow-config-change``: the network (never:
+# the stored weights would not fit) and everything that changes how a round trains.
+STRUCTURE_KEYS = ("model", "input_shape", "num_classes")
+TRAINING_KEYS = (
+    "local_epochs",
+    "batch_size",
+    "optimizer",
+    "local_loss",
+    "mode",
+    "compression",
+    "strategy",
+    "seed",
+)
+
+
+def config_changes(
+    stored: Mapping[str, Any], config: RunConfig, keys: tuple[str, ...]
+) -> dict[str, tuple[Any, Any]]:
+    """The ``keys`` whose value in ``config`` differs from the ``stored`` config (read with
+    this version's defaults, so keys added since compare equal): key -> (stored, now)."""
+    then, now = RunConfig.parse(stored).to_dict(), config.to_dict()
+    return {key: (then.get(key), now.get(key)) for key in keys if then.get(key) != now.get(key)}
+
+
+def describe_changes(changes: Mapping[str, tuple[Any, Any]]) -> str:
+    """``batch_size 32 -> 64; optimizer {...} -> {...}``."""
+    return "; ".join(f"{key} {then!r} -> {now!r}" for key, (then, now) in changes.items())
+
+
 def load_run_config(path: str | Path) -> RunConfig:
     """Read and validate a RUN.yaml file."""
     try:

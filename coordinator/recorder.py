@@ -75,6 +75,9 @@ class RoundRecorder:
         self.store.set_round_state(self.run_id, number, "aggregating")
         with flower_quiet():  # Flower logs each aggregation at INFO
             arrays, _ = self.strategy.aggregate_train(number, replies)
+        for note in getattr(self.strategy, "notes", ()):  # groups a robust rule could not take
+            log.warning("round %d: %s", number, note)
+            self.store.add_event(self.run_id, Event("aggregation", note, round=number))
         if arrays is None:
             return None
         return {k: v.numpy() for k, v in arrays.items()}

@@ -31,7 +31,13 @@ from flwr.serverapp.strategy import FedAvg
 
 from coordinator.aggregation import build_strategy
 from coordinator.assignments import build_message, build_task, keys_for, route, span
-from coordinator.config import RunConfig
+from coordinator.config import (
+    STRUCTURE_KEYS,
+    TRAINING_KEYS,
+    RunConfig,
+    config_changes,
+    describe_changes,
+)
 from coordinator.devices import DeviceRegistry, record_devices
 from coordinator.errors import CoordinatorError
 from coordinator.planner import Placement, Planner
@@ -110,10 +116,13 @@ class Coordinator:
         max_attempts: int = 3,
         profile: Callable[[RunConfig], ModelProfile] | None = None,
         observer: RoundObserver | None = None,
+        allow_config_change: bool = False,
     ) -> None:
         """``observer``: told when a round starts, as each device answers and when a round
-        commits (progress displays, simulated availability)."""
+        commits (progress displays, simulated availability). ``allow_config_change``: a
+        resumed run may train on with changed settings (recorded as an event)."""
         self.config, self.store, self.transport = config, store, transport
+        self.allow_config_change = allow_config_change
         self.observer = observer or RoundObserver()
         self.grid = TransportGrid(transport)
         self.session = new_session()  # devices drop work an earlier process asked for
@@ -195,12 +204,24 @@ class Coordinator:
         except NotFoundError:
             store.create_run(config.run_id, config.to_dict(), config.training.seed)
             return
-        for key in ("model", "input_shape", "num_classes"):
-            if run.config.get(key) != config.to_dict()[key]:
-                raise ConfigError(
-                    f"run {config.run_id!r} exists with {key} {run.config.get(key)!r}; "
-                    f"this config has {config.to_dict()[key]!r} (use a new run_id)"
-                )
+        structure = config_changes(run.config, config, STRUCTURE_KEYS)
+        if structure:
+            raise ConfigError(
+                f"run {config.run_id!r} exists with another network: "
+                f"{describe_changes(structure)} (use a new run_id)"
+            )
+        changes = config_changes(run.config, config, TRAINING_KEYS)
+        if changes and not self.allow_config_change:
+            raise ConfigError(
+                f"run {config.run_id!r} was trained with other settings: "
+                f"{describe_changes(changes)}; resume with the stored ones, use a new "
+                "run_id, or pass --allow-config-change to train on with these"
+            )
+        if changes:
+            log.warning("run %s changes its config: %s", config.run_id, describe_changes(changes))
+            store.add_event(config.run_id, Event("config-changed", describe_changes(changes)))
+        if changes or run.config != config.to_dict():  # rounds, deadline, devices: allowed
+            store.set_run_config(config.run_id, config.to_dict())
         log.info("resuming run %s after round %s", config.run_id, run.current_round or 0)
 
     def _placement(self, resumed: bool) -> Placement:

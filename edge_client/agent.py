@@ -39,7 +39,7 @@ from wire.channel import Channel
 from wire.codec import Envelope, encode
 from wire.errors import WireError
 from wire.flow import CreditGate
-from wire.flower import array_record, numpy_arrays, round_of
+from wire.flower import array_record, numpy_arrays, proximal_mu_of, round_of
 from wire.roles import Announcement, Task, go_online
 from wire.session import RoundAbandoned, SessionWatch
 from wire.transport import Transport
@@ -78,12 +78,14 @@ class _Job:
     task: Task
     model: ModelConfig
     training: TrainingConfig
+    proximal_mu: float = 0.0  # FedProx's, from the strategy's train message
 
 
 def _job(message: Message) -> _Job:
     """The task of ``message``; raises ``WireError``/``ConfigError`` naming the bad field."""
     task = Task.parse(str(message.content.config_records["config"]["task"]))
-    return _Job(task, *task_sections(task.model, task.training))
+    mu = proximal_mu_of(message) if message.metadata.message_type == "train" else 0.0
+    return _Job(task, *task_sections(task.model, task.training), mu)
 
 
 def _with_job(handle: Callable[[Message, _Job], Message]) -> Callable[[Message, Context], Message]:
@@ -269,7 +271,7 @@ class EdgeAgent:
         number = round_of(message)
         key, build = task.segment_key(), lambda: self._build_segment(job)
         stackable = job.training.mode != "backprop"
-        with self.source.lease(key, build, weights, stackable) as lease:
+        with self.source.lease(key, build, weights, stackable, job.proximal_mu) as lease:
             trainer = self._trainer(job, lease.segment)
             with self._peak() as peak:
                 report = trainer.train_round(

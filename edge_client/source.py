@@ -32,10 +32,13 @@ class SegmentLease:
         self.segment = segment
 
     @classmethod
-    def fresh(cls, segment: Segment, weights: Mapping[str, np.ndarray]) -> SegmentLease:
-        """``segment`` loaded with ``weights`` and a fresh optimizer state, lent as is."""
+    def fresh(
+        cls, segment: Segment, weights: Mapping[str, np.ndarray], proximal_mu: float = 0.0
+    ) -> SegmentLease:
+        """``segment`` loaded with ``weights`` and a fresh optimizer state (FedProx's
+        proximal term anchored at ``weights`` when ``proximal_mu > 0``), lent as is."""
         load_segment_state(segment, weights)
-        segment.reset_optimizer()
+        segment.reset_optimizer(proximal_mu)
         return cls(segment)
 
     def train_step(self, inputs: torch.Tensor, labels: torch.Tensor) -> StepResult:
@@ -56,11 +59,13 @@ class SegmentSource(abc.ABC):
         build: Callable[[], Segment],
         weights: Mapping[str, np.ndarray],
         stackable: bool = False,
+        proximal_mu: float = 0.0,
     ) -> AbstractContextManager[SegmentLease]:
         """A segment for ``key`` (the task's ``Task.segment_key()``: tasks with one key train
         one kind of built segment; ``build`` makes one), loaded with ``weights`` and
         a fresh optimizer state, held for the round. ``stackable``: the round may train
-        together with other clients of ``key`` (local-loss mode), where the source can."""
+        together with other clients of ``key`` (local-loss mode), where the source can;
+        ``proximal_mu``: FedProx's proximal weight (a round with one trains unstacked)."""
 
     def slot(self) -> AbstractContextManager[None]:
         """Room for other work of the agent's (evaluation) that a shared host bounds as it
@@ -81,7 +86,8 @@ class OwnSegment(SegmentSource):
         build: Callable[[], Segment],
         weights: Mapping[str, np.ndarray],
         stackable: bool = False,
+        proximal_mu: float = 0.0,
     ) -> Iterator[SegmentLease]:
         if self._own is None or self._own[0] != key:
             self._own = (key, build())
-        yield SegmentLease.fresh(self._own[1], weights)
+        yield SegmentLease.fresh(self._own[1], weights, proximal_mu)

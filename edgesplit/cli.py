@@ -133,6 +133,13 @@ def _role_parsers(commands: argparse._SubParsersAction) -> None:  # type: ignore
     coordinator.add_argument(
         "--max-attempts", type=int, default=3, help="tries per round (default: %(default)s)"
     )
+    coordinator.add_argument(
+        "--allow-config-change",
+        action="store_true",
+        help="resume a run whose optimizer, epochs, batch, local loss, mode, compression, "
+        "strategy or seed changed (the change is recorded as a run event); without it such "
+        "a resume is refused, naming the keys",
+    )
     coordinator.add_argument("-v", "--verbose", action="store_true")
     edge = commands.add_parser(
         "edge",

@@ -95,18 +95,20 @@ class BackTrainer:
         devices: Iterable[str],
         weights: Mapping[str, np.ndarray] | None = None,
         peers: Iterable[str] = (),
+        proximal_mu: float = 0.0,
     ) -> None:
         """Load the round's weights, then open every device's credit window for the round.
 
         ``peers``: the other servers sharing the edges' streams this round (by name). Credits
         are granted only after the weights are in place, so no batch of the round is trained
-        on the previous round's weights.
+        on the previous round's weights. ``proximal_mu``: FedProx's proximal weight, anchored
+        at the round's weights.
         """
 
         def setup() -> None:
             if weights is not None:
                 load_segment_state(self.segment, weights)
-                self.segment.reset_optimizer()
+                self.segment.reset_optimizer(proximal_mu)
             self._round_examples, self._round_losses = 0, []
             if self.chain is not None:  # a retried round counts its batches afresh
                 self.chain.begin(round_number)

@@ -38,7 +38,15 @@ from split_models.segment import Segment
 from split_models.weights import load_segment_state, segment_state
 from split_models.zoo import build_model
 from storage.base import RunStore
-from wire.flower import FlowerNode, TransportGrid, array_record, node_will, numpy_arrays, round_of
+from wire.flower import (
+    FlowerNode,
+    TransportGrid,
+    array_record,
+    node_will,
+    numpy_arrays,
+    proximal_mu_of,
+    round_of,
+)
 from wire.transport import InProcessHub
 
 __all__ = [
@@ -90,8 +98,8 @@ def _client(config: SimConfig, data: Dataset, reset: bool, upload: bool) -> Clie
     def train(message: Message, _context: Context) -> Message:
         started = time.perf_counter()
         load_segment_state(segment, numpy_arrays(message))
-        if reset:
-            segment.reset_optimizer()
+        if reset:  # the centralized baseline keeps its optimizer state (one client)
+            segment.reset_optimizer(proximal_mu_of(message))
         loss = _epochs(segment, data, training, training.seed + round_of(message))
         arrays = segment_state(segment)
         metrics = MetricRecord(

@@ -81,15 +81,17 @@ class SegmentPool(SegmentSource, Generic[T]):
         build: Callable[[], Segment],
         weights: Mapping[str, np.ndarray],
         stackable: bool = False,
+        proximal_mu: float = 0.0,
     ) -> Iterator[SegmentLease]:
-        """A slot of ``key``'s stack where the round can train stacked, else a borrowed
-        segment (a training slot held for the round), loaded with ``weights``."""
-        if stackable and self.can_stack(key, build):
+        """A slot of ``key``'s stack where the round can train stacked (not with a proximal
+        term, which the stacked update does not add), else a borrowed segment (a training
+        slot held for the round), loaded with ``weights``."""
+        if stackable and proximal_mu == 0 and self.can_stack(key, build):
             with self.member(key, weights) as member:
                 yield member
             return
         with self.borrow(key, cast(Callable[[], T], build)) as item:
-            yield SegmentLease.fresh(cast(Segment, item), weights)
+            yield SegmentLease.fresh(cast(Segment, item), weights, proximal_mu)
 
     def can_stack(self, key: str, build: Callable[[], Segment]) -> bool:
         """Whether clients of ``key`` train stacked (the first call builds the stack)."""

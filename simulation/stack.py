@@ -31,10 +31,13 @@ __all__ = ["SegmentStack", "StepGroup", "stackable"]
 
 
 def stackable(segment: Segment) -> bool:
-    """Whether ``segment`` can be stacked: no buffers, and a loss that vmap can batch."""
+    """Whether ``segment`` can be stacked: no buffers, a loss that vmap can batch, and a
+    plain optimizer step (no clipping or warm-up, which the stacked update does not do)."""
     modules = (segment.module, segment.head)
     no_buffers = not any(True for m in modules for _ in m.buffers())
-    return no_buffers and getattr(segment.head, "kind", "") in ("linear", "mlp", "task")
+    config = segment.optimizer_config
+    plain = config.clip_norm is None and config.warmup_steps == 0
+    return plain and no_buffers and getattr(segment.head, "kind", "") in ("linear", "mlp", "task")
 
 
 class _Loss(nn.Module):

@@ -25,12 +25,19 @@ OPTIMIZERS = ("sgd", "sgd-momentum", "adam")
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    """Which optimizer trains a segment; ``build`` creates it for the given parameters."""
+    """Which optimizer trains a segment; ``build`` creates it for the given parameters.
+
+    ``clip_norm``: each step's gradient is scaled down to this global L2 norm when above it
+    (off by default); ``warmup_steps``: the learning rate ramps up linearly over the first
+    steps of every round (each round starts a fresh optimizer state, so momentum and Adam's
+    moments restart with it)."""
 
     name: str = "sgd-momentum"
     lr: float = 0.01
     momentum: float = 0.9
     weight_decay: float = 0.0
+    clip_norm: float | None = None
+    warmup_steps: int = 0
 
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZERS:
@@ -41,6 +48,19 @@ class OptimizerConfig:
             raise ConfigError(f"optimizer.momentum: must be in [0, 1), got {self.momentum}")
         if self.weight_decay < 0:
             raise ConfigError(f"optimizer.weight_decay: must be >= 0, got {self.weight_decay}")
+        if self.clip_norm is not None and not self.clip_norm > 0:
+            raise ConfigError(
+                f"optimizer.clip_norm: must be positive (or absent: no clipping), got "
+                f"{self.clip_norm}"
+            )
+        if self.warmup_steps < 0:
+            raise ConfigError(f"optimizer.warmup_steps: must be >= 0, got {self.warmup_steps}")
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of a round's ``step``-th optimizer step (from 0)."""
+        if step >= self.warmup_steps:
+            return self.lr
+        return self.lr * (step + 1) / (self.warmup_steps + 1)
 
     def build(self, parameters: list[nn.Parameter]) -> torch.optim.Optimizer:
         if self.name == "adam":
@@ -77,6 +97,9 @@ class Segment:
         self.start, self.end = start, end
         self.optimizer_config = optimizer
         self.optimizer = optimizer.build(self.trainable_parameters())
+        self.proximal_mu = 0.0
+        self._anchor: list[torch.Tensor] = []
+        self._steps = 0  # optimizer steps since the round began (for the warm-up)
 
     @classmethod
     def from_model(
@@ -103,14 +126,39 @@ class Segment:
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [*self.module.parameters(), *self.head.parameters()]
 
-    def reset_optimizer(self) -> None:
-        """Drop the optimizer's state (momentum, Adam moments).
+    def reset_optimizer(self, proximal_mu: float = 0.0) -> None:
+        """Begin a round on the weights just loaded: drop the optimizer's state (momentum,
+        Adam moments), restart the warm-up, and with ``proximal_mu > 0`` anchor FedProx's
+        proximal term ``mu / 2 * ||w - w_round||^2`` at these weights.
 
         Called when a round replaces the weights with the aggregate: state accumulated on the
         previous round's local weights points the wrong way for the new ones, and carrying it
         over makes federated rounds unstable.
         """
+        if proximal_mu < 0 or proximal_mu != proximal_mu:
+            raise ValueError(f"proximal_mu: must be >= 0, got {proximal_mu}")
         self.optimizer.state.clear()
+        self._steps = 0
+        self.proximal_mu = float(proximal_mu)
+        params = self.trainable_parameters()
+        self._anchor = [p.detach().clone() for p in params] if proximal_mu > 0 else []
+
+    def _step(self) -> None:
+        """The optimizer step on the gradients just computed, with the proximal term's
+        gradient ``mu * (w - w_round)`` added, the clipping and the warm-up applied."""
+        params = self.trainable_parameters()
+        if self._anchor:
+            with torch.no_grad():
+                for param, anchor in zip(params, self._anchor, strict=True):
+                    if param.grad is not None:
+                        param.grad.add_(param - anchor, alpha=self.proximal_mu)
+        config = self.optimizer_config
+        if config.clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(params, config.clip_norm)
+        for group in self.optimizer.param_groups:
+            group["lr"] = config.lr_at(self._steps)
+        self.optimizer.step()
+        self._steps += 1
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Parameters and buffers of the blocks and the head."""
@@ -147,7 +195,7 @@ class Segment:
             output = child(output)
         loss = self.head.loss(output, labels)
         loss.backward()  # type: ignore[no-untyped-call]
-        self.optimizer.step()
+        self._step()
         gradient = inputs.grad.detach() if input_gradient and inputs.grad is not None else None
         return StepResult(output.detach(), float(loss.detach()), gradient)
 
@@ -161,7 +209,7 @@ class Segment:
     def backward_from(self, output: torch.Tensor, gradient: torch.Tensor) -> None:
         """Backprop mode, second half: back-propagate the next segment's gradient and step."""
         output.backward(gradient)  # type: ignore[no-untyped-call]
-        self.optimizer.step()
+        self._step()
 
     @torch.no_grad()
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:

@@ -80,6 +80,10 @@ class RunStore(abc.ABC):
     def _set_run_status(self, run_id: str, status: str) -> None: ...
 
     @abc.abstractmethod
+    def set_run_config(self, run_id: str, config: Mapping[str, Any]) -> None:
+        """Replace the run's stored config (a resume allowed to change it records why)."""
+
+    @abc.abstractmethod
     def set_plan(self, run_id: str, plan: Mapping[str, Any]) -> int:
         """Store a new plan for the run; return its version (1, 2, ...)."""
 

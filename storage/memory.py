@@ -86,6 +86,10 @@ class InMemoryRunStore(RunStore):
         with self._lock:
             self._update_run(run_id, status=status)
 
+    def set_run_config(self, run_id: str, config: Mapping[str, Any]) -> None:
+        with self._lock:
+            self._update_run(run_id, config=dict(config))
+
     def set_plan(self, run_id: str, plan: Mapping[str, Any]) -> int:
         with self._lock:
             version = self.get_run(run_id).plan_version + 1

@@ -217,6 +217,11 @@ class SqlRunStore(RunStore):
             row = self._run_row(session, run_id)
             row.status, row.updated_at = status, utcnow()
 
+    def set_run_config(self, run_id: str, config: Mapping[str, Any]) -> None:
+        with self._session() as session:
+            row = self._run_row(session, run_id)
+            row.config, row.updated_at = dict(config), utcnow()
+
     def set_plan(self, run_id: str, plan: Mapping[str, Any]) -> int:
         with self._session() as session:
             row = self._run_row(session, run_id)

@@ -31,7 +31,15 @@ from wire.chunks import Reassembler, split
 from wire.errors import WireError
 from wire.transport import Transport, Will
 
-__all__ = ["FlowerNode", "TransportGrid", "array_record", "node_will", "numpy_arrays", "round_of"]
+__all__ = [
+    "FlowerNode",
+    "TransportGrid",
+    "array_record",
+    "node_will",
+    "numpy_arrays",
+    "proximal_mu_of",
+    "round_of",
+]
 
 log = logging.getLogger(__name__)
 CHUNK_BYTES = 32 * 1024 * 1024
@@ -59,6 +67,18 @@ def round_of(message: Message) -> int:
     ``round-offset`` a resumed coordinator sends (rounds it had committed before)."""
     config = message.content.config_records["config"]
     return int(config["server-round"]) + int(config.get("round-offset", 0))  # type: ignore[arg-type]
+
+
+def proximal_mu_of(message: Message) -> float:
+    """FedProx's proximal weight in a ``train`` message's config (``proximal-mu``, which the
+    ``fedprox`` strategy's ``configure_train`` puts there); 0 without one. A value that is
+    not a finite number in ``[0, 1e6]`` raises :class:`WireError`."""
+    value = message.content.config_records["config"].get("proximal-mu", 0.0)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise WireError("config", f"proximal-mu must be a number, got {value!r}")
+    if not 0 <= value <= 1e6:  # NaN fails both comparisons
+        raise WireError("config", f"proximal-mu must be in [0, 1e6], got {value!r}")
+    return float(value)
 
 
 def node_will(node_id: int, name: str | None = None) -> Will:

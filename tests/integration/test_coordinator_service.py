@@ -18,6 +18,7 @@ from coordinator.service import Coordinator, CoordinatorError
 from edge_client.agent import EdgeAgent
 from gpu_server.agent import GpuAgent
 from split_models import load_dataset
+from split_models.errors import ConfigError
 from split_models.isolated import profile_in_fresh_process
 from split_models.profiler import ModelProfile
 from storage import open_store
@@ -325,3 +326,36 @@ def test_the_strategy_config_reaches_every_device_in_its_train_message(
         options = trains[0].content.config_records["config"]
         assert options["proximal-mu"] == 0.25, (device, dict(options))
         assert options["server-round"] == 1 and "task" in options
+
+
+def test_a_resume_that_changes_the_training_is_refused_unless_allowed(
+    tmp_path: Path, store: RunStore, profile: ModelProfile
+) -> None:
+    first = config(tmp_path, rounds=1)  # writes the edges' data
+    hub = InProcessHub()
+    start_fleet(hub, tmp_path, dict.fromkeys(EDGES, 1 << 30), {})
+    assert Coordinator(first, store, hub.connect("c1"), profile=lambda _: profile).run() == 1
+
+    changed = config(
+        tmp_path, rounds=2, batch_size=8, optimizer={"name": "adam", "lr": 0.01}, round_deadline=90
+    )
+    with pytest.raises(ConfigError, match=r"batch_size 16 -> 8; optimizer .*'lr': 0.002"):
+        Coordinator(changed, store, hub.connect("c2"), profile=lambda _: profile).run()
+    assert store.get_run("svc-1").config == first.to_dict(), "a refused resume changes nothing"
+    with pytest.raises(ConfigError, match="another network: model 'cnn' -> 'mlp'"):
+        Coordinator(config(tmp_path, model="mlp"), store, hub.connect("c3")).run()
+
+    # more rounds and a longer deadline are no training change: resumed as it is
+    longer = config(tmp_path, rounds=2, round_deadline=90)
+    assert Coordinator(longer, store, hub.connect("c4"), profile=lambda _: profile).run() == 1
+    assert store.get_run("svc-1").config["rounds"] == 2
+    assert not [e for e in store.events("svc-1") if e.kind == "config-changed"]
+
+    allowed = config(tmp_path, rounds=3, batch_size=8, optimizer={"name": "adam", "lr": 0.01})
+    coordinator = Coordinator(
+        allowed, store, hub.connect("c5"), profile=lambda _: profile, allow_config_change=True
+    )
+    assert coordinator.run() == 1
+    (event,) = [e for e in store.events("svc-1") if e.kind == "config-changed"]
+    assert "batch_size 16 -> 8" in event.detail and "'lr': 0.01" in event.detail
+    assert store.get_run("svc-1").config == allowed.to_dict()

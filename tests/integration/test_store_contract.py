@@ -66,6 +66,10 @@ class StoreContract:
         run = store.get_run("demo-1")
         assert run.plan == {"edges": [2]} and run.plan_version == 2 and run.status == "training"
         assert run.created_at.tzinfo is not None
+        store.set_run_config("demo-1", {**CONFIG, "batch_size": 7})
+        assert store.get_run("demo-1").config == {**CONFIG, "batch_size": 7}
+        with pytest.raises(NotFoundError):
+            store.set_run_config("missing", CONFIG)
         with pytest.raises(ValueError, match="status"):
             store.set_run_status("demo-1", "sleeping")
         with pytest.raises(NotFoundError):

@@ -10,7 +10,13 @@ from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import FedAdam
 
-from coordinator.aggregation import build_strategy, flower_quiet, key_groups, split_weighted_mean
+from coordinator.aggregation import (
+    STRATEGIES,
+    build_strategy,
+    flower_quiet,
+    key_groups,
+    split_weighted_mean,
+)
 from split_models.errors import ConfigError
 from wire.flower import FlowerNode, TransportGrid, array_record, node_will
 from wire.transport import InProcessHub
@@ -62,18 +68,17 @@ def train(message: Message, context: Context) -> Message:
     current = {k: v.numpy() for k, v in message.content["arrays"].items()}
     node = context.node_id
     mine = {k: trained(node, k, current[k]) for k in HOLDINGS[node]}
-    return Message(
-        RecordDict(
-            {
-                "arrays": array_record(mine),
-                "metrics": MetricRecord({"num-examples": EXAMPLES[node]}),
-            }
-        ),
-        reply_to=message,
-    )
+    metrics = MetricRecord({"num-examples": EXAMPLES[node]})
+    if node == 1:  # devices report different metrics (a GPU server has no peak, say)
+        metrics["peak-memory"] = 1 << 20
+    return Message(RecordDict({"arrays": array_record(mine), "metrics": metrics}), reply_to=message)
 
 
 def federate(name: str, **options: object) -> dict[str, np.ndarray]:
+    return federate_with(name, **options)[0]
+
+
+def federate_with(name: str, **options: object) -> tuple[dict[str, np.ndarray], object]:
     logging.getLogger("flwr").setLevel(logging.WARNING)
     hub = InProcessHub()
     grid = TransportGrid(hub.connect("coordinator"))
@@ -85,7 +90,7 @@ def federate(name: str, **options: object) -> dict[str, np.ndarray]:
     result = strategy.start(grid=grid, initial_arrays=array_record(MODEL), num_rounds=1, timeout=30)
     for node in nodes:
         node.transport.close()
-    return {k: v.numpy() for k, v in result.arrays.items()}
+    return {k: v.numpy() for k, v in result.arrays.items()}, strategy
 
 
 def test_weighted_mean_over_exactly_the_holders() -> None:
@@ -103,6 +108,26 @@ def test_robust_rule_per_group_of_holders() -> None:
     got = federate("fedmedian")
     for key, value in oracle("median").items():
         np.testing.assert_allclose(got[key], value, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_every_strategy_aggregates_mixed_cuts(name: str) -> None:
+    got = federate(name)
+    assert set(got) == set(MODEL)
+    assert all(np.isfinite(v).all() for v in got.values())
+    assert not np.allclose(got["block0.w"], MODEL["block0.w"]), "trained tensors move"
+    assert np.array_equal(got["block2.w"], MODEL["block2.w"]), "untrained tensors keep values"
+
+
+def test_a_group_too_small_for_the_rule_falls_back_to_the_median_and_says_so() -> None:
+    got, strategy = federate_with("krum", num_malicious_nodes=1)  # needs 5 replicas a group
+    notes = list(strategy.notes)  # type: ignore[attr-defined]
+    assert len(notes) == 3, notes  # block0 (3 holders), block1 + head2 (2), head1 (1)
+    assert any("block0.*" in n and "fewer than the 5" in n for n in notes), notes
+    for key, value in oracle("median").items():
+        np.testing.assert_allclose(got[key], value, rtol=1e-6)
+    _, plain = federate_with("krum")  # f = 0 needs 3: only the smaller groups fall back
+    assert len(plain.notes) == 2 and not any("block0" in n for n in plain.notes)  # type: ignore[attr-defined]
 
 
 def test_server_optimizer_runs_on_the_split_aware_mean() -> None:

@@ -1,0 +1,87 @@
+"""A segment's optimizer step: FedProx's proximal term, gradient clipping and the warm-up."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from split_models.errors import ConfigError
+from split_models.segment import OptimizerConfig, Segment
+from split_models.zoo import build_model
+
+pytestmark = pytest.mark.unit
+
+X, Y = torch.randn(16, 1, 8, 8, generator=torch.Generator().manual_seed(1)), torch.arange(16) % 4
+
+
+def _segment(optimizer: OptimizerConfig, end: int = 2) -> Segment:
+    return Segment.from_model(build_model("cnn", (1, 8, 8), 4, seed=0), 0, end, "linear", optimizer)
+
+
+def _trained(segment: Segment, steps: int, mu: float | None = None) -> list[torch.Tensor]:
+    if mu is not None:
+        segment.reset_optimizer(mu)
+    for _ in range(steps):
+        segment.train_step(X, Y)
+    return [p.detach().clone() for p in segment.trainable_parameters()]
+
+
+def _distance(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return float(sum(((x - y) ** 2).sum() for x, y in zip(a, b, strict=True)) ** 0.5)
+
+
+def test_proximal_term_zero_equals_plain_and_positive_pulls_towards_the_round_weights() -> None:
+    config = OptimizerConfig("sgd-momentum", lr=0.05)
+    start = [p.detach().clone() for p in _segment(config).trainable_parameters()]
+    plain = _trained(_segment(config), 6)
+    zero = _trained(_segment(config), 6, mu=0.0)
+    prox = _trained(_segment(config), 6, mu=5.0)
+    assert all(torch.equal(a, b) for a, b in zip(plain, zero, strict=True)), "mu 0 is plain"
+    assert _distance(prox, plain) > 1e-4, "mu > 0 changes the weights"
+    assert _distance(prox, start) < _distance(plain, start), "and keeps them nearer the anchor"
+
+
+def test_proximal_gradient_is_mu_times_the_distance_to_the_anchor() -> None:
+    config = OptimizerConfig("sgd", lr=0.1)
+    segment = _segment(config)
+    segment.reset_optimizer(2.0)
+    with torch.no_grad():  # move away from the anchor, so the term is not zero
+        for param in segment.trainable_parameters():
+            param.add_(0.01)
+    moved = [p.detach().clone() for p in segment.trainable_parameters()]
+    twin = _segment(config)
+    with torch.no_grad():
+        for param, value in zip(twin.trainable_parameters(), moved, strict=True):
+            param.copy_(value)
+    twin.train_step(X, Y)  # plain SGD from the same point
+    segment.train_step(X, Y)
+    for got, plain in zip(segment.trainable_parameters(), twin.trainable_parameters(), strict=True):
+        # prox step = plain step - lr * mu * (w - w0), and w - w0 = 0.01 everywhere
+        torch.testing.assert_close(got.detach(), plain.detach() - 0.1 * 2.0 * 0.01)
+
+
+def test_clipping_bounds_the_step_and_warmup_ramps_the_learning_rate() -> None:
+    start = [p.detach().clone() for p in _segment(OptimizerConfig("sgd")).trainable_parameters()]
+    clipped = _trained(_segment(OptimizerConfig("sgd", lr=0.5, clip_norm=0.1)), 1)
+    # plain SGD moves by lr * |g|; clipped |g| <= 0.1, so the step is at most 0.05
+    assert _distance(clipped, start) <= 0.5 * 0.1 + 1e-6
+    assert _distance(_trained(_segment(OptimizerConfig("sgd", lr=0.5)), 1), start) > 0.06
+    warm = OptimizerConfig("sgd", lr=0.4, warmup_steps=3)
+    assert [warm.lr_at(s) for s in range(5)] == pytest.approx([0.1, 0.2, 0.3, 0.4, 0.4])
+    segment = _segment(warm)
+    segment.train_step(X, Y)
+    assert segment.optimizer.param_groups[0]["lr"] == pytest.approx(0.1)
+    segment.reset_optimizer()  # a new round warms up again
+    segment.train_step(X, Y)
+    assert segment.optimizer.param_groups[0]["lr"] == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [({"clip_norm": 0.0}, "clip_norm"), ({"warmup_steps": -1}, "warmup_steps")],
+)
+def test_bad_step_options_are_named(options: dict[str, float], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        OptimizerConfig("sgd", **options)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="proximal_mu"):
+        _segment(OptimizerConfig()).reset_optimizer(-1.0)
