@@ -143,19 +143,9 @@ def _split_aware(base: type[FedAvg], mode: str) -> type[FedAvg]:
             self, server_round: int, replies: list[Message], group: list[dict[str, np.ndarray]]
         ) -> dict[str, np.ndarray]:
             """One group of replicas holding the same tensors, by the rule or its fallback."""
-            needed = _group_minimum(self)
-            if len(group) < needed:
-                senders = ", ".join(str(m.metadata.src_node_id) for m in replies)
-                self.notes.append(
-                    f"{type(self).__name__.removeprefix('SplitAware').lower()}: "
-                    f"{len(group)} replica(s) (nodes {senders}) hold {_describe(group[0])}, "
-                    f"fewer than the {needed} the rule needs; aggregated by the "
-                    "coordinate-wise median instead"
-                )
-                return {
-                    k: np.median(np.stack([g[k] for g in group]), axis=0).astype(group[0][k].dtype)
-                    for k in group[0]
-                }
+            fallback = _median_if_too_few(self, replies, group)
+            if fallback is not None:
+                return fallback
             messages = [_reply_like(m, g) for m, g in zip(replies, group, strict=True)]
             arrays, _ = super().aggregate_train(server_round, messages)
             return {} if arrays is None else {k: v.numpy() for k, v in arrays.items()}
@@ -189,6 +179,26 @@ def _split_aware(base: type[FedAvg], mode: str) -> type[FedAvg]:
 
     SplitAware.__name__ = SplitAware.__qualname__ = f"SplitAware{base.__name__}"
     return SplitAware
+
+
+def _median_if_too_few(
+    strategy: Any, replies: list[Message], group: list[dict[str, np.ndarray]]
+) -> dict[str, np.ndarray] | None:
+    """The coordinate-wise median of ``group`` when it is too small for ``strategy``'s rule
+    (noted in ``strategy.notes``), else None."""
+    needed = _group_minimum(strategy)
+    if len(group) >= needed:
+        return None
+    senders = ", ".join(str(m.metadata.src_node_id) for m in replies)
+    strategy.notes.append(
+        f"{type(strategy).__name__.removeprefix('SplitAware').lower()}: {len(group)} "
+        f"replica(s) (nodes {senders}) hold {_describe(group[0])}, fewer than the {needed} "
+        "the rule needs; aggregated by the coordinate-wise median instead"
+    )
+    return {
+        k: np.median(np.stack([g[k] for g in group]), axis=0).astype(group[0][k].dtype)
+        for k in group[0]
+    }
 
 
 def _group_minimum(strategy: FedAvg) -> int:

@@ -13,7 +13,8 @@ from flwr.serverapp.strategy import FedAvg
 
 from coordinator.aggregation import flower_quiet
 from storage.base import RunStore
-from storage.records import DeviceResult, Event, MetricPoint
+from storage.errors import NotFoundError
+from storage.records import DeviceResult, Event, MetricPoint, RoundRecord
 
 __all__ = ["WEIGHTS_SEGMENT", "Evaluate", "Outcome", "RoundObserver", "RoundRecorder"]
 
@@ -35,9 +36,14 @@ class RoundObserver:
         """``device`` replied (trained or failed) in the current round."""
 
     def round_committed(
-        self, number: int, evaluation: dict[str, float], results: list[DeviceResult]
+        self,
+        number: int,
+        evaluation: dict[str, float],
+        results: list[DeviceResult],
+        servers: Sequence[str] = (),
     ) -> None:
-        """Round ``number`` is committed to the store."""
+        """Round ``number`` is committed to the store; ``results`` are every device's, those
+        of the GPU servers (named in ``servers``) among them."""
 
 
 @dataclass
@@ -82,6 +88,16 @@ class RoundRecorder:
             return None
         return {k: v.numpy() for k, v in arrays.items()}
 
+    def committed(self, number: int) -> RoundRecord | None:
+        """Round ``number`` if it is committed (the one a new round is judged against)."""
+        if number < 1:
+            return None
+        try:
+            record = self.store.get_round(self.run_id, number)
+        except NotFoundError:
+            return None
+        return record if record.state == "committed" else None
+
     def central_evaluation(self, weights: Mapping[str, np.ndarray]) -> dict[str, float]:
         """The evaluation on the coordinator's data; empty without it."""
         return self.evaluate(weights) if self.evaluate is not None else {}
@@ -108,10 +124,13 @@ class RoundRecorder:
         store = self.store
         store.record_results(self.run_id, number, outcome.results)
         trained = [r for r in outcome.results if not r.failure]
+        edges = [r for r in trained if r.device not in servers]
         metrics = {
             "wall_seconds": self._clock() - outcome.started,
-            "participants_ok": float(len(trained)),
-            "examples": float(sum(r.examples for r in trained if r.device not in servers)),
+            "participants_ok": float(len(edges)),  # edges; the servers' work apart
+            "examples": float(sum(r.examples for r in edges)),
+            "servers_ok": float(len(trained) - len(edges)),
+            "server_examples": float(sum(r.examples for r in trained if r.device in servers)),
         }
         points = _points(number, outcome, trained)
         if points:
@@ -120,7 +139,7 @@ class RoundRecorder:
             self.run_id, number, {WEIGHTS_SEGMENT: weights}, metrics=metrics, evaluation=evaluation
         )
         store.collect_garbage()  # files a crash left before its commit's transaction
-        self.observer.round_committed(number, evaluation, outcome.results)
+        self.observer.round_committed(number, evaluation, outcome.results, servers)
         failed = ", ".join(f"{r.device} ({r.failure})" for r in outcome.results if r.failure)
         log.info(
             "round %d/%d committed: %s, %d device(s) trained%s, %.1f s",

@@ -26,9 +26,10 @@ from flwr.serverapp.strategy import FedAvg
 
 from coordinator.aggregation import flower_quiet
 from coordinator.errors import CoordinatorError
+from coordinator.guard import divergence, non_finite_tensors
 from coordinator.recorder import Outcome, RoundRecorder
 from storage.records import DeviceResult
-from wire.flower import TransportGrid, array_record
+from wire.flower import TransportGrid, array_record, numpy_arrays
 
 __all__ = ["EdgeView", "RoundRunner", "RoundWork", "Sampled", "shortfall"]
 
@@ -178,8 +179,12 @@ class RoundRunner:
                 if evaluate is not None:
                     trained = [d for d in outcome.ok if d not in work.servers]
                     evaluation |= evaluate(number, merged, trained)
-                self.recorder.commit(number, merged, outcome, evaluation, list(work.servers))
-                return merged
+                previous = self.recorder.committed(number - 1)
+                diverged = divergence(merged, evaluation, outcome.results, previous)
+                if diverged is None:
+                    self.recorder.commit(number, merged, outcome, evaluation, list(work.servers))
+                    return merged
+                why = f"not committed: {diverged}"
             self.recorder.record(number, outcome)
             self.recorder.failed(number, attempt, self.attempts, why)
         raise CoordinatorError(
@@ -224,6 +229,9 @@ class RoundRunner:
                 outcome.results.append(DeviceResult(device, failure=why))
             elif reply.has_error():
                 why = (reply.error.reason or "failed")[:500]
+                outcome.results.append(DeviceResult(device, failure=why))
+            elif bad := non_finite_tensors(numpy_arrays(reply, key=None)):
+                why = f"sent weights holding NaN or infinity ({', '.join(bad[:3])})"
                 outcome.results.append(DeviceResult(device, failure=why))
             else:
                 outcome.results.append(self._result(device, reply, started, outcome))

@@ -270,8 +270,10 @@ class EdgeAgent:
         weights = numpy_arrays(message)
         number = round_of(message)
         key, build = task.segment_key(), lambda: self._build_segment(job)
-        stackable = job.training.mode != "backprop"
-        with self.source.lease(key, build, weights, stackable, job.proximal_mu) as lease:
+        # stacked steps group clients by timing, which a deterministic run must not depend on
+        stackable = job.training.mode != "backprop" and not job.training.deterministic
+        leased = self.source.lease(key, build, weights, stackable, job.proximal_mu, self.device)
+        with leased as lease:
             trainer = self._trainer(job, lease.segment)
             with self._peak() as peak:
                 report = trainer.train_round(

@@ -60,12 +60,14 @@ class SegmentSource(abc.ABC):
         weights: Mapping[str, np.ndarray],
         stackable: bool = False,
         proximal_mu: float = 0.0,
+        holder: str = "",
     ) -> AbstractContextManager[SegmentLease]:
         """A segment for ``key`` (the task's ``Task.segment_key()``: tasks with one key train
         one kind of built segment; ``build`` makes one), loaded with ``weights`` and
         a fresh optimizer state, held for the round. ``stackable``: the round may train
         together with other clients of ``key`` (local-loss mode), where the source can;
-        ``proximal_mu``: FedProx's proximal weight (a round with one trains unstacked)."""
+        ``proximal_mu``: FedProx's proximal weight (a round with one trains unstacked);
+        ``holder``: the device asking (a shared host may hand out its slots in an order)."""
 
     def slot(self) -> AbstractContextManager[None]:
         """Room for other work of the agent's (evaluation) that a shared host bounds as it
@@ -87,6 +89,7 @@ class OwnSegment(SegmentSource):
         weights: Mapping[str, np.ndarray],
         stackable: bool = False,
         proximal_mu: float = 0.0,
+        holder: str = "",
     ) -> Iterator[SegmentLease]:
         if self._own is None or self._own[0] != key:
             self._own = (key, build())

@@ -115,8 +115,11 @@ def _broker_parser(commands: argparse._SubParsersAction) -> None:  # type: ignor
     broker.add_argument("--port", type=int, default=1883, help="default: %(default)s")
 
 
-def _role_parsers(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    broker_help = "MQTT broker URL, mqtt://[user:pass@]host:port or mqtts://... (TLS)"
+_BROKER_HELP = "MQTT broker URL, mqtt://[user:pass@]host:port or mqtts://... (TLS)"
+
+
+def _coordinator_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    broker_help = _BROKER_HELP
     coordinator = commands.add_parser(
         "coordinator",
         help="run or resume a training run over MQTT",
@@ -136,11 +139,15 @@ def _role_parsers(commands: argparse._SubParsersAction) -> None:  # type: ignore
     coordinator.add_argument(
         "--allow-config-change",
         action="store_true",
-        help="resume a run whose optimizer, epochs, batch, local loss, mode, compression, "
-        "strategy or seed changed (the change is recorded as a run event); without it such "
-        "a resume is refused, naming the keys",
+        help="resume a run whose training settings changed (recorded as a run event); "
+        "without it such a resume is refused, naming the keys",
     )
     coordinator.add_argument("-v", "--verbose", action="store_true")
+
+
+def _role_parsers(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    broker_help = _BROKER_HELP
+    _coordinator_parser(commands)
     edge = commands.add_parser(
         "edge",
         help="run an edge agent: train assigned front blocks on local data",
@@ -206,6 +213,13 @@ def _simulate_parser(commands: argparse._SubParsersAction) -> None:  # type: ign
     sim.add_argument(
         "--seed", type=int, help=f"default: the config's, else {defaults.training.seed}"
     )
+    _simulate_host_flags(sim)
+    sim.add_argument("-q", "--quiet", action="store_true", help="only the result table")
+    sim.add_argument("-v", "--verbose", action="store_true", help="log every step")
+
+
+def _simulate_host_flags(sim: argparse.ArgumentParser) -> None:
+    """How the simulation host trains its clients."""
     sim.add_argument(
         "--workers", type=int, help="clients training at once (default: one per CPU core)"
     )
@@ -215,8 +229,13 @@ def _simulate_parser(commands: argparse._SubParsersAction) -> None:  # type: ign
         default=None,
         help="train clients of the same cut together, one vmapped step (see simulation.stack)",
     )
-    sim.add_argument("-q", "--quiet", action="store_true", help="only the result table")
-    sim.add_argument("-v", "--verbose", action="store_true", help="log every step")
+    sim.add_argument(
+        "--deterministic",
+        action="store_true",
+        default=None,
+        help="the GPU server trains the clients' batches client by client: same seed, same "
+        "weights, bit for bit",
+    )
 
 
 def _export_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

@@ -61,6 +61,7 @@ class GpuAgent:
         # segment_key() already says whether the piece passes its output on, and the
         # coordinator names the next piece's stream after this one's (seg-<k> -> seg-<k+1>)
         key = f"{task.segment_key()}|{[task.segment, training.compression]}"
+        key += f"|{training.deterministic}"
         known = self._backs.get(task.run)
         if known is None or known[0] != key:
             if known is not None:  # re-planned: the old piece leaves its streams first (the
@@ -78,6 +79,7 @@ class GpuAgent:
                 local_loss=training.local_loss,
                 forward=task.forward,
                 encoding=training.compression,
+                ordered=training.deterministic,
             )
             self._backs[task.run] = (key, trainer)
         return self._backs[task.run][1]

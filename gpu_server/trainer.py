@@ -60,10 +60,12 @@ class BackTrainer:
         local_loss: str = "linear",
         forward: str | None = None,
         encoding: str = "fp32",
+        ordered: bool = False,
     ) -> None:
         """``end`` below the model's last block makes this a piece of a chain: it trains with
         a ``local_loss`` head and passes its output on to the stream ``forward`` (at
-        ``encoding``)."""
+        ``encoding``). ``ordered``: the stream hands batches on sender by sender, in name
+        order (``deterministic: true``)."""
         end = model.num_blocks if end is None else end
         if (end < model.num_blocks) != (forward is not None):
             raise ValueError(
@@ -75,7 +77,7 @@ class BackTrainer:
         self.model, self.start, self.end, self.forward = model, start, end, forward
         self.segment = self.stage.segment
         self.chain = None if forward is None else ChainLink(channel, run, forward, end, encoding)
-        self.stream = StreamServer(channel, run, segment, self._train, window, group)
+        self.stream = StreamServer(channel, run, segment, self._train, window, group, ordered)
         self.stream.on_complete = None if self.chain is None else self.chain.done
         self.stats = BackStats(rejected=self.stream.stats.rejected)
         self._round_examples, self._round_losses = 0, list[float]()

@@ -33,6 +33,7 @@ def simulate_command(args: argparse.Namespace) -> int:
         "seed": args.seed,
         "workers": args.workers,
         "batched": args.batched,
+        "deterministic": args.deterministic,
     }
     config = load_sim_config(args.config, overrides)
     out = Path(args.out)

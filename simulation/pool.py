@@ -16,8 +16,10 @@ once per worker and task, and an idle client holds only its data. The pool is th
 
 from __future__ import annotations
 
+import logging
 import threading
-from collections.abc import Callable, Iterator, Mapping
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Generic, TypeVar, cast
 
@@ -29,6 +31,8 @@ from simulation.stack import SegmentStack, StepGroup, stackable
 from split_models.segment import Segment, StepResult
 
 __all__ = ["SegmentPool", "StackMember"]
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -49,12 +53,19 @@ class SegmentPool(SegmentSource, Generic[T]):
         self._slots = threading.BoundedSemaphore(workers)
         self._lock = threading.Lock()
         self._free: dict[str, list[T]] = {}
+        self._turn = threading.Condition()
+        self._queue: list[str] = []  # clients of the round still to take a slot, in turn
+        self._asking: set[str] = set()  # clients waiting for their turn or a slot
+        self.turn_wait = 10.0
         self.built = 0  # how many objects were built: at most ``workers`` per key
 
     @contextmanager
-    def borrow(self, key: str, build: Callable[[], T]) -> Iterator[T]:
-        """A training slot and an object for ``key`` (built on first need), returned after."""
+    def borrow(self, key: str, build: Callable[[], T], holder: str = "") -> Iterator[T]:
+        """A training slot (in ``holder``'s turn, see :meth:`expect`) and an object for
+        ``key`` (built on first need), returned after."""
+        self._wait_turn(holder)
         with self._slots:
+            self._took_turn(holder)
             with self._lock:
                 free = self._free.setdefault(key, [])
                 item = free.pop() if free else None
@@ -82,16 +93,55 @@ class SegmentPool(SegmentSource, Generic[T]):
         weights: Mapping[str, np.ndarray],
         stackable: bool = False,
         proximal_mu: float = 0.0,
+        holder: str = "",
     ) -> Iterator[SegmentLease]:
         """A slot of ``key``'s stack where the round can train stacked (not with a proximal
         term, which the stacked update does not add), else a borrowed segment (a training
-        slot held for the round), loaded with ``weights``."""
+        slot held for the round, taken in ``holder``'s turn), loaded with ``weights``."""
         if stackable and proximal_mu == 0 and self.can_stack(key, build):
             with self.member(key, weights) as member:
                 yield member
             return
-        with self.borrow(key, cast(Callable[[], T], build)) as item:
+        with self.borrow(key, cast(Callable[[], T], build), holder) as item:
             yield SegmentLease.fresh(cast(Segment, item), weights, proximal_mu)
+
+    def expect(self, holders: Iterable[str]) -> None:
+        """The clients of the coming round: they get training slots in the order of their
+        names (a client not among them, or one whose predecessor has not asked within
+        ``turn_wait`` seconds, takes the next free slot), so with one worker the clients
+        train, and stream to the GPU server, in the same order in every run."""
+        with self._turn:
+            self._queue = sorted(holders)
+            self._turn.notify_all()
+
+    def _wait_turn(self, holder: str) -> None:
+        """Until ``holder`` is first of the round's clients still to take a slot. A client
+        ahead that is waiting for a slot (or training) is waited for; one that has not asked
+        within ``turn_wait`` seconds is passed."""
+        with self._turn:
+            self._asking.add(holder)
+            deadline = time.monotonic() + self.turn_wait
+            while holder in self._queue and self._queue[0] != holder:
+                if self._queue[0] in self._asking:
+                    deadline = time.monotonic() + self.turn_wait
+                    self._turn.wait(self.turn_wait)
+                    continue
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    log.warning(
+                        "%s took a training slot out of turn (%s did not ask for one)",
+                        holder,
+                        self._queue[0],
+                    )
+                    break
+                self._turn.wait(left)
+
+    def _took_turn(self, holder: str) -> None:
+        with self._turn:
+            self._asking.discard(holder)
+            if holder in self._queue:
+                self._queue.remove(holder)
+                self._turn.notify_all()
 
     def can_stack(self, key: str, build: Callable[[], Segment]) -> bool:
         """Whether clients of ``key`` train stacked (the first call builds the stack)."""

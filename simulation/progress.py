@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from rich.console import Console, Group
@@ -51,7 +52,7 @@ class RoundProgress(RoundObserver):
 
     def _table(self) -> Table:
         table = Table(title=self.title, title_justify="left")
-        for name in ("round", "accuracy", "loss", "trained", "wall s"):
+        for name in ("round", "accuracy", "loss", "clients trained", "wall s"):
             table.add_column(name, justify="right")
         for row in self._rows:
             table.add_row(*row)
@@ -81,13 +82,20 @@ class RoundProgress(RoundObserver):
             self._progress.advance(self._task)
             self._refresh()
 
-    def round_committed(self, number: int, evaluation: dict[str, float], results: Any) -> None:
-        trained = sum(1 for r in results if not r.failure)
+    def round_committed(
+        self,
+        number: int,
+        evaluation: dict[str, float],
+        results: Any,
+        servers: Sequence[str] = (),
+    ) -> None:
+        edges = [r for r in results if r.device not in servers]  # the servers' work apart
+        trained = sum(1 for r in edges if not r.failure)
         row = (
             str(number),
             f"{evaluation.get('accuracy', float('nan')):.4f}",
             f"{evaluation.get('loss', float('nan')):.4f}",
-            f"{trained}/{len(results)}",
+            f"{trained}/{len(edges)}",
             f"{time.monotonic() - self._started:.1f}",
         )
         with self._lock:
@@ -95,6 +103,6 @@ class RoundProgress(RoundObserver):
             if self._live is None:
                 self.console.print(
                     f"round {row[0]}/{self.rounds}: accuracy {row[1]}, loss {row[2]}, "
-                    f"{row[3]} devices trained, {row[4]} s"
+                    f"{row[3]} clients trained, {row[4]} s"
                 )
             self._refresh()

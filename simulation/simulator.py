@@ -17,7 +17,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -126,6 +126,10 @@ class _Fleet(RoundObserver):
                 return
             time.sleep(0.01)
 
+    def round_started(self, number: int, devices: list[str]) -> None:
+        """The round's clients take the pool's training slots in name order."""
+        self.pool.expect(d for d in devices if d in self._agents)
+
     def close(self) -> None:
         for _agent, control, stream in self._agents.values():
             control.close()
@@ -150,9 +154,15 @@ class _Observers(RoundObserver):
         for observer in self.observers:
             observer.device_answered(device)
 
-    def round_committed(self, number: int, evaluation: dict[str, float], results: Any) -> None:
+    def round_committed(
+        self,
+        number: int,
+        evaluation: dict[str, float],
+        results: Any,
+        servers: Sequence[str] = (),
+    ) -> None:
         for observer in self.observers:
-            observer.round_committed(number, evaluation, results)
+            observer.round_committed(number, evaluation, results, servers)
 
 
 def _measure_peaks(

@@ -398,6 +398,9 @@ class TrainingConfig:
         below=1,
         what="the share of each edge's data to hold out for evaluation (0: off)",
     )
+    # the GPU server trains the edges' batches one edge after another, in name order, so the
+    # same seed gives the same weights bit for bit (with one server; rounds take longer)
+    deterministic: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return config_to_dict(self)

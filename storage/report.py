@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 from split_models.config import TrainingConfig, stored_section
@@ -12,17 +13,24 @@ from storage.records import RoundRecord, RunRecord
 __all__ = ["round_summary", "run_status", "runs_overview"]
 
 
-def round_summary(record: RoundRecord) -> dict[str, Any]:
-    """One round: state, evaluation, participants and traffic."""
+def round_summary(record: RoundRecord, servers: Collection[str] = ()) -> dict[str, Any]:
+    """One round: state, evaluation, participants and traffic. ``participants`` and
+    ``examples`` count the edges (the clients, as a simulation's table does); the GPU
+    servers in ``servers``, which train the same examples again on the back, are shown apart
+    (``servers``, ``server_examples``)."""
     loss = record.evaluation.get("loss", record.metrics.get("loss"))
+    edges = [r for r in record.results if r.device not in servers]
+    backs = [r for r in record.results if r.device in servers]
     return {
         "round": record.number,
         "state": record.state,
         "accuracy": record.evaluation.get("accuracy"),
         "loss": loss,
-        "participants": list(record.participants),
+        "participants": [d for d in record.participants if d not in servers],
+        "servers": [d for d in record.participants if d in servers],
         "failed": sorted(r.device for r in record.results if r.failure),
-        "examples": sum(r.examples for r in record.results),
+        "examples": sum(r.examples for r in edges if not r.failure),
+        "server_examples": sum(r.examples for r in backs if not r.failure),
         "bytes_up": sum(r.bytes_sent for r in record.results),
         "bytes_down": sum(r.bytes_received for r in record.results),
         "committed_at": record.committed_at.isoformat() if record.committed_at else None,
@@ -54,8 +62,14 @@ def run_status(store: RunStore, run_id: str) -> dict[str, Any]:
         "plan": run.plan,
         "created_at": run.created_at.isoformat(),
         "updated_at": run.updated_at.isoformat(),
-        "rounds": [round_summary(r) for r in store.list_rounds(run_id)],
+        "rounds": [round_summary(r, _servers(run)) for r in store.list_rounds(run_id)],
     }
+
+
+def _servers(run: RunRecord) -> set[str]:
+    """The GPU servers of the run's stored plan (none when it has no plan yet)."""
+    servers = (run.plan or {}).get("servers", [])
+    return {s["name"] for s in servers if isinstance(s, dict) and "name" in s}
 
 
 def _rounds_planned(run: RunRecord) -> int | None:

@@ -21,6 +21,13 @@ round's start) and bounded, so a redelivered or forged one cannot count twice or
 server's state. A batch of the current round from a device that is not one of the round's
 senders is rejected (``sender``) without a credit or a count: it is neither trained nor able to
 move the end of the round.
+
+**Ordered** (``ordered=True``, the run's ``deterministic: true``, one server on the stream): the
+batches of a round are handled sender by sender, in the order of the senders' names, each
+sender's in the order they came; a batch that is not its sender's turn waits, and its credit
+returns only when it is handled, so a waiting sender holds at most its credit window. The
+back then trains on the same sequence of batches in every run, whatever order threads or the
+network delivered them in; senders take turns, so a round takes longer.
 """
 
 from __future__ import annotations
@@ -69,6 +76,36 @@ def _device(topic: str) -> str:
     return topic.rsplit("/", 1)[-1]
 
 
+class _SenderMajor:
+    """The batches of one round in sender-major order: all of the first sender's (by name),
+    then the next's; a sender's turn ends when it is ``finished``."""
+
+    def __init__(self, senders: Iterable[str]) -> None:
+        self.turns = sorted(senders)
+        self.queues: dict[str, collections.deque[Envelope | None]] = {
+            s: collections.deque() for s in self.turns
+        }
+
+    def push(self, sender: str, envelope: Envelope | None) -> None:
+        self.queues[sender].append(envelope)
+
+    def drain(
+        self, finished: Callable[[str], bool], handle: Callable[[str, Envelope | None], None]
+    ) -> list[str]:
+        """Handle every batch whose turn it is; the senders of those handled, in order."""
+        done: list[str] = []
+        while self.turns:
+            sender = self.turns[0]
+            if self.queues[sender]:
+                handle(sender, self.queues[sender].popleft())
+                done.append(sender)
+            elif finished(sender):
+                self.turns.pop(0)
+            else:
+                break
+        return done
+
+
 class StreamServer:
     """Serves the stream ``segment`` of ``run`` for ``channel.sender``; ``handle`` computes
     one batch of the current round (called under the stream's lock, one at a time) and raises
@@ -82,8 +119,14 @@ class StreamServer:
         handle: Callable[[Envelope], None],
         window: int = 4,
         group: str = "gpus",
+        ordered: bool = False,
     ) -> None:
+        """``ordered``: handle each round's batches sender by sender (see the module's
+        docstring); with peers sharing the stream it has no effect (no server sees every
+        batch)."""
         self.channel, self.run, self.name = channel, run, channel.sender
+        self.ordered = ordered
+        self._order: _SenderMajor | None = None
         self.granter = CreditGranter(channel, run, window)
         self.stats = StreamStats()
         self.on_complete: Callable[[int], None] | None = None  # every sender finished
@@ -129,6 +172,8 @@ class StreamServer:
             if setup is not None:
                 setup()
             self._ledger = RoundLedger(number, senders, self.name, peers)
+            alone = not self._ledger.peers
+            self._order = _SenderMajor(self._ledger.senders) if self.ordered and alone else None
             # rejections parked for this round or a later one keep their keys: a redelivered
             # copy must not count twice
             self._rejections = {k for k in self._rejections if k[0] >= number}
@@ -139,10 +184,10 @@ class StreamServer:
             ready = [p for p in ready if p.sender in self._ledger.senders]
             for _stranger in (p for p in strangers if p.envelope is not None):
                 self.stats.rejected["sender"] += 1  # a parked rejection was counted already
-            for parked in ready:
-                self._handle_locked(parked.sender, parked.envelope)
-        for parked in ready:
-            self.granter.processed(parked.sender, number)
+            handled = [s for p in ready for s in self._admit(p.sender, p.envelope)]
+            handled += self._drain()  # a sender that said 'done' early may be finished
+        for sender in handled:
+            self.granter.processed(sender, number)
         if self._ledger.peers:
             self._publish_counts()
         self._settle()
@@ -198,17 +243,43 @@ class StreamServer:
             if envelope.round == number and sender not in self._ledger.senders:
                 self._stranger(sender, number)
                 return  # no credit, no count: it is not one of the round's senders
-            if envelope.round == number:
-                self._handle_locked(sender, envelope)
-            else:
+            if envelope.round != number:
                 reason = "stale_round" if envelope.round < number else "ahead"
                 self.stats.rejected[reason] += 1
-        self.granter.processed(sender, envelope.round)
-        self._after_count(sender)
+                handled = [sender]  # its credit returns, though it counts for no round
+            else:
+                handled = self._admit(sender, envelope)
+        self._credit(handled, envelope.round)
 
     def _stranger(self, sender: str, number: int) -> None:
         self.stats.rejected["sender"] += 1
         log.warning("rejected activations from %s: not a sender of round %d", sender, number)
+
+    def _admit(self, sender: str, envelope: Envelope | None) -> list[str]:
+        """Handle a batch of the current round now, or (ordered) when its turn comes; the
+        senders of the batches handled by this call."""
+        if self._order is None:
+            self._handle_locked(sender, envelope)
+            return [sender]
+        self._order.push(sender, envelope)
+        return self._drain()
+
+    def _drain(self) -> list[str]:
+        if self._order is None:
+            return []
+        return self._order.drain(self._handled_all, self._handle_locked)
+
+    def _handled_all(self, sender: str) -> bool:
+        """Ordered: ``sender`` said what it sent, and this server handled all of it."""
+        declared = self._ledger.declared.get(sender)
+        return declared is not None and self._ledger.own_counts.get(sender, 0) >= declared
+
+    def _credit(self, senders: list[str], number: int) -> None:
+        """One credit back for each batch handled, then the counts move on."""
+        for sender in senders:
+            self.granter.processed(sender, number)
+        for sender in dict.fromkeys(senders):
+            self._after_count(sender)
 
     def _handle_locked(self, sender: str, envelope: Envelope | None) -> None:
         if envelope is not None:
@@ -246,9 +317,8 @@ class StreamServer:
                 if len(self._parked) < _MAX_PARKED:
                     self._parked.append(_Parked(number, sender, None))
                 return
-            self._handle_locked(sender, None)
-        self.granter.processed(sender, number)
-        self._after_count(sender)
+            handled = self._admit(sender, None)
+        self._credit(handled, number)
 
     # ---------------------------------------------------------------- agreement
     def _on_done(self, topic: str, envelope: Envelope) -> None:
@@ -265,8 +335,10 @@ class StreamServer:
                 return
             if not self._ledger.declare(sender, batches):
                 return
+            handled = self._drain()  # ordered: the next sender's turn may begin
         if self._ledger.peers:
             self._publish_counts()
+        self._credit(handled, envelope.round)
         self._settle()
 
     def _on_counts(self, topic: str, envelope: Envelope) -> None:

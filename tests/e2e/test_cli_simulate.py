@@ -43,7 +43,14 @@ def test_default_simulation_trains_and_writes_its_outputs(tmp_path: Path) -> Non
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "final accuracy" in done.stdout
     status = run_cli("status", "--db", str(out / "runs.db"), "--run", summary["run_id"], "--json")
-    assert json.loads(status.stdout)["status"] == "finished"
+    stored = json.loads(status.stdout)
+    assert stored["status"] == "finished"
+    # status and summary.json count the same clients and examples; the GPU server apart
+    trained = sum(c["examples"] for c in clients)
+    assert sum(r["examples"] for r in stored["rounds"]) == trained
+    for row, record in zip(summary["rounds"], stored["rounds"], strict=True):
+        assert row["participants"] == len(record["participants"]) == 4, (row, record)
+        assert record["servers"] == ["gpu-sim"] and record["server_examples"] == record["examples"]
 
 
 def test_splitfed_over_an_embedded_broker(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ from coordinator.service import Coordinator, CoordinatorError
 from edge_client.agent import EdgeAgent
 from gpu_server.agent import GpuAgent
 from split_models import load_dataset
+from split_models.data import Dataset
 from split_models.errors import ConfigError
 from split_models.isolated import profile_in_fresh_process
 from split_models.profiler import ModelProfile
@@ -359,3 +360,25 @@ def test_a_resume_that_changes_the_training_is_refused_unless_allowed(
     (event,) = [e for e in store.events("svc-1") if e.kind == "config-changed"]
     assert "batch_size 16 -> 8" in event.detail and "'lr': 0.01" in event.detail
     assert store.get_run("svc-1").config == allowed.to_dict()
+
+
+def test_an_edge_whose_weights_go_nan_is_left_out_and_no_nan_is_committed(
+    tmp_path: Path, store: RunStore, profile: ModelProfile
+) -> None:
+    run = config(tmp_path, rounds=2)
+    hub = InProcessHub()
+    agents = start_fleet(hub, tmp_path, dict.fromkeys(EDGES, 1 << 30), {})
+    # a broken sensor: the loaders refuse NaN, so the agent's data is replaced behind them
+    data = agents[1].data
+    agents[1].data = Dataset(np.full_like(data.x, np.nan), data.y, data.num_classes)
+    assert Coordinator(run, store, hub.connect("c1"), profile=lambda _: profile).run() == 2
+
+    for number in (1, 2):
+        record = store.get_round("svc-1", number)
+        failures = {r.device: r.failure for r in record.results if r.failure}
+        assert "NaN" in (failures.get("pi-02") or ""), failures
+        weights = store.checkpoint("svc-1", number).weights["global"]
+        assert all(np.isfinite(v).all() for v in weights.values()), number
+    assert store.get_round("svc-1", 2).evaluation["accuracy"] > 0.3
+    gpu = start_fleet.gpus[0]  # type: ignore[attr-defined]
+    assert gpu._backs["svc-1"][1].stats.rejected["non_finite"] > 0, "NaN batches rejected"

@@ -4,6 +4,9 @@ round's weights and a fresh optimizer state."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -58,3 +61,27 @@ def test_a_pool_lends_borrowed_segments_or_stack_slots() -> None:
     assert ready and stacked_ready
     assert isinstance(stacked, StackMember) and not isinstance(borrowed, StackMember)
     assert not isinstance(unstacked, StackMember), "backprop rounds never train stacked"
+
+
+def test_a_pool_hands_its_slots_to_the_rounds_clients_in_name_order() -> None:
+    pool: SegmentPool[str] = SegmentPool(1)
+    pool.turn_wait = 0.3
+    pool.expect(["c", "a", "b", "absent"])
+    order: list[str] = []
+
+    def client(name: str) -> None:
+        with pool.borrow("key", lambda: "built", holder=name):
+            order.append(name)
+            time.sleep(0.4)  # longer than turn_wait: a client ahead that trains is waited for
+
+    threads = [threading.Thread(target=client, args=(n,)) for n in ("b", "c", "a")]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.05)
+    for thread in threads:
+        thread.join(10)
+    assert order == ["a", "b", "c"]
+    started = time.monotonic()
+    pool.expect(["absent", "z"])
+    client("z")  # 'absent' never asks: passed after turn_wait
+    assert order[-1] == "z" and 0.25 < time.monotonic() - started < 2

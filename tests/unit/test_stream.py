@@ -137,3 +137,50 @@ def test_a_batch_from_a_device_not_sending_in_the_round_is_not_trained() -> None
         topics.done(RUN, EDGE), "round_control", RUN, round=1, meta={"batches": 0}
     )
     assert server.wait_round(5.0) and server.finished == {EDGE}, "the ledger did not move"
+
+
+def test_an_ordered_stream_hands_batches_on_sender_by_sender_in_name_order() -> None:
+    hub = InProcessHub()
+    handled: list[tuple[str, int]] = []
+    server = StreamServer(
+        Channel(hub.connect("gpu"), "gpu-a"),
+        RUN,
+        "seg-0",
+        lambda e: handled.append((e.sender, e.seq)),
+        window=2,
+        ordered=True,
+    )
+    senders = ["pi-02", "pi-01", "pi-03"]
+    gates = {}
+    for name in senders:
+        gates[name] = CreditGate(Channel(hub.connect(name), name), RUN, name)
+        gates[name].start_round(1)
+    server.begin_round(1, senders)
+    raw = hub.connect("raw")
+    ones = np.ones((2, 4), np.float32)
+
+    def send(name: str, seq: int, x: np.ndarray = ones) -> None:
+        raw.publish(topics.activations(RUN, "seg-0", name), _raw(seq, 1, x, sender=name))
+
+    def done(name: str, batches: int) -> None:
+        Channel(hub.connect(f"done-{name}"), name).send(
+            topics.done(RUN, name), "round_control", RUN, round=1, meta={"batches": batches}
+        )
+
+    send("pi-03", 0)  # the last in turn comes first: it waits, its credit with it
+    send("pi-02", 0)
+    send("pi-02", 1)
+    assert handled == [] and _until(lambda: gates["pi-03"].available == 2)
+    assert not _until(lambda: gates["pi-03"].available > 2, 0.2)
+    send("pi-01", 0)
+    send("pi-01", 1, np.full((2, 4), np.nan, np.float32))  # rejected: still takes its turn
+    assert _until(lambda: server.stats.rejected["non_finite"] == 1)
+    assert handled == [("pi-01", 0)], "pi-01 is not finished until it says what it sent"
+    done("pi-01", 2)
+    assert _until(lambda: len(handled) == 3)
+    assert handled == [("pi-01", 0), ("pi-02", 0), ("pi-02", 1)]
+    done("pi-02", 2)
+    assert _until(lambda: len(handled) == 4) and handled[-1] == ("pi-03", 0)
+    assert _until(lambda: gates["pi-03"].available == 3)
+    done("pi-03", 1)
+    assert server.wait_round(5.0) and server.stats.rejected["non_finite"] == 1
