@@ -27,6 +27,7 @@ same data.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -52,6 +53,12 @@ SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist8k.npz"
 METHODS = ("local-loss", "splitfed", "fedavg", "centralized")
 
 
+PROFILES = [
+    {"profile": "small", "share": 0.5, "memory": "64MiB", "flops": 2e9, "uplink": "20Mbit"},
+    {"profile": "large", "share": 0.5, "memory": "512MiB", "flops": 5e10, "uplink": "100Mbit"},
+]
+
+
 def _config(
     train: Path,
     test: Path,
@@ -62,6 +69,7 @@ def _config(
     optimizer: dict[str, Any] | None = None,
     seed: int = 0,
     measure: bool = True,
+    extra: dict[str, Any] | None = None,
 ) -> SimConfig:
     return parse_sim_config(
         {
@@ -72,22 +80,7 @@ def _config(
             "test_data": f"npz:{test}",
             "clients": clients,
             "partition": partition,
-            "devices": [
-                {
-                    "profile": "small",
-                    "share": 0.5,
-                    "memory": "64MiB",
-                    "flops": 2e9,
-                    "uplink": "20Mbit",
-                },
-                {
-                    "profile": "large",
-                    "share": 0.5,
-                    "memory": "512MiB",
-                    "flops": 5e10,
-                    "uplink": "100Mbit",
-                },
-            ],
+            "devices": PROFILES,
             "gpu": {"memory": "16GiB", "flops": 5e13},
             "rounds": rounds,
             "local_epochs": 1,
@@ -99,6 +92,7 @@ def _config(
             "seed": seed,
             "measure_memory": measure,
         }
+        | (extra or {})
     )
 
 
@@ -223,10 +217,12 @@ def _sweep(work: Path, args: argparse.Namespace) -> None:
     """Final accuracy of the split methods against centralized, per optimizer and partition."""
     report = Report(
         f"\n### Optimizer sweep ({machine()})\n\n`python benchmarks/compare.py --sweep "
-        f"--rounds {args.rounds} --seeds {args.seeds}`: mnist8k 6,000 train / 2,000 test, 8 "
-        "clients of the two profiles (two cuts), cnn, batch 32, default training options; "
-        "accuracy after the last round (best round in brackets).\n\n| optimizer | partition "
-        "| seed | centralized | local-loss | vs central | splitfed | vs central | holds |\n"
+        f"--rounds {args.rounds} --seeds {args.seeds} --settings '{args.settings}' "
+        f"--partitions {args.partitions} --extra '{args.extra}'`: mnist8k 6,000 train / "
+        "2,000 test, 8 clients of the two profiles (two cuts), cnn, batch 32, default "
+        "training options; accuracy after the last round (best round in brackets).\n\n"
+        "| optimizer | partition | seed | centralized | local-loss | vs central | splitfed "
+        "| vs central | holds |\n"
         "|---|---|---|---|---|---|---|---|---|"
     )
     failures = 0
@@ -244,6 +240,7 @@ def _sweep(work: Path, args: argparse.Namespace) -> None:
                         optimizer=SWEEP[setting],
                         seed=seed,
                         measure=False,
+                        extra=json.loads(args.extra),
                     )
                     summary = simulate(config, work / f"{setting}-{partition}-{seed}-{method}")
                     curve = [r["accuracy"] for r in summary["rounds"]]
@@ -273,6 +270,9 @@ def main() -> None:
     parser.add_argument("--seeds", default="0,1")
     parser.add_argument("--settings", default=",".join(SWEEP), help=f"of {list(SWEEP)}")
     parser.add_argument("--partitions", default="iid,dirichlet")
+    parser.add_argument(
+        "--extra", default="{}", help='sweep: SIM.yaml keys as JSON, e.g. {"workers": 1}'
+    )
     args = parser.parse_args()
     args.rounds = args.rounds or (5 if args.sweep else 3)
     if not SHARED.exists():

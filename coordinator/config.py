@@ -175,6 +175,7 @@ TRAINING_KEYS = (
     "compression",
     "strategy",
     "seed",
+    "server_clip_norm",
 )
 
 

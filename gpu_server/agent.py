@@ -73,7 +73,7 @@ class GpuAgent:
                 start=task.start,
                 run=task.run,
                 segment=task.segment,
-                optimizer=training.optimizer,
+                optimizer=training.server_optimizer(),
                 device=self.announcement.accelerator,
                 end=task.end,
                 local_loss=training.local_loss,

@@ -264,8 +264,8 @@ def _kind(spec: dataclasses.Field[Any], hint: Any) -> str:
 
 
 def _convert(spec: dataclasses.Field[Any], hint: Any, value: object, path: str) -> Any:
-    if value is None and spec.default is None:
-        return None
+    if value is None and (spec.default is None or type(None) in typing.get_args(hint)):
+        return None  # an optional setting turned off
     meta = spec.metadata
     kind = _kind(spec, hint)
     if kind in _UNITS:
@@ -401,6 +401,17 @@ class TrainingConfig:
     # the GPU server trains the edges' batches one edge after another, in name order, so the
     # same seed gives the same weights bit for bit (with one server; rounds take longer)
     deterministic: bool = False
+    # The GPU servers clip the back's gradient norm to this (the smaller of it and
+    # optimizer.clip_norm, which every segment uses). The back trains on the outputs of many
+    # fronts that move under it within a round and jump at its start (the fronts are
+    # averaged); its gradient norm spikes there, and without the clip SGD momentum 0.9 at lr
+    # 0.05 diverges within 5 rounds (docs/benchmarks.md, "Stable split training").
+    server_clip_norm: float | None = setting(1.0, above=0, what="a positive number (or null: off)")
+
+    def server_optimizer(self) -> OptimizerConfig:
+        """The optimizer of a GPU server's piece: ``optimizer`` with the servers' clip."""
+        clips = [c for c in (self.optimizer.clip_norm, self.server_clip_norm) if c is not None]
+        return dataclasses.replace(self.optimizer, clip_norm=min(clips) if clips else None)
 
     def to_dict(self) -> dict[str, Any]:
         return config_to_dict(self)

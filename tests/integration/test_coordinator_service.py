@@ -352,13 +352,13 @@ def test_a_resume_that_changes_the_training_is_refused_unless_allowed(
     assert store.get_run("svc-1").config["rounds"] == 2
     assert not [e for e in store.events("svc-1") if e.kind == "config-changed"]
 
-    allowed = config(tmp_path, rounds=3, batch_size=8, optimizer={"name": "adam", "lr": 0.01})
+    allowed = config(tmp_path, rounds=3, batch_size=8, optimizer={"name": "adam", "lr": 0.003})
     coordinator = Coordinator(
         allowed, store, hub.connect("c5"), profile=lambda _: profile, allow_config_change=True
     )
     assert coordinator.run() == 1
     (event,) = [e for e in store.events("svc-1") if e.kind == "config-changed"]
-    assert "batch_size 16 -> 8" in event.detail and "'lr': 0.01" in event.detail
+    assert "batch_size 16 -> 8" in event.detail and "'lr': 0.003" in event.detail
     assert store.get_run("svc-1").config == allowed.to_dict()
 
 

@@ -133,5 +133,6 @@ def test_progress_prints_a_line_per_round_without_a_terminal() -> None:
         progress.round_started(1, ["a", "b"])
         progress.device_answered("a")
         progress.device_answered("b")
-        progress.round_committed(1, {"accuracy": 0.5, "loss": 1.25}, [_Result("a", 10)])
-    assert "round 1/2: accuracy 0.5000, loss 1.2500, 1/1 devices trained" in buffer.getvalue()
+        results = [_Result("a", 10), _Result("gpu-a", 10)]
+        progress.round_committed(1, {"accuracy": 0.5, "loss": 1.25}, results, servers=["gpu-a"])
+    assert "round 1/2: accuracy 0.5000, loss 1.2500, 1/1 clients trained" in buffer.getvalue()
