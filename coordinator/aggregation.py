@@ -48,7 +48,14 @@ from flwr.serverapp.strategy import (
 from split_models.errors import ConfigError
 from wire.flower import array_record, numpy_arrays
 
-__all__ = ["STRATEGIES", "build_strategy", "flower_quiet", "key_groups", "split_weighted_mean"]
+__all__ = [
+    "STRATEGIES",
+    "build_strategy",
+    "check_strategy",
+    "flower_quiet",
+    "key_groups",
+    "split_weighted_mean",
+]
 
 _MEAN: dict[str, type[FedAvg]] = {"fedavg": FedAvg, "fedprox": FedProx}
 _SERVER_STEP: dict[str, type[FedAvg]] = {
@@ -138,6 +145,7 @@ def _split_aware(base: type[FedAvg], mode: str) -> type[FedAvg]:
 
         _current: dict[str, np.ndarray] | None = None
         notes: list[str] = []  # noqa: RUF012 (replaced per round): groups aggregated otherwise
+        node_names: dict[int, str] = {}  # noqa: RUF012 (set by the runner): for the notes
 
         def _robust(
             self, server_round: int, replies: list[Message], group: list[dict[str, np.ndarray]]
@@ -189,10 +197,13 @@ def _median_if_too_few(
     needed = _group_minimum(strategy)
     if len(group) >= needed:
         return None
-    senders = ", ".join(str(m.metadata.src_node_id) for m in replies)
+    names = getattr(strategy, "node_names", {})
+    senders = ", ".join(
+        names.get(m.metadata.src_node_id, f"node {m.metadata.src_node_id}") for m in replies
+    )
     strategy.notes.append(
         f"{type(strategy).__name__.removeprefix('SplitAware').lower()}: {len(group)} "
-        f"replica(s) (nodes {senders}) hold {_describe(group[0])}, fewer than the {needed} "
+        f"replica(s) ({senders}) hold {_describe(group[0])}, fewer than the {needed} "
         "the rule needs; aggregated by the coordinate-wise median instead"
     )
     return {
@@ -233,6 +244,13 @@ def flower_quiet(level: int = logging.WARNING) -> Iterator[None]:
         flower.setLevel(before)
 
 
+def check_strategy(name: str, options: Mapping[str, Any]) -> None:
+    """Raise :class:`ConfigError` naming the option when ``options`` do not build ``name``
+    (the coordinator's own node counts aside, which it sets itself)."""
+    own = {"min_train_nodes", "min_available_nodes"}
+    build_strategy(name, **{k: v for k, v in options.items() if k not in own})
+
+
 def build_strategy(name: str, quiet: bool = True, **options: Any) -> FedAvg:
     """A split-aware Flower strategy by name, e.g. ``build_strategy("fedadam", eta=0.01)``;
     ``quiet``: Flower logs only errors while it is built (it warns, for one, that federated
@@ -253,6 +271,6 @@ def _build_strategy(name: str, options: dict[str, Any]) -> FedAvg:
         if key in table:
             try:
                 return _split_aware(table[key], mode)(**options)
-            except TypeError as error:
+            except (TypeError, ValueError) as error:  # an unknown option, or a bad value
                 raise ConfigError(f"strategy {name!r}: bad option: {error}") from error
     raise ConfigError(f"strategy.name: unknown {name!r}; use one of {list(STRATEGIES)}")

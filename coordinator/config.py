@@ -119,12 +119,15 @@ class AggregationConfig:
             raise ConfigError(
                 f"{path}: expected {{name: STRATEGY, option: value...}}, got {value!r}"
             )
-        from coordinator.aggregation import STRATEGIES  # Flower loads only when a run is read
+        # Flower loads only when a run is read
+        from coordinator.aggregation import STRATEGIES, check_strategy
 
         name = str(data["name"]).lower()
         if name not in STRATEGIES:
             raise ConfigError(f"{path}.name: {data['name']!r} is not one of {list(STRATEGIES)}")
-        return cls(name, {k: v for k, v in data.items() if k != "name"})
+        options = {k: v for k, v in data.items() if k != "name"}
+        check_strategy(name, options)  # a bad option fails here, not rounds later
+        return cls(name, options)
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, **self.options}

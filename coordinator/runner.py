@@ -169,6 +169,8 @@ class RoundRunner:
                 work.messages, work.servers, work.require_server, outcome, self.min_edges
             )
             if why is None:
+                names = {m.metadata.dst_node_id: d for d, m in work.messages.items()}
+                self.strategy.node_names = names  # type: ignore[attr-defined]
                 merged = self.recorder.aggregate(number, [replies[d] for d in sorted(outcome.ok)])
                 if merged is None:
                     self.recorder.failed(

@@ -261,6 +261,12 @@ class StreamServer:
         if self._order is None:
             self._handle_locked(sender, envelope)
             return [sender]
+        if len(self._order.queues[sender]) >= self.granter.window:
+            # more than its credits allow: the sender ignores the protocol; nothing of it is
+            # kept beyond its window (an honest sender never gets here)
+            self.stats.rejected["over_window"] += 1
+            log.warning("dropped a batch of %s: more batches waiting than its credits", sender)
+            return []
         self._order.push(sender, envelope)
         return self._drain()
 

@@ -87,6 +87,14 @@ def test_minimal_config_gets_defaults_and_named_edges() -> None:
         ({"round_deadline": "soon"}, r"round_deadline: expected a duration"),
         ({"devices": {"edges": ["pi", "pi"]}}, r"devices.edges: expected unique"),
         ({"optimizer": {"name": "sgd", "lr": -1}}, r"optimizer.lr"),
+        ({"optimizer": {"name": "sgd", "lr": 1, "clip_norm": -1}}, r"optimizer.clip_norm"),
+        ({"server_clip_norm": 0}, r"server_clip_norm: expected a positive number"),
+        ({"deterministic": "yes"}, r"deterministic: expected true or false"),
+        (
+            {"strategy": {"name": "fedtrimmedavg", "beta": 0.6}},
+            r"strategy 'fedtrimmedavg': bad option: `beta` must be in the range",
+        ),
+        ({"strategy": {"name": "krum", "f": 1}}, r"strategy 'krum': bad option: .*'f'"),
     ],
 )
 def test_bad_configs_name_the_key(change: dict[str, object], message: str) -> None:

@@ -171,7 +171,10 @@ def test_an_ordered_stream_hands_batches_on_sender_by_sender_in_name_order() -> 
     send("pi-02", 0)
     send("pi-02", 1)
     assert handled == [] and _until(lambda: gates["pi-03"].available == 2)
-    assert not _until(lambda: gates["pi-03"].available > 2, 0.2)
+    assert not _until(lambda: gates["pi-03"].available > 2, 0.2), "no credit while waiting"
+    send("pi-03", 1)
+    send("pi-03", 2)  # beyond its two credits: a sender ignoring them is not buffered
+    assert _until(lambda: server.stats.rejected["over_window"] == 1)
     send("pi-01", 0)
     send("pi-01", 1, np.full((2, 4), np.nan, np.float32))  # rejected: still takes its turn
     assert _until(lambda: server.stats.rejected["non_finite"] == 1)
@@ -180,7 +183,7 @@ def test_an_ordered_stream_hands_batches_on_sender_by_sender_in_name_order() -> 
     assert _until(lambda: len(handled) == 3)
     assert handled == [("pi-01", 0), ("pi-02", 0), ("pi-02", 1)]
     done("pi-02", 2)
-    assert _until(lambda: len(handled) == 4) and handled[-1] == ("pi-03", 0)
-    assert _until(lambda: gates["pi-03"].available == 3)
-    done("pi-03", 1)
+    assert _until(lambda: len(handled) == 5) and handled[-2:] == [("pi-03", 0), ("pi-03", 1)]
+    assert _until(lambda: gates["pi-03"].available == 4)
+    done("pi-03", 2)
     assert server.wait_round(5.0) and server.stats.rejected["non_finite"] == 1
