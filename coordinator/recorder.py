@@ -98,6 +98,13 @@ class RoundRecorder:
             return None
         return record if record.state == "committed" else None
 
+    def baseline(self, weights: Mapping[str, np.ndarray] | None) -> RoundRecord | None:
+        """A stand-in for "round 0": the central evaluation of ``weights`` (none without
+        them or without evaluation data)."""
+        if weights is None or self.evaluate is None:
+            return None
+        return RoundRecord(self.run_id, 0, "committed", (), evaluation=self.evaluate(weights))
+
     def central_evaluation(self, weights: Mapping[str, np.ndarray]) -> dict[str, float]:
         """The evaluation on the coordinator's data; empty without it."""
         return self.evaluate(weights) if self.evaluate is not None else {}

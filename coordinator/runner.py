@@ -149,9 +149,13 @@ class RoundRunner:
         number: int,
         prepare: Callable[[int], RoundWork],
         evaluate: Callable[[int, dict[str, np.ndarray], list[str]], dict[str, float]] | None = None,
+        start: Mapping[str, np.ndarray] | None = None,
     ) -> dict[str, np.ndarray]:
         """Round ``number``'s new weights, after at most ``attempts`` tries of ``prepare``'s
-        work; ``evaluate`` adds the federated evaluation by the edges that trained."""
+        work; ``evaluate`` adds the federated evaluation by the edges that trained. ``start``:
+        the weights the round starts from, evaluated to judge the first round by when no
+        committed round precedes it."""
+        previous = self.recorder.committed(number - 1) or self.recorder.baseline(start)
         observer = self.recorder.observer
         for attempt in range(1, self.attempts + 1):
             started = self._clock()
@@ -162,6 +166,8 @@ class RoundRunner:
                 self.recorder.failed(number, attempt, self.attempts, work.problem)
                 self._sleep(min(10.0, self.deadline / 10))
                 continue
+            for message in work.messages.values():  # devices tell a retry's credits apart
+                message.content.config_records["config"]["attempt"] = attempt
             observer.round_started(number, list(work.messages))
             replies = self.collect(work.messages, self.deadline)
             outcome = self.outcome(work.messages, replies, started)
@@ -181,7 +187,6 @@ class RoundRunner:
                 if evaluate is not None:
                     trained = [d for d in outcome.ok if d not in work.servers]
                     evaluation |= evaluate(number, merged, trained)
-                previous = self.recorder.committed(number - 1)
                 diverged = divergence(merged, evaluation, outcome.results, previous)
                 if diverged is None:
                     self.recorder.commit(number, merged, outcome, evaluation, list(work.servers))

@@ -255,7 +255,7 @@ class Coordinator:
             return self._federated(number, merged, placement, edges)
 
         federated = evaluate if self.config.training.federated_eval > 0 else None
-        return self.runner.run(number, prepare, federated)
+        return self.runner.run(number, prepare, federated, start=weights)
 
     def _work(self, number: int, weights: dict[str, np.ndarray], placement: Placement) -> RoundWork:
         """One attempt's messages: the strategy's sample of the edges, the online servers."""

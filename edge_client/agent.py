@@ -39,7 +39,7 @@ from wire.channel import Channel
 from wire.codec import Envelope, encode
 from wire.errors import WireError
 from wire.flow import CreditGate
-from wire.flower import array_record, numpy_arrays, proximal_mu_of, round_of
+from wire.flower import array_record, attempt_of, numpy_arrays, proximal_mu_of, round_of
 from wire.roles import Announcement, Task, go_online
 from wire.session import RoundAbandoned, SessionWatch
 from wire.transport import Transport
@@ -79,13 +79,15 @@ class _Job:
     model: ModelConfig
     training: TrainingConfig
     proximal_mu: float = 0.0  # FedProx's, from the strategy's train message
+    attempt: int = 1  # the coordinator's try of the round
 
 
 def _job(message: Message) -> _Job:
     """The task of ``message``; raises ``WireError``/``ConfigError`` naming the bad field."""
     task = Task.parse(str(message.content.config_records["config"]["task"]))
-    mu = proximal_mu_of(message) if message.metadata.message_type == "train" else 0.0
-    return _Job(task, *task_sections(task.model, task.training), mu)
+    train = message.metadata.message_type == "train"
+    mu, attempt = (proximal_mu_of(message), attempt_of(message)) if train else (0.0, 1)
+    return _Job(task, *task_sections(task.model, task.training), mu, attempt)
 
 
 def _with_job(handle: Callable[[Message, _Job], Message]) -> Callable[[Message, Context], Message]:
@@ -277,7 +279,11 @@ class EdgeAgent:
             trainer = self._trainer(job, lease.segment)
             with self._peak() as peak:
                 report = trainer.train_round(
-                    number, seed=seed, step=lease.train_step, cancelled=cancelled
+                    number,
+                    seed=seed,
+                    step=lease.train_step,
+                    cancelled=cancelled,
+                    attempt=job.attempt,
                 )
             arrays = lease.state()
         self.rounds += 1

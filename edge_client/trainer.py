@@ -164,6 +164,7 @@ class EdgeTrainer:
         seed: int = 0,
         step: Callable[[torch.Tensor, torch.Tensor], StepResult] | None = None,
         cancelled: Callable[[], bool] | None = None,
+        attempt: int = 1,
     ) -> EdgeRoundReport:
         """``local_epochs`` passes over the local data; raises TimeoutError without credits.
         ``step`` trains one batch (default: the segment's own step; a simulation host passes
@@ -173,7 +174,7 @@ class EdgeTrainer:
         step = step or self.segment.train_step
         started, before = time.perf_counter(), self._counters()
         losses: list[float] = []
-        self.gate.start_round(round_number)
+        self.gate.start_round(round_number, attempt)  # a retried round: a new attempt
         batches = self._batches(round_number, seed)
         for batch in batches:
             if not self.gate.acquire(self.config.credit_timeout, cancelled):

@@ -23,7 +23,7 @@ from split_models.errors import ConfigError
 from split_models.zoo import build_model
 from wire.channel import Channel
 from wire.errors import WireError
-from wire.flower import array_record, numpy_arrays, proximal_mu_of, round_of
+from wire.flower import array_record, attempt_of, numpy_arrays, proximal_mu_of, round_of
 from wire.roles import Announcement, Task, go_online
 from wire.session import RoundAbandoned, SessionWatch
 from wire.transport import Transport
@@ -97,11 +97,11 @@ class GpuAgent:
             try:
                 task = Task.parse(str(message.content.config_records["config"]["task"]))
                 sections = task_sections(task.model, task.training)
-                mu = proximal_mu_of(message)
+                mu, attempt = proximal_mu_of(message), attempt_of(message)
             except (WireError, ConfigError) as error:
                 log.warning("rejected a task: %s", error)
                 return Message(Error(code=3, reason=f"bad task: {error}"), reply_to=message)
-            return self._round(message, task, sections, mu)
+            return self._round(message, task, sections, (mu, attempt))
 
         return app
 
@@ -110,17 +110,17 @@ class GpuAgent:
         message: Message,
         task: Task,
         sections: tuple[ModelConfig, TrainingConfig],
-        proximal_mu: float = 0.0,
+        options: tuple[float, int] = (0.0, 1),
     ) -> Message:
         """Train one round of ``task`` on its edges' streams and reply before the deadline
-        (with FedProx's proximal term when ``proximal_mu > 0``)."""
+        (``options``: FedProx's proximal weight and the coordinator's try of the round)."""
         started = time.perf_counter()
         back = self.back(task, sections)
         weights = numpy_arrays(message)
         number = round_of(message)
         peers = [s for s in task.servers if s != self.device]
         cancelled = self.sessions.follow(task.run, task.session)
-        back.begin_round(number, task.edges, weights, peers=peers, proximal_mu=proximal_mu)
+        back.begin_round(number, task.edges, weights, peers, *options)
         wait = server_wait_seconds(sections[1].round_deadline_seconds)
         examples, loss = back.wait_round(task.edges, wait, cancelled)
         if cancelled():

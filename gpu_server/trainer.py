@@ -98,6 +98,7 @@ class BackTrainer:
         weights: Mapping[str, np.ndarray] | None = None,
         peers: Iterable[str] = (),
         proximal_mu: float = 0.0,
+        attempt: int = 1,
     ) -> None:
         """Load the round's weights, then open every device's credit window for the round.
 
@@ -115,7 +116,7 @@ class BackTrainer:
             if self.chain is not None:  # a retried round counts its batches afresh
                 self.chain.begin(round_number)
 
-        self.stream.begin_round(round_number, devices, peers, setup)
+        self.stream.begin_round(round_number, devices, peers, setup, attempt)
 
     def wait_round(
         self,

@@ -35,8 +35,8 @@ class CreditGate:
         edge agent subscribes once for every run, so no credit sent before it learns of a
         run is lost)."""
         self._credits = 0
-        self._round = 0
-        self._ahead: dict[int, int] = {}  # credits granted for rounds not started here yet
+        self._round = (0, 1)  # (round, attempt): a retried round is a new attempt of it
+        self._ahead: dict[tuple[int, int], int] = {}  # credits of attempts not started here
         self._condition = threading.Condition()
         self._clock = clock
         self.waited_seconds = 0.0
@@ -46,23 +46,27 @@ class CreditGate:
             )
 
     def on_credit(self, envelope: Envelope) -> None:
-        granted = envelope.meta.get("credits")
-        if isinstance(granted, int) and 0 < granted <= 1_000_000:
+        granted, attempt = envelope.meta.get("credits"), envelope.meta.get("attempt", 1)
+        valid = isinstance(attempt, int) and not isinstance(attempt, bool) and 0 < attempt < 1000
+        if valid and isinstance(granted, int) and 0 < granted <= 1_000_000:
+            key = (envelope.round, attempt)
             with self._condition:
-                if envelope.round < self._round:
-                    return  # a credit of a past round: the server's weights have moved on
-                if envelope.round > self._round:
-                    self._ahead[envelope.round] = self._ahead.get(envelope.round, 0) + granted
+                if key < self._round:
+                    return  # a credit of a past round or attempt: the weights have moved on
+                if key > self._round:
+                    if key in self._ahead or len(self._ahead) < 64:
+                        self._ahead[key] = self._ahead.get(key, 0) + granted
                     return
             self.grant(granted)
 
-    def start_round(self, round_number: int) -> None:
-        """Forget unused credits: in the new round the server grants a fresh window, after
-        loading the round's weights, so no batch reaches it early."""
+    def start_round(self, round_number: int, attempt: int = 1) -> None:
+        """Forget unused credits: in the new round (or a new attempt of it, when the
+        coordinator retries it) the server grants a fresh window, after loading the round's
+        weights, so no batch reaches it early."""
         with self._condition:
-            self._round = round_number
-            self._credits = self._ahead.pop(round_number, 0)
-            self._ahead = {r: c for r, c in self._ahead.items() if r > round_number}
+            self._round = key = (round_number, attempt)
+            self._credits = self._ahead.pop(key, 0)
+            self._ahead = {r: c for r, c in self._ahead.items() if r > key}
             self._condition.notify_all()
 
     def grant(self, credits: int) -> None:
@@ -103,6 +107,7 @@ class CreditGranter:
         if window < 1:
             raise ValueError(f"window: must be >= 1, got {window}")
         self.channel, self.run, self.window = channel, run, window
+        self.attempt = 1  # of the round being served: a retried round's credits are apart
         self._opened: set[str] = set()  # devices with a window; credits go only to them
         self._lock = threading.Lock()
 
@@ -125,5 +130,5 @@ class CreditGranter:
             "credit",
             self.run,
             round=round_number,
-            meta={"credits": credits},
+            meta={"credits": credits, "attempt": self.attempt},
         )

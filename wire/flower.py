@@ -35,6 +35,7 @@ __all__ = [
     "FlowerNode",
     "TransportGrid",
     "array_record",
+    "attempt_of",
     "node_will",
     "numpy_arrays",
     "proximal_mu_of",
@@ -67,6 +68,15 @@ def round_of(message: Message) -> int:
     ``round-offset`` a resumed coordinator sends (rounds it had committed before)."""
     config = message.content.config_records["config"]
     return int(config["server-round"]) + int(config.get("round-offset", 0))  # type: ignore[arg-type]
+
+
+def attempt_of(message: Message) -> int:
+    """Which try of its round a ``train`` message is (1 unless the coordinator retried it);
+    a value that is not an integer in ``[1, 999]`` raises :class:`WireError`."""
+    value = message.content.config_records["config"].get("attempt", 1)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 1000:
+        raise WireError("config", f"attempt must be an integer in [1, 999], got {value!r}")
+    return value
 
 
 def proximal_mu_of(message: Message) -> float:

@@ -164,6 +164,7 @@ class StreamServer:
         senders: Iterable[str],
         peers: Iterable[str] = (),
         setup: Callable[[], None] | None = None,
+        attempt: int = 1,
     ) -> None:
         """Serve round ``number`` for ``senders`` (with ``peers`` sharing the stream): run
         ``setup`` (load the round's weights) before any batch of the round is handled, train
@@ -191,6 +192,7 @@ class StreamServer:
         if self._ledger.peers:
             self._publish_counts()
         self._settle()
+        self.granter.attempt = attempt  # the senders' gates take only this attempt's credits
         for sender in sorted(self._ledger.senders):
             self.granter.open(sender, number)
 

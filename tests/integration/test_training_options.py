@@ -3,6 +3,7 @@ against FedAvg, reproducible seeded runs (simulations on the bundled digits, in-
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 from coordinator.aggregation import STRATEGIES
+from coordinator.errors import CoordinatorError
 from simulation.config import parse_sim_config
 from simulation.simulator import simulate
 from storage import open_store
@@ -69,3 +71,17 @@ def test_two_seeded_simulations_give_the_same_weights(
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
     _, other = _simulate(tmp_path, "c", seed=4, **settings)
     assert not all(np.array_equal(a[k], other[k]) for k in a), "the seed matters"
+
+
+def test_a_first_round_that_blows_up_is_not_committed(tmp_path: Path) -> None:
+    # Flower's FedAdagrad step of 0.1 takes the cnn to a loss of hundreds in round 1
+    config = parse_sim_config(
+        {"rounds": 1, "measure_memory": False, "strategy": {"name": "fedadagrad", "eta": 0.1}}
+    )
+    with pytest.raises(CoordinatorError, match="round 1 failed 3 times"):
+        simulate(config, tmp_path / "run", run_id="blown")
+    with open_store(f"sqlite:///{tmp_path / 'run' / 'runs.db'}") as store:
+        reasons = [e.detail for e in store.events("blown") if e.kind == "round-failed"]
+        assert store.resume("blown") is None, "nothing committed"
+    assert len(reasons) == 3, reasons  # judged against the initial weights' loss (about 3)
+    assert all(re.search(r"evaluation loss jumped from [23]\.\d+ to \d{2,}", r) for r in reasons)

@@ -187,3 +187,24 @@ def test_an_ordered_stream_hands_batches_on_sender_by_sender_in_name_order() -> 
     assert _until(lambda: gates["pi-03"].available == 4)
     done("pi-03", 2)
     assert server.wait_round(5.0) and server.stats.rejected["non_finite"] == 1
+
+
+def test_a_retried_rounds_credits_are_kept_apart_from_the_first_attempts() -> None:
+    hub = InProcessHub()
+    gate = CreditGate(Channel(hub.connect(EDGE), EDGE), RUN, EDGE, subscribe=False)
+
+    def credit(number: int, attempt: int, credits: int = 2) -> None:
+        meta = {"credits": credits, "attempt": attempt}
+        gate.on_credit(Envelope("credit", RUN, "gpu-a", 0, number, meta, {}))
+
+    gate.start_round(1)
+    credit(1, 1)
+    assert gate.available == 2
+    credit(1, 2)  # the retry's window, before this edge heard of the retry
+    credit(1, 1, 1)  # a late credit of the first attempt
+    assert gate.available == 3
+    gate.start_round(1, attempt=2)
+    assert gate.available == 2, "the retry starts with its own window only"
+    credit(1, 1, 1)
+    credit(1, 0, 5)  # not an attempt: ignored
+    assert gate.available == 2
