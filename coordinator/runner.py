@@ -28,7 +28,7 @@ from coordinator.aggregation import flower_quiet
 from coordinator.errors import CoordinatorError
 from coordinator.guard import divergence, non_finite_tensors
 from coordinator.recorder import Outcome, RoundRecorder
-from storage.records import DeviceResult
+from storage.records import DeviceResult, RoundRecord
 from wire.flower import TransportGrid, array_record, numpy_arrays
 
 __all__ = ["EdgeView", "RoundRunner", "RoundWork", "Sampled", "shortfall"]
@@ -175,29 +175,43 @@ class RoundRunner:
                 work.messages, work.servers, work.require_server, outcome, self.min_edges
             )
             if why is None:
-                names = {m.metadata.dst_node_id: d for d, m in work.messages.items()}
-                self.strategy.node_names = names  # type: ignore[attr-defined]
-                merged = self.recorder.aggregate(number, [replies[d] for d in sorted(outcome.ok)])
-                if merged is None:
-                    self.recorder.failed(
-                        number, attempt, self.attempts, "the strategy aggregated nothing"
-                    )
-                    continue
-                evaluation = self.recorder.central_evaluation(merged)
-                if evaluate is not None:
-                    trained = [d for d in outcome.ok if d not in work.servers]
-                    evaluation |= evaluate(number, merged, trained)
-                diverged = divergence(merged, evaluation, outcome.results, previous)
-                if diverged is None:
-                    self.recorder.commit(number, merged, outcome, evaluation, list(work.servers))
+                merged, why = self._commit(number, work, replies, outcome, (evaluate, previous))
+                if merged is not None:
                     return merged
-                why = f"not committed: {diverged}"
             self.recorder.record(number, outcome)
             self.recorder.failed(number, attempt, self.attempts, why)
         raise CoordinatorError(
             f"round {number} failed {self.attempts} times; see `edgesplit status --run "
             f"{self.recorder.run_id}` and the run's events"
         )
+
+    def _commit(
+        self,
+        number: int,
+        work: RoundWork,
+        replies: dict[str, Message],
+        outcome: Outcome,
+        judge: tuple[Any, RoundRecord | None],
+    ) -> tuple[dict[str, np.ndarray] | None, str]:
+        """Aggregate, evaluate and commit a sufficient attempt: its weights, or None and why
+        it did not commit. ``judge``: the federated evaluation (or None) and the round the
+        new one is judged against."""
+        evaluate, previous = judge
+        self.strategy.node_names = {  # type: ignore[attr-defined]
+            m.metadata.dst_node_id: d for d, m in work.messages.items()
+        }
+        merged = self.recorder.aggregate(number, [replies[d] for d in sorted(outcome.ok)])
+        if merged is None:
+            return None, "the strategy aggregated nothing"
+        evaluation = self.recorder.central_evaluation(merged)
+        if evaluate is not None:
+            trained = [d for d in outcome.ok if d not in work.servers]
+            evaluation |= evaluate(number, merged, trained)
+        diverged = divergence(merged, evaluation, outcome.results, previous)
+        if diverged is not None:
+            return None, f"not committed: {diverged}"
+        self.recorder.commit(number, merged, outcome, evaluation, list(work.servers))
+        return merged, ""
 
     def collect(
         self, messages: dict[str, Message], deadline: float, observed: bool = True
