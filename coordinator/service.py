@@ -220,7 +220,7 @@ class Coordinator:
         if changes:
             log.warning("run %s changes its config: %s", config.run_id, describe_changes(changes))
             store.add_event(config.run_id, Event("config-changed", describe_changes(changes)))
-        if changes or run.config != config.to_dict():  # rounds, deadline, devices: allowed
+        if run.config != config.to_dict():  # also rounds, deadline, devices: allowed
             store.set_run_config(config.run_id, config.to_dict())
         log.info("resuming run %s after round %s", config.run_id, run.current_round or 0)
 

@@ -13,6 +13,7 @@ as the split methods, so every round is committed to the run store the same way.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -50,6 +51,7 @@ from wire.flower import (
 from wire.transport import InProcessHub
 
 __all__ = [
+    "model_profile",
     "run_baseline",
     "train_centralized",
     "train_fedavg",
@@ -188,15 +190,25 @@ class _Whole:
     num_blocks: int = 0
 
 
+@functools.lru_cache(maxsize=16)
+def _profile_of(
+    model: str, shape: tuple[int, ...], classes: int, local_loss: str, batch: int
+) -> ModelProfile:
+    return profile_in_fresh_process(model, shape, classes, (local_loss,), batch)
+
+
+def model_profile(model: ModelConfig, training: TrainingConfig) -> ModelProfile:
+    """The model's profile, measured in a fresh process once per model, local loss and batch
+    in this process (a host running many simulations, a benchmark's or a test's, profiles
+    each model once)."""
+    return _profile_of(
+        model.name, model.input_shape, model.num_classes, training.local_loss, training.batch_size
+    )
+
+
 def _whole_profile(config: SimConfig) -> _Whole:
     model, training = config.model, config.training
-    profile = profile_in_fresh_process(
-        model.name,
-        model.input_shape,
-        model.num_classes,
-        (training.local_loss,),
-        training.batch_size,
-    )
+    profile = model_profile(model, training)
     return _Whole(
         whole_model_bytes(training, profile),
         sum(b.flops for b in profile.blocks),

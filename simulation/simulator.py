@@ -13,7 +13,6 @@ defaults run on scikit-learn's bundled digits, offline.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import time
@@ -30,15 +29,14 @@ from coordinator.planner import stored_plan
 from coordinator.service import Coordinator, RoundObserver
 from edge_client.agent import EdgeAgent
 from gpu_server.agent import GpuAgent
+from simulation.baselines import model_profile, run_baseline
 from simulation.config import BASELINES, Profile, SimConfig, client_names, run_config
 from simulation.pool import SegmentPool
 from simulation.report import client_rows, round_rows, write_outputs
 from split_models.data import Dataset, load_dataset, partition
 from split_models.errors import ConfigError
-from split_models.isolated import profile_in_fresh_process
 from split_models.measure import measure_in_fresh_process
 from split_models.plan import EdgeAssignment, Plan
-from split_models.profiler import ModelProfile
 from split_models.segment import Segment
 from storage import open_store
 from wire.flower import node_will
@@ -168,23 +166,6 @@ class _Observers(RoundObserver):
             observer.round_committed(number, evaluation, results, servers)
 
 
-@functools.lru_cache(maxsize=16)
-def _profile_of(
-    model: str, shape: tuple[int, ...], classes: int, local_loss: str, batch: int
-) -> ModelProfile:
-    return profile_in_fresh_process(model, shape, classes, (local_loss,), batch)
-
-
-def _profile(run: RunConfig) -> ModelProfile:
-    """The model's profile, measured in a fresh process once per model, local loss and batch
-    in this process (a host running many simulations, a benchmark's or a test's, profiles
-    each model once)."""
-    model, training = run.model, run.training
-    return _profile_of(
-        model.name, model.input_shape, model.num_classes, training.local_loss, training.batch_size
-    )
-
-
 def _measure_peaks(
     config: SimConfig, edges: dict[str, EdgeAssignment]
 ) -> dict[tuple[int, int], int | None]:
@@ -283,7 +264,11 @@ def _split_learning(
         observers = _Observers(fleet, *([observer] if observer is not None else []))
         with open_store(f"sqlite:///{out / 'runs.db'}") as store:
             coordinator = Coordinator(
-                run, store, connect("coordinator"), observer=observers, profile=_profile
+                run,
+                store,
+                connect("coordinator"),
+                observer=observers,
+                profile=lambda run: model_profile(run.model, run.training),
             )
             fleet.coordinator = coordinator
             coordinator.run()
@@ -314,8 +299,6 @@ def _baseline(
     run_id: str,
     started: float,
 ) -> dict[str, Any]:
-    from simulation.baselines import run_baseline
-
     with open_store(f"sqlite:///{out / 'runs.db'}") as store:
         rows, clients, plan = run_baseline(config, data, parts, store, run_id)
     return {
