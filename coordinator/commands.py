@@ -7,11 +7,11 @@ import json
 import sys
 
 from coordinator.partitioner import PartitionConfig, plan_split
+from split_models.config import ModelConfig, parse_config
 from split_models.devices import load_devices
 from split_models.errors import ConfigError
 from split_models.profiler import profile_model
 from split_models.units import format_bytes
-from split_models.zoo import build_model
 
 __all__ = [
     "coordinator_command",
@@ -19,6 +19,35 @@ __all__ = [
     "plan_command",
     "profile_command",
 ]
+
+
+def parse_range(text: str | None, field: str = "--input-range") -> list[int] | None:
+    """Parse ``"1000"`` (ids in [0, 1000)) or ``"0,1000"`` into [low, high]."""
+    if text is None:
+        return None
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        values = []
+    if len(values) == 1:
+        values = [0, *values]
+    if len(values) != 2 or not values[0] < values[1]:
+        raise ConfigError(f"{field}: expected N or LOW,HIGH with LOW < HIGH, got {text!r}")
+    return values
+
+
+def model_section(args: argparse.Namespace) -> ModelConfig:
+    """The model section from ``--model``, ``--input-shape`` and the input flags."""
+    data: dict[str, object] = {
+        "model": args.model,
+        "input_shape": list(parse_shape(args.input_shape)),
+        "num_classes": args.num_classes,
+        "input_dtype": args.input_dtype,
+        "input_range": parse_range(args.input_range),
+    }
+    if args.split_points:
+        data["split_points"] = [p.strip() for p in args.split_points.split(",") if p.strip()]
+    return parse_config(ModelConfig, data, "flags", prefix="--")
 
 
 def parse_shape(text: str, field: str = "--input-shape") -> tuple[int, ...]:
@@ -42,7 +71,7 @@ def plan_command(args: argparse.Namespace) -> int:
         min_edge_blocks=args.min_edge_blocks,
     )
     devices = load_devices(args.devices)
-    model = build_model(args.model, parse_shape(args.input_shape), args.num_classes, seed=0)
+    model = model_section(args).build(seed=0)
     print(f"profiling {args.model} ({model.num_blocks} blocks)...", file=sys.stderr, flush=True)
     profile = profile_model(model, local_losses=(args.local_loss,), batch_size=args.batch_size)
     plan = plan_split(profile, devices, config)
@@ -52,7 +81,7 @@ def plan_command(args: argparse.Namespace) -> int:
 
 def profile_command(args: argparse.Namespace) -> int:
     """``edgesplit profile``: per-block profile of a model at a batch size."""
-    model = build_model(args.model, parse_shape(args.input_shape), args.num_classes, seed=0)
+    model = model_section(args).build(seed=0)
     losses = tuple(args.local_loss or ("linear", "mlp", "supcon"))
     profile = profile_model(model, local_losses=losses, batch_size=args.batch_size)
     if args.json:

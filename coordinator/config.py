@@ -54,7 +54,9 @@ from split_models.config import (
     parse_duration,
     setting,
 )
+from split_models.data import resolve_spec
 from split_models.errors import ConfigError
+from split_models.zoo import add_model_path
 from wire.topics import check_name
 
 __all__ = [
@@ -197,12 +199,18 @@ def describe_changes(changes: Mapping[str, tuple[Any, Any]]) -> str:
 
 
 def load_run_config(path: str | Path) -> RunConfig:
-    """Read and validate a RUN.yaml file."""
+    """Read and validate a RUN.yaml file. Data paths in it are relative to its folder, and a
+    ``package.module:function`` model is also looked for there."""
     try:
         text = Path(path).read_text()
     except OSError as error:
         raise ConfigError(f"run config {str(path)!r} cannot be read: {error.strerror}") from error
     try:
-        return RunConfig.parse(yaml.safe_load(text))
+        data = yaml.safe_load(text)
     except yaml.YAMLError as error:
         raise ConfigError(f"run config {str(path)!r} is not valid YAML: {error}") from error
+    folder = Path(path).parent
+    add_model_path(folder)
+    if isinstance(data, dict) and isinstance(data.get("eval_data"), str):
+        data = {**data, "eval_data": resolve_spec(data["eval_data"], folder)}
+    return RunConfig.parse(data)

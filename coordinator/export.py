@@ -19,7 +19,6 @@ from split_models.errors import ConfigError
 from split_models.onnx_export import check_onnx, export_onnx
 from split_models.segment import Segment
 from split_models.weights import load_segment_state
-from split_models.zoo import build_model
 from storage.base import RunStore
 
 __all__ = ["TOLERANCE", "ExportResult", "export_run"]
@@ -39,9 +38,10 @@ class ExportResult:
         return self.max_abs_diff <= TOLERANCE
 
 
-def _export(segment: Segment, name: str, input_shape: tuple[int, ...], out: Path) -> ExportResult:
-    path = export_onnx(segment.module, input_shape, out / f"{name}.onnx")
-    check = check_onnx(path, segment.module, input_shape)
+def _export(segment: Segment, name: str, spec: ModelConfig, out: Path) -> ExportResult:
+    shape, ids = spec.input_shape, spec.input_range
+    path = export_onnx(segment.module, shape, out / f"{name}.onnx", ids)
+    check = check_onnx(path, segment.module, shape, input_range=ids)
     return ExportResult(name, (segment.start, segment.end), path, check.max_abs_diff)
 
 
@@ -62,12 +62,11 @@ def export_run(
     for tensors in state.weights.values():
         weights.update(tensors)
     spec = stored_section(ModelConfig, run.config, f"run {run_id!r}'s stored config")
-    input_shape = spec.input_shape
-    model = build_model(spec.name, input_shape, spec.num_classes, seed=0)
+    model = spec.build(seed=0)
     whole = Segment.from_model(model, 0, model.num_blocks)
     load_segment_state(whole, weights)
     out.mkdir(parents=True, exist_ok=True)
-    results = [_export(whole, f"{run_id}-round{number}-model", input_shape, out)]
+    results = [_export(whole, f"{run_id}-round{number}-model", spec, out)]
     if per_device:
         plan = stored_plan(run)
         if plan is None or not plan.edges:
@@ -77,7 +76,7 @@ def export_run(
                 _export(
                     Segment.from_model(model, 0, edge.blocks[1]),
                     f"{run_id}-round{number}-{edge.name}",
-                    input_shape,
+                    spec,
                     out,
                 )
             )

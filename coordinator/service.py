@@ -43,6 +43,7 @@ from coordinator.errors import CoordinatorError
 from coordinator.planner import Placement, Planner
 from coordinator.recorder import WEIGHTS_SEGMENT, Evaluate, RoundObserver, RoundRecorder
 from coordinator.runner import RoundRunner, RoundWork
+from split_models.config import ModelConfig
 from split_models.data import Dataset, load_dataset
 from split_models.errors import ConfigError, SplitError
 from split_models.evaluation import evaluate_weights
@@ -50,7 +51,6 @@ from split_models.isolated import profile_in_fresh_process
 from split_models.profiler import ModelProfile
 from split_models.segment import Segment
 from split_models.weights import segment_state
-from split_models.zoo import build_model
 from storage.base import RunStore
 from storage.errors import NotFoundError
 from storage.records import Event
@@ -72,15 +72,10 @@ log = logging.getLogger(__name__)
 
 
 def initial_weights(
-    model_name: str,
-    input_shape: tuple[int, ...],
-    num_classes: int,
-    local_loss: str,
-    cuts: Sequence[int],
-    seed: int,
+    spec: ModelConfig, local_loss: str, cuts: Sequence[int], seed: int
 ) -> dict[str, np.ndarray]:
     """The model's blocks and a local head for every cut, all from ``seed``."""
-    model = build_model(model_name, input_shape, num_classes, seed=seed)
+    model = spec.build(seed=seed)
     weights = segment_state(Segment.from_model(model, 0, model.num_blocks))
     for cut in sorted(set(cuts)):
         torch.manual_seed(seed * 1000 + cut)
@@ -177,9 +172,7 @@ class Coordinator:
             b.end for b in placement.servers if b.end < placement.plan.num_blocks
         ]
         weights = initial_weights(
-            config.model.name,
-            config.model.input_shape,
-            config.model.num_classes,
+            config.model,
             config.training.local_loss,
             cuts,
             config.training.seed,
@@ -313,22 +306,14 @@ class Coordinator:
 
 def _central(config: RunConfig, data: Dataset) -> Evaluate:
     def evaluate(weights: Mapping[str, np.ndarray]) -> dict[str, float]:
-        return evaluate_weights(
-            config.model.name,
-            config.model.input_shape,
-            config.model.num_classes,
-            dict(weights),
-            data,
-        )
+        return evaluate_weights(config.model, dict(weights), data)
 
     return evaluate
 
 
 def _profile_fresh(config: RunConfig) -> ModelProfile:
     return profile_in_fresh_process(
-        config.model.name,
-        config.model.input_shape,
-        config.model.num_classes,
+        config.model,
         (config.training.local_loss,),
         config.training.batch_size,
     )

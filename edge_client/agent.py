@@ -33,7 +33,6 @@ from split_models.evaluation import evaluate_weights
 from split_models.measure import PeakMeter, peak_supported
 from split_models.segment import Segment
 from split_models.units import format_bytes
-from split_models.zoo import build_model
 from wire import topics
 from wire.channel import Channel
 from wire.codec import Envelope, encode
@@ -188,7 +187,7 @@ class EdgeAgent:
 
     def _build_segment(self, job: _Job) -> Segment:
         task, spec, training = job.task, job.model, job.training
-        model = build_model(spec.name, spec.input_shape, spec.num_classes, seed=training.seed)
+        model = spec.build(seed=training.seed)
         segment = Segment.from_model(
             model, task.start, task.end, training.local_loss, training.optimizer
         )
@@ -258,9 +257,7 @@ class EdgeAgent:
             weights = numpy_arrays(message)
             spec = job.model
             with self.source.slot():  # on a shared host, bounded as training is
-                result = evaluate_weights(
-                    spec.name, spec.input_shape, spec.num_classes, weights, held_out, 64
-                )
+                result = evaluate_weights(spec, weights, held_out, 64)
             count = len(held_out)
         metrics = MetricRecord({"num-examples": count, **result})
         return Message(RecordDict({"metrics": metrics}), reply_to=message)

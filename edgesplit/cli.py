@@ -19,6 +19,7 @@ from split_models.config import TrainingConfig, default_of
 from split_models.heads import LOCAL_LOSSES
 from split_models.runtime import configure_process
 from split_models.segment import OPTIMIZERS, OptimizerConfig
+from split_models.zoo import INPUT_DTYPES
 from wire.codec import ENCODINGS
 
 __all__ = ["main"]
@@ -39,11 +40,29 @@ def _model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--num-classes", type=int, default=_MODEL_CLASSES, help="default: %(default)s"
     )
+    _input_flags(parser)
+    parser.add_argument(
+        "--split-points",
+        help="module names the model may be cut before, comma-separated (default: every legal cut)",
+    )
     parser.add_argument(
         "--batch-size",
         type=int,
         default=default_of(TrainingConfig, "batch_size"),
         help="default: %(default)s, as in RUN.yaml",
+    )
+
+
+def _input_flags(parser: argparse.ArgumentParser, default: str | None = "float32") -> None:
+    parser.add_argument(
+        "--input-dtype",
+        choices=tuple(INPUT_DTYPES),
+        default=default,
+        help="float32 (images, features) or int64 (token ids; give --input-range)"
+        + (" (default: %(default)s)" if default else ""),
+    )
+    parser.add_argument(
+        "--input-range", help="token ids: N (ids in [0, N)) or LOW,HIGH (ids in [LOW, HIGH))"
     )
 
 
@@ -210,6 +229,14 @@ def _simulate_parser(commands: argparse._SubParsersAction) -> None:  # type: ign
         f"{defaults.data.data})",
     )
     sim.add_argument("--test-data", help="held-out data (else test_fraction of --data)")
+    sim.add_argument(
+        "--model",
+        help=f"zoo model or package.module:function (default: the config's, else "
+        f"{defaults.model.name})",
+    )
+    sim.add_argument("--input-shape", help="e.g. 3,32,32 (default: the config's, else 1,8,8)")
+    sim.add_argument("--num-classes", type=int, help="default: the config's")
+    _input_flags(sim, default=None)
     sim.add_argument(
         "--seed", type=int, help=f"default: the config's, else {defaults.training.seed}"
     )

@@ -20,7 +20,6 @@ from flwr.clientapp import ClientApp
 from gpu_server.trainer import BackTrainer
 from split_models.config import ModelConfig, TrainingConfig, task_sections
 from split_models.errors import ConfigError
-from split_models.zoo import build_model
 from wire.channel import Channel
 from wire.errors import WireError
 from wire.flower import array_record, attempt_of, numpy_arrays, proximal_mu_of, round_of
@@ -66,7 +65,7 @@ class GpuAgent:
         if known is None or known[0] != key:
             if known is not None:  # re-planned: the old piece leaves its streams first (the
                 known[1].close()  # new one may subscribe to the same filters)
-            model = build_model(spec.name, spec.input_shape, spec.num_classes, seed=training.seed)
+            model = spec.build(seed=training.seed)
             trainer = BackTrainer(
                 Channel(self.stream, self.device),
                 model,

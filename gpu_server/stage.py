@@ -87,7 +87,7 @@ def _specs(model: SplittableModel, start: int, end: int) -> dict[int, TensorSpec
     """The input spec at each cut a batch may enter ``[start, end)`` at."""
     specs = {}
     with torch.no_grad():
-        probe = torch.zeros(1, *model.input_shape)
+        probe = model.example_input(1, zeros=True)
         for index, block in enumerate(model.blocks):
             if not index + 1 < end:
                 break

@@ -37,7 +37,6 @@ from split_models.memory import estimate_segment_memory
 from split_models.profiler import ModelProfile
 from split_models.segment import Segment
 from split_models.weights import load_segment_state, segment_state
-from split_models.zoo import build_model
 from storage.base import RunStore
 from wire.flower import (
     FlowerNode,
@@ -63,7 +62,7 @@ log = logging.getLogger(__name__)
 
 def _whole(config: SimConfig) -> Segment:
     model = config.model
-    built = build_model(model.name, model.input_shape, model.num_classes, seed=config.training.seed)
+    built = model.build(seed=config.training.seed)
     return Segment.from_model(built, 0, built.num_blocks, optimizer=config.training.optimizer)
 
 
@@ -86,9 +85,7 @@ def _epochs(segment: Segment, data: Dataset, training: TrainingConfig, seed: int
 def _evaluate(
     model: ModelConfig, test: Dataset
 ) -> Callable[[Mapping[str, np.ndarray]], dict[str, float]]:
-    return lambda weights: evaluate_weights(
-        model.name, model.input_shape, model.num_classes, weights, test
-    )
+    return lambda weights: evaluate_weights(model, weights, test)
 
 
 def _client(config: SimConfig, data: Dataset, reset: bool, upload: bool) -> ClientApp:
@@ -191,19 +188,15 @@ class _Whole:
 
 
 @functools.lru_cache(maxsize=16)
-def _profile_of(
-    model: str, shape: tuple[int, ...], classes: int, local_loss: str, batch: int
-) -> ModelProfile:
-    return profile_in_fresh_process(model, shape, classes, (local_loss,), batch)
+def _profile_of(model: ModelConfig, local_loss: str, batch: int) -> ModelProfile:
+    return profile_in_fresh_process(model, (local_loss,), batch)
 
 
 def model_profile(model: ModelConfig, training: TrainingConfig) -> ModelProfile:
     """The model's profile, measured in a fresh process once per model, local loss and batch
     in this process (a host running many simulations, a benchmark's or a test's, profiles
     each model once)."""
-    return _profile_of(
-        model.name, model.input_shape, model.num_classes, training.local_loss, training.batch_size
-    )
+    return _profile_of(model, training.local_loss, training.batch_size)
 
 
 def _whole_profile(config: SimConfig) -> _Whole:

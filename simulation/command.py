@@ -15,6 +15,7 @@ def simulate_command(args: argparse.Namespace) -> int:
     import logging
     from pathlib import Path
 
+    from coordinator.commands import parse_range, parse_shape
     from coordinator.service import RoundObserver
     from simulation.config import load_sim_config
     from simulation.progress import RoundProgress
@@ -30,6 +31,11 @@ def simulate_command(args: argparse.Namespace) -> int:
         "clients": args.clients,
         "data": args.data,
         "test_data": args.test_data,
+        "model": args.model,
+        "input_shape": None if args.input_shape is None else list(parse_shape(args.input_shape)),
+        "num_classes": args.num_classes,
+        "input_dtype": args.input_dtype,
+        "input_range": parse_range(args.input_range),
         "seed": args.seed,
         "workers": args.workers,
         "batched": args.batched,

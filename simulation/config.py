@@ -62,9 +62,10 @@ from split_models.config import (
     parse_config,
     setting,
 )
-from split_models.data import PARTITIONS
+from split_models.data import PARTITIONS, resolve_spec
 from split_models.errors import ConfigError
 from split_models.segment import OptimizerConfig
+from split_models.zoo import add_model_path
 from wire.topics import check_name
 
 __all__ = [
@@ -318,6 +319,17 @@ def load_sim_config(path: str | Path | None, overrides: Mapping[str, Any]) -> Si
             raise ConfigError(
                 f"simulation config {str(path)!r} is not valid YAML: {error}"
             ) from error
+        folder = Path(path).parent
+        add_model_path(folder)  # a package.module:function model may sit beside the file
+        if isinstance(data, dict):  # its data paths are relative to its folder
+            data = {
+                **data,
+                **{
+                    key: resolve_spec(data[key], folder)
+                    for key in ("data", "test_data")
+                    if isinstance(data.get(key), str)
+                },
+            }
     return parse_sim_config(data, overrides)
 
 

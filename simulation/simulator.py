@@ -176,9 +176,7 @@ def _measure_peaks(
 
     def measure(blocks: tuple[int, int]) -> int | None:
         return measure_in_fresh_process(
-            model.name,
-            model.input_shape,
-            model.num_classes,
+            model,
             blocks[0],
             blocks[1],
             training.batch_size,

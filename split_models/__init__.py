@@ -1,6 +1,7 @@
 """The split core: splittable models, profiling, memory estimates, local-loss segments, ONNX,
 and datasets with their client partitions."""
 
+from split_models.autosplit import split_point
 from split_models.data import PARTITIONS, Dataset, load_dataset, partition
 from split_models.errors import ConfigError, InfeasiblePlanError, ModelError, SplitError
 from split_models.heads import LOCAL_LOSSES, LocalHead, TaskLoss, make_head
@@ -41,4 +42,5 @@ __all__ = [
     "profile_model",
     "profile_module",
     "segment_memory_table",
+    "split_point",
 ]

@@ -34,6 +34,7 @@ from split_models.errors import ConfigError
 from split_models.heads import LOCAL_LOSSES
 from split_models.segment import OptimizerConfig
 from split_models.units import parse_bandwidth, parse_flops, parse_memory
+from split_models.zoo import INPUT_DTYPES, ModelOptions, SplittableModel, build_model
 from wire.codec import ENCODINGS
 from wire.topics import check_name
 
@@ -368,6 +369,36 @@ def _plain(value: Any, dump: Callable[[Any], Any] | None) -> Any:
     return value
 
 
+def _input_range(value: object, path: str) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = [0, value]
+    if (
+        not isinstance(value, list | tuple)
+        or len(value) != 2
+        or any(isinstance(v, bool) or not isinstance(v, int) for v in value)
+        or not value[0] < value[1]
+    ):
+        raise ConfigError(
+            f"{path}: expected the number of token ids N (ids in [0, N)) or [low, high) "
+            f"with low < high, got {value!r}"
+        )
+    return int(value[0]), int(value[1])
+
+
+def _names(value: object, path: str) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list | tuple) or not all(isinstance(v, str) and v for v in value):
+        raise ConfigError(f"{path}: expected a list of module names, got {value!r}")
+    return tuple(value)
+
+
+def _listed(value: Any) -> Any:
+    return None if value is None else list(value)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Which network: a zoo name (or ``package.module:function``), its input and classes."""
@@ -375,6 +406,22 @@ class ModelConfig:
     name: str = setting(key="model", what="a zoo name or package.module:function")
     input_shape: tuple[int, ...] = setting(kind="shape")
     num_classes: int = setting(minimum=2)
+    input_dtype: str = setting("float32", choices=tuple(INPUT_DTYPES))
+    # token ids lie in [low, high); a single number N means [0, N)
+    input_range: tuple[int, int] | None = setting(None, parse=_input_range, dump=_listed)
+    # module names the model may be cut before (else every legal cut, split_models.autosplit)
+    split_points: tuple[str, ...] = setting((), parse=_names, dump=_listed)
+
+    def __post_init__(self) -> None:
+        self.options  # noqa: B018 (validates the combination)
+
+    @property
+    def options(self) -> ModelOptions:
+        return ModelOptions(self.input_dtype, self.input_range, self.split_points)
+
+    def build(self, seed: int | None = None) -> SplittableModel:
+        """The model this section names, built (``seed``: its initial weights)."""
+        return build_model(self.name, self.input_shape, self.num_classes, seed, self.options)
 
 
 @dataclass(frozen=True)

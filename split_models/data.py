@@ -1,15 +1,19 @@
 """Datasets as numpy arrays and their partitions across clients.
 
 Specs: ``npz:PATH`` (arrays ``x`` and ``y``; uint8 images are scaled to [0, 1] and given a
-channel axis), ``digits`` (scikit-learn's bundled 8x8 digits, if scikit-learn is installed),
-``folder:PATH`` (one sub-folder per class of image files, if Pillow is installed) and
-``torchvision:NAME:ROOT`` (a torchvision dataset already on disk, if torchvision is installed).
-Nothing is downloaded. Partitions: IID, Dirichlet(alpha) label skew, or label shards.
+channel axis, other integer arrays are token ids and stay int64), ``digits`` (scikit-learn's
+bundled 8x8 digits, if scikit-learn is installed), ``folder:PATH`` (one sub-folder per class of
+image files, if Pillow is installed) and ``torchvision:NAME:ROOT`` (a torchvision dataset
+already on disk, if torchvision is installed). Nothing is downloaded. From Python, any
+``torch.utils.data.Dataset`` of ``(input, label)`` pairs or numpy arrays work too
+(:func:`from_torch`, :func:`from_arrays`). Partitions: IID, Dirichlet(alpha) label skew, or
+label shards.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +21,15 @@ import numpy as np
 
 from split_models.errors import ConfigError
 
-__all__ = ["PARTITIONS", "Dataset", "load_dataset", "partition"]
+__all__ = [
+    "PARTITIONS",
+    "Dataset",
+    "from_arrays",
+    "from_torch",
+    "load_dataset",
+    "partition",
+    "resolve_spec",
+]
 
 PARTITIONS = ("iid", "dirichlet", "shards")
 _IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif"}
@@ -25,7 +37,8 @@ _IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif"}
 
 @dataclass(frozen=True)
 class Dataset:
-    """``x``: float32 [N, ...] features, ``y``: int64 [N] labels in ``[0, num_classes)``."""
+    """``x``: float32 [N, ...] features (or int64 token ids), ``y``: int64 [N] labels in
+    ``[0, num_classes)``."""
 
     x: np.ndarray
     y: np.ndarray
@@ -60,6 +73,8 @@ class Dataset:
 
 
 def _images(x: np.ndarray) -> np.ndarray:
+    if np.issubdtype(x.dtype, np.integer) and x.dtype != np.uint8:
+        return x.astype(np.int64)  # token ids
     values = x.astype(np.float32)
     if x.dtype == np.uint8:
         values /= 255.0
@@ -74,10 +89,50 @@ def _from_arrays(x: np.ndarray, y: np.ndarray, where: str) -> Dataset:
     if not np.issubdtype(y.dtype, np.integer):
         raise ConfigError(f"{where}: labels must be integers, got {y.dtype}")
     features = _images(x)
-    if not np.all(np.isfinite(features)):
+    if features.dtype.kind == "f" and not np.all(np.isfinite(features)):
         raise ConfigError(f"{where}: x contains NaN or infinity")
     labels = y.astype(np.int64)
     return Dataset(features, labels, int(labels.max()) + 1 if len(labels) else 0)
+
+
+def from_arrays(x: np.ndarray, y: np.ndarray, num_classes: int | None = None) -> Dataset:
+    """A dataset from numpy arrays: ``x`` [N, ...] (uint8 images are scaled to [0, 1], other
+    integers are token ids), ``y`` [N] integer labels."""
+    data = _from_arrays(np.asarray(x), np.asarray(y), "arrays")
+    return data if num_classes is None else Dataset(data.x, data.y, num_classes)
+
+
+def from_torch(dataset: object, num_classes: int | None = None) -> Dataset:
+    """A dataset from any ``torch.utils.data.Dataset`` (or sequence) of ``(input, label)``
+    pairs whose inputs are tensors, numpy arrays or PIL images of one size. It is read once,
+    into memory, as every client's share is sliced from it."""
+    try:
+        count = len(dataset)  # type: ignore[arg-type]
+    except TypeError as error:
+        raise ConfigError("data: the dataset has no len(); pass a map-style Dataset") from error
+    xs, ys = [], []
+    for index in range(count):
+        item = dataset[index]  # type: ignore[index]
+        if not isinstance(item, tuple | list) or len(item) < 2:
+            raise ConfigError(f"data: item {index} is not an (input, label) pair")
+        xs.append(_as_array(item[0], index))
+        ys.append(int(item[1]))
+    shapes = {x.shape for x in xs}
+    if len(shapes) > 1:
+        raise ConfigError(f"data: inputs differ in shape {sorted(shapes)[:4]}; resize them")
+    stacked = np.stack(xs) if xs else np.zeros((0, 1), dtype=np.float32)
+    if stacked.dtype == np.uint8 and stacked.ndim == 4 and stacked.shape[-1] in (1, 3, 4):
+        stacked = stacked.transpose(0, 3, 1, 2)  # PIL images: [N, H, W, C] -> [N, C, H, W]
+    return from_arrays(stacked, np.array(ys, dtype=np.int64), num_classes)
+
+
+def _as_array(value: object, index: int) -> np.ndarray:
+    if hasattr(value, "detach"):  # a tensor
+        return np.asarray(value.detach().cpu().numpy())
+    array = np.asarray(value)
+    if array.dtype == object:
+        raise ConfigError(f"data: input {index} is a {type(value).__name__}, not an array")
+    return array
 
 
 def _npz(path: str) -> Dataset:
@@ -138,10 +193,29 @@ def _torchvision(spec: str) -> Dataset:
     factory = getattr(datasets, name, None)
     if factory is None:
         raise ConfigError(f"torchvision:{spec}: torchvision has no dataset {name!r}")
-    data = factory(root or ".", download=False)
-    x = np.asarray(data.data)
-    y = np.asarray(data.targets)
-    return _from_arrays(x if x.ndim != 4 else x.transpose(0, 3, 1, 2), y, f"torchvision:{spec}")
+    takes_root = "root" in inspect.signature(factory).parameters
+    try:  # no download: the datasets that can fetch default to not
+        data = factory(root=root or ".") if takes_root else factory()
+    except (RuntimeError, OSError, TypeError, ValueError) as error:
+        raise ConfigError(f"torchvision:{spec}: cannot be read: {error}") from error
+    if hasattr(data, "data") and hasattr(data, "targets"):  # MNIST, CIFAR: arrays in memory
+        x = np.asarray(data.data)
+        y = np.asarray(data.targets)
+        x = x if x.ndim != 4 or x.shape[-1] not in (1, 3) else x.transpose(0, 3, 1, 2)
+        return _from_arrays(x, y, f"torchvision:{spec}")
+    return from_torch(data)  # ImageFolder, FakeData...
+
+
+def resolve_spec(spec: str, folder: str | Path) -> str:
+    """``spec`` with a relative path made relative to ``folder`` (a config file's)."""
+    kind, _, rest = spec.partition(":")
+    if kind in ("npz", "folder") and rest and not Path(rest).is_absolute():
+        return f"{kind}:{Path(folder) / rest}"
+    if kind == "torchvision" and rest:
+        name, _, root = rest.partition(":")
+        if root and not Path(root).is_absolute():
+            return f"torchvision:{name}:{Path(folder) / root}"
+    return spec
 
 
 def load_dataset(spec: str) -> Dataset:

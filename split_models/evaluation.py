@@ -9,25 +9,23 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from split_models.config import ModelConfig
 from split_models.data import Dataset
 from split_models.segment import Segment
 from split_models.weights import load_segment_state
-from split_models.zoo import build_model
 
 __all__ = ["evaluate_weights"]
 
 
 def evaluate_weights(
-    model_name: str,
-    input_shape: tuple[int, ...],
-    num_classes: int,
+    spec: ModelConfig,
     weights: Mapping[str, np.ndarray],
     data: Dataset,
     batch: int = 512,
 ) -> dict[str, float]:
     """Accuracy and mean cross-entropy of the assembled model (``weights`` of every block;
     local heads are ignored) on ``data``, in batches of ``batch`` without autograd."""
-    model = build_model(model_name, input_shape, num_classes, seed=0)
+    model = spec.build(seed=0)
     whole = Segment.from_model(model, 0, model.num_blocks)
     load_segment_state(whole, weights)
     correct, loss = 0, 0.0

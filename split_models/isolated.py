@@ -14,8 +14,9 @@ import argparse
 import json
 import subprocess
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
+from split_models.config import ModelConfig, config_to_dict, parse_config
 from split_models.errors import ConfigError, SplitError
 from split_models.profiler import ModelProfile
 
@@ -25,25 +26,19 @@ _ERROR_EXIT = 3
 
 
 def profile_in_fresh_process(
-    model: str,
-    input_shape: Sequence[int],
-    num_classes: int,
+    model: ModelConfig,
     local_losses: Iterable[str] = ("linear",),
     batch_size: int | None = None,
     timeout: float = 900.0,
 ) -> ModelProfile:
-    """:func:`~split_models.profiler.profile_model` of ``build_model(model, ...)`` in a child
-    process; a bad model or shape raises :class:`ConfigError` with the child's message."""
+    """:func:`~split_models.profiler.profile_model` of ``model.build()`` in a child process;
+    a bad model or shape raises :class:`ConfigError` with the child's message."""
     from split_models.measure import run_measuring_child
 
     arguments = [
         "split_models.isolated",
         "--model",
-        model,
-        "--input-shape",
-        ",".join(str(int(d)) for d in input_shape),
-        "--num-classes",
-        str(num_classes),
+        json.dumps(config_to_dict(model)),
         *(f"--local-loss={kind}" for kind in local_losses),
     ]
     if batch_size is not None:
@@ -51,12 +46,12 @@ def profile_in_fresh_process(
     try:
         done = run_measuring_child(arguments, timeout)
     except subprocess.TimeoutExpired as error:
-        raise ConfigError(f"profiling {model} took longer than {timeout:.0f} s") from error
+        raise ConfigError(f"profiling {model.name} took longer than {timeout:.0f} s") from error
     if done.returncode == _ERROR_EXIT:
         raise ConfigError(done.stderr.strip().splitlines()[-1])
     if done.returncode != 0:
         tail = "\n".join(done.stderr.strip().splitlines()[-5:])
-        raise RuntimeError(f"profiling {model} failed (exit {done.returncode}):\n{tail}")
+        raise RuntimeError(f"profiling {model.name} failed (exit {done.returncode}):\n{tail}")
     return ModelProfile.from_dict(json.loads(done.stdout))
 
 
@@ -65,18 +60,14 @@ def main(argv: list[str] | None = None) -> int:
 
     configure_process()
     from split_models.profiler import profile_model
-    from split_models.zoo import build_model
 
     parser = argparse.ArgumentParser(prog="python -m split_models.isolated")
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--input-shape", required=True)
-    parser.add_argument("--num-classes", type=int, required=True)
+    parser.add_argument("--model", required=True, help="the model section, as JSON")
     parser.add_argument("--local-loss", action="append", default=[])
     parser.add_argument("--batch-size", type=int)
     args = parser.parse_args(argv)
     try:
-        shape = tuple(int(d) for d in args.input_shape.split(","))
-        model = build_model(args.model, shape, args.num_classes, seed=0)
+        model = parse_config(ModelConfig, json.loads(args.model), "model").build(seed=0)
         profile = profile_model(model, args.local_loss or ("linear",), args.batch_size)
     except (SplitError, ValueError) as error:
         print(f"{type(error).__name__}: {error}", file=sys.stderr)

@@ -36,7 +36,10 @@ import sys
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    from split_models.config import ModelConfig
 
 __all__ = [
     "MEASURE_ENV",
@@ -240,31 +243,31 @@ def _measure(args: argparse.Namespace) -> dict[str, object]:
     import torch
 
     torch.set_num_threads(1)
+    from split_models.config import ModelConfig, parse_config
     from split_models.segment import OptimizerConfig, Segment
-    from split_models.zoo import build_model
 
-    shape = tuple(int(d) for d in args.input_shape.split(","))
+    spec = parse_config(ModelConfig, json.loads(args.model), "model")
     # Warm the runtime up on a throw-away copy of the same segment (same layers, head and
     # optimizer, tiny batch) so code that torch loads lazily counts as runtime, not training.
-    warm = build_model(args.model, shape, args.num_classes, seed=1)
+    warm = spec.build(seed=1)
     with torch.no_grad():
-        warm_inputs = warm.segment(0, args.start)(torch.randn(2, *shape)) if args.start else None
+        warm_inputs = warm.segment(0, args.start)(warm.example_input(2)) if args.start else None
     warm_segment = Segment.from_model(
         warm, args.start, args.end, args.local_loss, OptimizerConfig(args.optimizer)
     )
     for _ in range(3):  # the second optimizer step initialises more of the runtime lazily
-        inputs = warm_inputs if warm_inputs is not None else torch.randn(2, *shape)
+        inputs = warm_inputs if warm_inputs is not None else warm.example_input(2)
         warm_segment.train_step(inputs, torch.zeros(2, dtype=torch.long))
     del warm, warm_segment, warm_inputs
     runtime = resident_bytes()
 
-    model = build_model(args.model, shape, args.num_classes, seed=0)
+    model = spec.build(seed=0)
     generator = torch.Generator().manual_seed(0)
-    inputs = torch.randn(args.batch_size, *shape, generator=generator)
+    inputs = model.example_input(args.batch_size, generator)
     if args.start > 0:
         with torch.no_grad():
             inputs = model.segment(0, args.start)(inputs)
-    labels = torch.randint(0, args.num_classes, (args.batch_size,), generator=generator)
+    labels = torch.randint(0, spec.num_classes, (args.batch_size,), generator=generator)
     segment = Segment.from_model(
         model, args.start, args.end, args.local_loss, OptimizerConfig(args.optimizer)
     )
@@ -313,9 +316,7 @@ def run_measuring_child(
 
 
 def measure_in_fresh_process(
-    model: str,
-    input_shape: tuple[int, ...] | list[int],
-    num_classes: int,
+    model: ModelConfig,
     start: int,
     end: int,
     batch_size: int,
@@ -327,13 +328,13 @@ def measure_in_fresh_process(
     """The measured peak bytes of training blocks ``[start, end)`` for a few steps, in a child
     process started for it (a long-running process's heap hides part of the peak); ``None``
     where the peak cannot be measured (not Linux) or the child failed."""
+    from split_models.config import config_to_dict
+
     if not peak_supported():
         return None
     arguments = [
         "split_models.measure",
-        f"--model={model}",
-        "--input-shape=" + ",".join(str(int(d)) for d in input_shape),
-        f"--num-classes={num_classes}",
+        "--model=" + json.dumps(config_to_dict(model)),
         f"--start={start}",
         f"--end={end}",
         f"--batch-size={batch_size}",
@@ -351,9 +352,7 @@ def measure_in_fresh_process(
 def main(argv: list[str] | None = None) -> int:
     """Train one segment for a few steps in this process and print its peak as JSON."""
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--input-shape", default="1,28,28")
-    parser.add_argument("--num-classes", type=int, default=10)
+    parser.add_argument("--model", required=True, help="the model section, as JSON")
     parser.add_argument("--start", type=int, default=0)
     parser.add_argument("--end", type=int, required=True)
     parser.add_argument("--batch-size", type=int, default=64)

@@ -42,12 +42,26 @@ class _Wrapped(nn.Module):
         return self.module(x)  # type: ignore[no-any-return]
 
 
-def export_onnx(module: nn.Module, input_shape: tuple[int, ...], path: str | Path) -> Path:
-    """Export ``module`` (in eval mode) for inputs ``[batch, *input_shape]`` to ``path``."""
+def _sample(
+    shape: tuple[int, ...], batch: int, ids: tuple[int, int] | None, generator: torch.Generator
+) -> torch.Tensor:
+    if ids is not None:
+        return torch.randint(ids[0], ids[1], (batch, *shape), generator=generator)
+    return torch.randn(batch, *shape, generator=generator)
+
+
+def export_onnx(
+    module: nn.Module,
+    input_shape: tuple[int, ...],
+    path: str | Path,
+    input_range: tuple[int, int] | None = None,
+) -> Path:
+    """Export ``module`` (in eval mode) for inputs ``[batch, *input_shape]`` to ``path``
+    (int64 token ids in ``input_range`` = [low, high) when given, else floats)."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     wrapped = _Wrapped(module).eval()
-    example = torch.randn(_MIN_BATCH + 1, *input_shape)
+    example = _sample(input_shape, _MIN_BATCH + 1, input_range, torch.Generator().manual_seed(0))
     batch = torch.export.Dim("batch", min=1)
     exporter_log = logging.getLogger("torch.onnx")
     level = exporter_log.level
@@ -93,6 +107,7 @@ def check_onnx(
     input_shape: tuple[int, ...],
     batch_sizes: tuple[int, ...] = (1, 5),
     seed: int = 0,
+    input_range: tuple[int, int] | None = None,
 ) -> OnnxCheck:
     """Run the exported file and ``module`` on the same random batches; report max |diff|."""
     session = onnx_session(path)
@@ -100,7 +115,7 @@ def check_onnx(
     generator = torch.Generator().manual_seed(seed)
     worst = 0.0
     for batch in batch_sizes:
-        sample = torch.randn(batch, *input_shape, generator=generator)
+        sample = _sample(input_shape, batch, input_range, generator)
         with torch.no_grad():
             expected = module(sample).numpy()
         (actual,) = session.run(["y"], {"x": sample.numpy()})  # type: ignore[attr-defined]

@@ -127,7 +127,19 @@ class _Probe:
     largest_activation: int
 
 
-def _run_probe(module: nn.Module, input_shape: tuple[int, ...], batch: int) -> _Probe:
+def _inputs(
+    shape: tuple[int, ...], batch: int, ids: tuple[int, int] | None, grad: bool = False
+) -> torch.Tensor:
+    """A probe batch: standard normal floats (needing a gradient with ``grad``), or token
+    ids drawn from ``ids`` = [low, high) for a model's first block."""
+    if ids is not None:
+        return torch.randint(ids[0], ids[1], (batch, *shape))
+    return torch.randn(batch, *shape, requires_grad=grad)
+
+
+def _run_probe(
+    module: nn.Module, input_shape: tuple[int, ...], batch: int, ids: tuple[int, int] | None
+) -> _Probe:
     owned = {_storage_key(t)[0] for t in [*module.parameters(), *module.buffers()]}
     saved: dict[int, int] = {}
     largest = [0]
@@ -143,7 +155,7 @@ def _run_probe(module: nn.Module, input_shape: tuple[int, ...], batch: int) -> _
             largest[0] = max(largest[0], output.numel() * output.element_size())
 
     hooks = [m.register_forward_hook(record) for m in module.modules() if not list(m.children())]
-    x = torch.randn(batch, *input_shape, requires_grad=True)
+    x = _inputs(input_shape, batch, ids, grad=True)
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             y = module(x)
@@ -164,11 +176,50 @@ def _saved_split(small: _Probe, large: _Probe) -> tuple[int, int]:
     return per_sample, max(0, without_input(small) - per_sample * _PROBE_BATCHES[0])
 
 
-def _count_flops(module: nn.Module, input_shape: tuple[int, ...], batch: int) -> int:
+def _count_flops(
+    module: nn.Module, input_shape: tuple[int, ...], batch: int, ids: tuple[int, int] | None
+) -> int:
+    """Forward FLOPs per sample as torch's FLOP counter sees them, plus an estimate for the
+    layers with weights it counts nothing for (a fused LSTM, an embedding lookup)."""
+    calls: list[tuple[nn.Module, tuple[Any, ...], Any]] = []
+
+    def record(layer: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        calls.append((layer, args, output))
+
+    leaves = [m for m in module.modules() if not list(m.children()) and _weights(m)]
+    hooks = [m.register_forward_hook(record) for m in leaves]
     counter = FlopCounterMode(display=False)
-    with counter, torch.no_grad():
-        module(torch.randn(batch, *input_shape))
-    return int(counter.get_total_flops()) // batch
+    try:
+        with counter, torch.no_grad():
+            module(_inputs(input_shape, batch, ids))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    total = int(counter.get_total_flops())
+    for layer, args, output in calls:
+        alone = FlopCounterMode(display=False)
+        with alone, torch.no_grad():
+            layer(*args)
+        if alone.get_total_flops() == 0:
+            total += _uncounted_flops(layer, args, output)
+    return total // batch
+
+
+def _weights(layer: nn.Module) -> int:
+    return sum(p.numel() for p in layer.parameters(recurse=False))
+
+
+def _uncounted_flops(layer: nn.Module, args: tuple[Any, ...], output: Any) -> int:
+    """An estimate for a layer with weights that the FLOP counter misses: a lookup moves its
+    output once; otherwise each weight is a multiply-add at every position of the input."""
+    if isinstance(layer, nn.Embedding | nn.EmbeddingBag):
+        out = output if isinstance(output, torch.Tensor) else output[0]
+        return int(out.numel())
+    first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    if first is None or first.dim() == 0:
+        return 2 * _weights(layer)
+    positions = first.numel() // max(1, first.shape[-1])
+    return 2 * _weights(layer) * positions
 
 
 class _Pass:
@@ -180,9 +231,10 @@ class _Pass:
         shape: tuple[int, ...],
         out_shape: tuple[int, ...],
         input_grad: bool,
+        ids: tuple[int, int] | None = None,
     ) -> None:
         self.module, self.shape, self.out_shape = module, shape, out_shape
-        self.input_grad = input_grad
+        self.input_grad, self.ids = input_grad, ids
 
     def peak(self, batch: int) -> int:
         """Peak resident bytes of forward, then backward from a gradient that autograd
@@ -191,7 +243,7 @@ class _Pass:
         at their real lifetimes. The copy has fresh weight storage, so per-weight caches count.
         """
         module = copy.deepcopy(self.module)
-        inputs = torch.randn(batch, *self.shape, requires_grad=self.input_grad)
+        inputs = _inputs(self.shape, batch, self.ids, grad=self.input_grad)
         weight = torch.randn(batch, *self.out_shape)
         with PeakMeter() as meter:
             (module(inputs) * weight).sum().backward()
@@ -234,6 +286,7 @@ def _training_pass(
     largest: int,
     input_grad: bool,
     batch: int | None,
+    ids: tuple[int, int] | None = None,
 ) -> tuple[int, int, int]:
     """Per-sample and fixed bytes a steady-state training pass holds at its peak beyond the
     saved activations (the fixed part includes the block's weight gradients where they are
@@ -244,7 +297,7 @@ def _training_pass(
     if not (peak_supported() and release_freed_memory()):
         params = sum(p.numel() * p.element_size() for p in module.parameters())
         return _FALLBACK_WORKING_SET * largest, params, 0
-    passes = _Pass(module, shape, out_shape, input_grad)
+    passes = _Pass(module, shape, out_shape, input_grad, ids)
     passes.peak(_WARM_UP_BATCH)  # lazily loaded code is runtime, measured separately
     small, large = _probe_batches(shape, out_shape, batch)
     target = batch or large
@@ -267,28 +320,31 @@ def _summary(module: nn.Module) -> str:
     return "+".join(leaves) if len(leaves) <= 4 else f"{type(module).__name__}({len(leaves)})"
 
 
-def _measure(module: nn.Module, shape: tuple[int, ...], batch_size: int | None) -> dict[str, Any]:
+def _measure(
+    module: nn.Module, shape: tuple[int, ...], batch_size: int | None, ids: tuple[int, int] | None
+) -> dict[str, Any]:
     """The measured parts of a block's profile, taken in training mode."""
     was_training = module.training
     module.train()
     try:
-        small, large = (_run_probe(module, shape, b) for b in _PROBE_BATCHES)
+        small, large = (_run_probe(module, shape, b, ids) for b in _PROBE_BATCHES)
         with torch.no_grad():
-            out_shape = tuple(module(torch.zeros(_PROBE_BATCHES[0], *shape)).shape[1:])
-        flops = _count_flops(module, shape, _PROBE_BATCHES[0])
+            out = module(_inputs(shape, _PROBE_BATCHES[0], ids))
+        out_shape = tuple(out.shape[1:])
+        flops = _count_flops(module, shape, _PROBE_BATCHES[0], ids)
         per_sample, fixed = _saved_split(small, large)
         largest_activation = large.largest_activation // _PROBE_BATCHES[1]
         # Without an input gradient first: its kernels are what a segment's first block makes;
         # the pass with one then adds only the kernels for the input gradient.
         first, backward = (
             _training_pass(
-                module, shape, out_shape, per_sample, largest_activation, grad, batch_size
+                module, shape, out_shape, per_sample, largest_activation, grad, batch_size, ids
             )
-            for grad in (False, True)
+            for grad in (False, ids is None)
         )
         return {
             "output_shape": out_shape,
-            "output_bytes": 4 * math.prod(out_shape),
+            "output_bytes": out.element_size() * math.prod(out_shape),
             "saved_bytes": per_sample,
             "saved_fixed_bytes": fixed,
             "saves_input": large.input_key in large.saved,
@@ -307,22 +363,26 @@ def _measure(module: nn.Module, shape: tuple[int, ...], batch_size: int | None) 
 
 
 def profile_module(
-    module: nn.Module, input_shape: Sequence[int], batch_size: int | None = None
+    module: nn.Module,
+    input_shape: Sequence[int],
+    batch_size: int | None = None,
+    input_range: tuple[int, int] | None = None,
 ) -> BlockProfile:
     """Profile one module for inputs of ``input_shape`` (without the batch dimension).
 
     ``batch_size`` is the batch the profile is for: the backward working set is measured at it,
-    since kernel buffers do not grow linearly with the batch.
+    since kernel buffers do not grow linearly with the batch. ``input_range``: the module takes
+    int64 token ids in [low, high) (a model's first block), not floats.
     """
     shape = tuple(int(d) for d in input_shape)
-    measured = _measure(module, shape, batch_size)
+    measured = _measure(module, shape, batch_size, input_range)
     params = list(module.parameters())
     return BlockProfile(
         param_bytes=sum(p.numel() * p.element_size() for p in params),
         buffer_bytes=sum(b.numel() * b.element_size() for b in module.buffers()),
         largest_param_bytes=max((p.numel() * p.element_size() for p in params), default=0),
         input_shape=shape,
-        input_bytes=4 * math.prod(shape),
+        input_bytes=(4 if input_range is None else 8) * math.prod(shape),
         summary=_summary(module),
         **measured,
     )
@@ -337,9 +397,10 @@ def profile_model(
     at ``batch_size`` (any batch when ``None``, less precisely)."""
     blocks: list[BlockProfile] = []
     shape = model.input_shape
+    ids = model.options.input_range
     for block in model.blocks:
-        blocks.append(profile_module(block, shape, batch_size))
-        shape = blocks[-1].output_shape
+        blocks.append(profile_module(block, shape, batch_size, ids))
+        shape, ids = blocks[-1].output_shape, None
     heads: dict[str, tuple[BlockProfile, ...]] = {}
     for kind in local_losses:
         at_cut = [

@@ -223,6 +223,6 @@ def _output_shape(model: SplittableModel, end: int) -> tuple[int, ...]:
     was_training = probe.training
     probe.eval()
     try:
-        return tuple(probe(torch.zeros(1, *model.input_shape)).shape[1:])
+        return tuple(probe(model.example_input(1, zeros=True)).shape[1:])
     finally:
         probe.train(was_training)

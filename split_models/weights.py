@@ -43,11 +43,11 @@ def load_segment_state(segment: Segment, arrays: Mapping[str, np.ndarray]) -> No
             f"{missing[:5]}{'...' if len(missing) > 5 else ''}"
         )
     for key, current in wanted.items():
-        if arrays[key].shape != current.shape:
+        if arrays[key].shape != current.shape and not _legacy_scalar(arrays[key], current):
             raise ModelError(f"{key}: shape {arrays[key].shape}, the segment has {current.shape}")
 
     def tensor(key: str) -> torch.Tensor:
-        return torch.from_numpy(np.array(arrays[key]))
+        return torch.from_numpy(np.array(arrays[key]).reshape(wanted[key].shape))
 
     segment.module.load_state_dict(
         {
@@ -61,3 +61,8 @@ def load_segment_state(segment: Segment, arrays: Mapping[str, np.ndarray]) -> No
         segment.head.load_state_dict(
             {key: tensor(f"head{segment.end}.{key}") for key in segment.head.state_dict()}
         )
+
+
+def _legacy_scalar(array: np.ndarray, current: np.ndarray) -> bool:
+    """Checkpoints written before 0-d tensors kept their shape hold them as shape (1,)."""
+    return current.ndim == 0 and array.shape == (1,)

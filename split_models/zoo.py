@@ -2,8 +2,9 @@
 
 The zoo has ``mlp``, ``cnn`` (any small grayscale or colour image, e.g. 28x28 or 8x8) and the
 CIFAR-style ``resnetN`` family (N = 6n+2: resnet8, resnet20, resnet32...). A user model is given as
-``package.module:function``; the function returns an ``nn.Sequential`` or a list of modules and may
-accept ``input_shape`` and ``num_classes`` keyword arguments.
+``package.module:function``; the function may accept ``input_shape`` and ``num_classes`` keyword
+arguments and returns any ``nn.Module`` (split automatically, :mod:`split_models.autosplit`), an
+``nn.Sequential`` or a list of modules (whose items are the blocks, as they are).
 """
 
 from __future__ import annotations
@@ -11,16 +12,79 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
+import os
 import re
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from split_models.autosplit import auto_blocks, disable_inplace
 from split_models.errors import ConfigError, ModelError
 
-__all__ = ["ZOO_NAMES", "SplittableModel", "build_model"]
+__all__ = [
+    "INPUT_DTYPES",
+    "ZOO_NAMES",
+    "ModelOptions",
+    "SplittableModel",
+    "add_model_path",
+    "build_model",
+    "example_input",
+]
+
+INPUT_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "int64": torch.int64}
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """What a model takes besides its shape: ``input_dtype`` (``int64`` for token ids, which
+    lie in ``input_range`` = [low, high)) and the module names it may be cut before."""
+
+    input_dtype: str = "float32"
+    input_range: tuple[int, int] | None = None
+    split_points: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.input_dtype not in INPUT_DTYPES:
+            raise ConfigError(
+                f"input_dtype: unknown {self.input_dtype!r}; use one of {list(INPUT_DTYPES)}"
+            )
+        integer = not INPUT_DTYPES[self.input_dtype].is_floating_point
+        if integer and self.input_range is None:
+            raise ConfigError(
+                f"input_range: input_dtype {self.input_dtype} needs the range of its ids, "
+                "e.g. input_range: 1000 (a vocabulary of 1000 tokens) or [0, 1000]"
+            )
+        if self.input_range is not None:
+            low, high = self.input_range
+            if not integer or not low < high:
+                raise ConfigError(
+                    f"input_range: expected [low, high) with low < high for integer inputs, "
+                    f"got {list(self.input_range)} with input_dtype {self.input_dtype}"
+                )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return INPUT_DTYPES[self.input_dtype]
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "input_dtype": self.input_dtype,
+            "input_range": None if self.input_range is None else list(self.input_range),
+            "split_points": list(self.split_points),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, object]) -> ModelOptions:
+        bounds = data.get("input_range")
+        return cls(
+            input_dtype=str(data.get("input_dtype", "float32")),
+            input_range=None if bounds is None else tuple(bounds),  # type: ignore[arg-type]
+            split_points=tuple(data.get("split_points", ())),  # type: ignore[arg-type]
+        )
+
 
 ZOO_NAMES = ("mlp", "cnn", "resnet8", "resnet20", "resnet32")
 _RESNET = re.compile(r"^resnet(\d+)$")
@@ -34,10 +98,18 @@ class SplittableModel:
     blocks: nn.ModuleList
     input_shape: tuple[int, ...]
     num_classes: int
+    options: ModelOptions = ModelOptions()
 
     @property
     def num_blocks(self) -> int:
         return len(self.blocks)
+
+    def example_input(
+        self, batch: int, generator: torch.Generator | None = None, zeros: bool = False
+    ) -> torch.Tensor:
+        """A batch of valid model inputs: standard normal floats, or ids drawn uniformly from
+        ``input_range`` (``zeros``: the smallest valid value everywhere)."""
+        return example_input(self.input_shape, self.options, batch, generator, zeros)
 
     def segment(self, start: int, end: int) -> nn.Sequential:
         """The blocks ``[start, end)`` as one module sharing parameters with this model."""
@@ -50,6 +122,23 @@ class SplittableModel:
 
     def full(self) -> nn.Sequential:
         return self.segment(0, self.num_blocks)
+
+
+def example_input(
+    shape: Sequence[int],
+    options: ModelOptions,
+    batch: int,
+    generator: torch.Generator | None = None,
+    zeros: bool = False,
+) -> torch.Tensor:
+    """A batch of valid inputs of ``shape`` for a model with ``options``."""
+    size = (batch, *shape)
+    if options.input_range is None:
+        return torch.zeros(size) if zeros else torch.randn(size, generator=generator)
+    low, high = options.input_range
+    if zeros:
+        return torch.full(size, low, dtype=options.dtype)
+    return torch.randint(low, high, size, generator=generator, dtype=options.dtype)
 
 
 def _mlp(input_shape: tuple[int, ...], num_classes: int) -> list[nn.Module]:
@@ -135,13 +224,35 @@ def _import_factory(path: str) -> Callable[..., object]:
             "nor an import path of the form 'package.module:function'"
         )
     try:
-        module = importlib.import_module(module_name)
+        module = _import(module_name)
     except ImportError as error:
-        raise ModelError(f"model: cannot import module {module_name!r}: {error}") from error
+        raise ModelError(
+            f"model: cannot import module {module_name!r}: {error}. edgesplit looks in the "
+            "working directory, the config file's folder and PYTHONPATH"
+        ) from error
     factory = getattr(module, attribute, None)
     if not callable(factory):
         raise ModelError(f"model: {module_name!r} has no callable named {attribute!r}")
     return factory  # type: ignore[no-any-return]
+
+
+def add_model_path(folder: str | os.PathLike[str]) -> None:
+    """Let ``package.module:function`` models be found in ``folder`` (a config file's)."""
+    path = os.path.abspath(folder)
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+
+def _import(module_name: str) -> object:
+    """Import ``module_name``; when it is not found, once more with the working directory on
+    the import path (as ``python -m`` would have it)."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        if error.name != module_name.partition(".")[0] or os.getcwd() in sys.path:
+            raise
+        add_model_path(os.getcwd())
+        return importlib.import_module(module_name)
 
 
 def _call_factory(
@@ -157,22 +268,26 @@ def _call_factory(
     return factory(**kwargs)
 
 
-def _as_blocks(path: str, built: object) -> list[nn.Module]:
-    if isinstance(built, nn.Sequential | nn.ModuleList):
+def _as_blocks(
+    path: str, built: object, example: torch.Tensor, options: ModelOptions
+) -> list[nn.Module]:
+    if isinstance(built, nn.Sequential | nn.ModuleList) and not options.split_points:
         blocks: list[object] = list(built)
+    elif isinstance(built, nn.Module):
+        return auto_blocks(built, example, options.split_points)
     elif isinstance(built, Sequence) and not isinstance(built, str):
         blocks = list(built)
     else:
         raise ModelError(
-            f"model: {path!r} returned {type(built).__name__}; return an nn.Sequential "
-            "or a list of nn.Module blocks so the model can be split"
+            f"model: {path!r} returned {type(built).__name__}; return an nn.Module, an "
+            "nn.Sequential or a list of nn.Module blocks"
         )
     for index, block in enumerate(blocks):
         if not isinstance(block, nn.Module):
             raise ModelError(f"model: block {index} of {path!r} is {type(block).__name__}")
     if not blocks:
         raise ModelError(f"model: {path!r} returned no blocks")
-    return [block for block in blocks if isinstance(block, nn.Module)]
+    return [disable_inplace(block) for block in blocks if isinstance(block, nn.Module)]
 
 
 def _he_init(blocks: list[nn.Module]) -> list[nn.Module]:
@@ -190,9 +305,14 @@ def _he_init(blocks: list[nn.Module]) -> list[nn.Module]:
 
 
 def build_model(
-    name: str, input_shape: Sequence[int], num_classes: int, seed: int | None = None
+    name: str,
+    input_shape: Sequence[int],
+    num_classes: int,
+    seed: int | None = None,
+    options: ModelOptions | None = None,
 ) -> SplittableModel:
     """Build a zoo model by name or a user model from ``package.module:function``."""
+    options = options or ModelOptions()
     shape = tuple(int(d) for d in input_shape)
     if not shape or min(shape) < 1:
         raise ConfigError(f"input_shape: expected positive sizes, got {list(input_shape)}")
@@ -208,5 +328,7 @@ def build_model(
     elif resnet is not None:
         blocks = _resnet(int(resnet.group(1)), shape, num_classes)
     else:
-        blocks = _as_blocks(name, _call_factory(_import_factory(name), shape, num_classes))
-    return SplittableModel(name, nn.ModuleList(blocks), shape, num_classes)
+        built = _call_factory(_import_factory(name), shape, num_classes)
+        example = example_input(shape, options, 2, zeros=True)
+        blocks = _as_blocks(name, built, example, options)
+    return SplittableModel(name, nn.ModuleList(blocks), shape, num_classes, options)

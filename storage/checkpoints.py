@@ -41,7 +41,9 @@ class CheckpointFiles:
 
     def put(self, tensors: Tensors) -> tuple[str, int]:
         """Store ``tensors`` durably; return (sha256, size). Storing equal content is a no-op."""
-        arrays = {name: np.ascontiguousarray(array) for name, array in tensors.items()}
+        # Not ``np.ascontiguousarray``: it turns a 0-d array (BatchNorm's num_batches_tracked)
+        # into shape (1,).
+        arrays = {name: np.require(array, requirements="C") for name, array in tensors.items()}
         payload = save(arrays, metadata={"format": "edgesplit-checkpoint-1"})
         digest = hashlib.sha256(payload).hexdigest()
         target = self.path(digest)

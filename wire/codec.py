@@ -117,7 +117,7 @@ def _wire_arrays(name: str, array: np.ndarray, encoding: str) -> dict[str, np.nd
     # Row-major first: safetensors writes the buffer in memory order under the logical shape,
     # and ``astype`` keeps the source's layout (a channels-last activation would arrive
     # scrambled, with every value present but in the wrong place).
-    array = np.ascontiguousarray(array)
+    array = np.require(array, requirements="C")  # keeps 0-d arrays 0-d
     if encoding == "fp32" or array.dtype.kind != "f":
         return {name: array}
     if encoding == "fp16":

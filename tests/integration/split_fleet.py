@@ -147,4 +147,4 @@ class TaskGrid(Grid):
 
 def accuracy(weights: Mapping[str, np.ndarray], test: Dataset) -> float:
     """Held-out accuracy of the whole model assembled from ``weights``."""
-    return evaluate_weights("cnn", (1, 28, 28), 10, weights, test)["accuracy"]
+    return evaluate_weights(ModelConfig("cnn", (1, 28, 28), 10), weights, test)["accuracy"]

@@ -18,6 +18,7 @@ from coordinator.service import Coordinator, CoordinatorError
 from edge_client.agent import EdgeAgent
 from gpu_server.agent import GpuAgent
 from split_models import load_dataset
+from split_models.config import ModelConfig
 from split_models.data import Dataset
 from split_models.errors import ConfigError
 from split_models.isolated import profile_in_fresh_process
@@ -39,7 +40,7 @@ SHAPE = (1, 8, 8)
 
 @pytest.fixture(scope="module")
 def profile() -> ModelProfile:
-    return profile_in_fresh_process("cnn", SHAPE, 10, ("linear",), 16)
+    return profile_in_fresh_process(ModelConfig("cnn", SHAPE, 10), ("linear",), 16)
 
 
 @pytest.fixture

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from split_models import estimate_segment_memory
+from split_models.config import ModelConfig
 from split_models.errors import ConfigError
 from split_models.isolated import profile_in_fresh_process
 from split_models.measure import peak_supported, run_measuring_child
@@ -20,7 +21,7 @@ pytestmark = [
 @pytest.mark.parametrize(("start", "end", "batch"), [(0, 2, 32), (2, 6, 64)])
 def test_estimate_is_within_15_percent_of_measured_peak(start: int, end: int, batch: int) -> None:
     # profiled in a fresh process: this one's heap holds whatever earlier tests freed
-    profile = profile_in_fresh_process("cnn", (1, 28, 28), 10, ("linear",), batch)
+    profile = profile_in_fresh_process(ModelConfig("cnn", (1, 28, 28), 10), ("linear",), batch)
     estimate = estimate_segment_memory(profile, start, end, batch, "sgd-momentum").total
     # measured as benchmarks/memory.py does: a fresh process with the measurement allocator
     done = run_measuring_child(
@@ -45,4 +46,4 @@ def test_estimate_is_within_15_percent_of_measured_peak(start: int, end: int, ba
 
 def test_fresh_process_profile_reports_a_bad_model_as_a_config_error() -> None:
     with pytest.raises(ConfigError, match="nonexistent"):
-        profile_in_fresh_process("nonexistent", (1, 28, 28), 10)
+        profile_in_fresh_process(ModelConfig("nonexistent", (1, 28, 28), 10))

@@ -1,0 +1,335 @@
+"""Automatic splitting of an ordinary ``nn.Module`` into the ordered blocks the planner cuts.
+
+The model is traced with ``torch.fx`` (symbolic tracing, not ``torch.export``: fx keeps the
+user's modules and their parameters as they are, so a block trains, aggregates, checkpoints and
+exports the model's own ``nn.Conv2d`` or ``nn.LSTM`` objects under their own names, and
+BatchNorm's running statistics stay in-place buffer updates; an exported program lifts
+parameters into inputs, functionalises buffer mutation and lowers to ATen, all of which would
+have to be undone). Shapes come from one pass of an example batch (``ShapeProp``).
+
+A cut is legal between two nodes of the graph when exactly one tensor with the batch dimension
+crosses it and no parameter is used on both sides (tied weights stay in one block). The nodes
+between consecutive legal cuts form a block; a block without weights (a ReLU, a pooling, a
+flatten, a normalization layer) joins the block before it. ``split_point(x)`` in a forward, or
+module names in ``split_points``, restrict the cuts to the ones the user marked, as the
+pipelining package's ``SplitPoint`` does. In-place operations are made out-of-place so that a
+block may start with one (``ReLU(inplace=True)`` on a block's input would modify the tensor
+another device sent).
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
+
+from split_models.errors import ModelError
+
+__all__ = ["auto_blocks", "disable_inplace", "split_point"]
+
+_OPS = ("call_function", "call_method", "call_module")
+_NORMS = (
+    nn.modules.batchnorm._NormBase,
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.LocalResponseNorm,
+    nn.RMSNorm,
+)
+_NORMS = (
+    nn.modules.batchnorm._NormBase,
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.LocalResponseNorm,
+    nn.RMSNorm,
+)
+_INPLACE_OPERATORS: dict[Callable[..., Any], Callable[..., Any]] = {
+    operator.iadd: operator.add,
+    operator.isub: operator.sub,
+    operator.imul: operator.mul,
+    operator.itruediv: operator.truediv,
+}
+
+
+def split_point(x: torch.Tensor) -> torch.Tensor:
+    """Mark a cut in a model's ``forward``: ``x = split_point(x)``. When a model marks any,
+    the planner cuts only there. Outside tracing it returns ``x`` unchanged."""
+    if isinstance(x, fx.Proxy):
+        return x.tracer.create_proxy("call_function", split_point, (x,), {})
+    return x
+
+
+def disable_inplace(module: nn.Module) -> nn.Module:
+    """Turn off ``inplace=True`` on every submodule (ReLU, Dropout, Hardswish...): a block
+    whose first layer works in place would write into its input, the tensor another segment
+    produced (and, where it needs a gradient, autograd refuses)."""
+    for child in module.modules():
+        if isinstance(getattr(child, "inplace", None), bool):
+            child.inplace = False  # type: ignore[assignment]
+    return module
+
+
+@dataclass(frozen=True)
+class _Cut:
+    position: int  # the cut sits before ops[position]
+    value: fx.Node  # the one tensor that crosses it
+
+
+def auto_blocks(
+    module: nn.Module, example: torch.Tensor, split_points: Sequence[str] = ()
+) -> list[nn.Module]:
+    """``module`` as an ordered list of blocks sharing its parameters, whose composition is
+    the module's forward. ``example`` is a batch of valid inputs (its values are not used for
+    anything but shapes); ``split_points`` names modules before which the model may be cut."""
+    disable_inplace(module)
+    graph_module = _trace(module)
+    _make_out_of_place(graph_module.graph)
+    _propagate_shapes(graph_module, example)
+    ops = [node for node in graph_module.graph.nodes if node.op in _OPS]
+    if not ops:
+        raise ModelError(f"model: {type(module).__name__}.forward does no computation to split")
+    cuts = _legal_cuts(module, graph_module, ops, int(example.shape[0]))
+    cuts = _chosen_cuts(cuts, ops, split_points, type(module).__name__)
+    cuts = _merge_parameter_free(module, ops, cuts)
+    return _build_blocks(module, graph_module, ops, cuts)
+
+
+def _trace(module: nn.Module) -> fx.GraphModule:
+    name = type(module).__name__
+    parameters = list(inspect.signature(module.forward).parameters.values())
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if not positional:
+        raise ModelError(f"model: {name}.forward takes no input tensor")
+    concrete: dict[str, Any] = {}
+    for extra in parameters[1:]:
+        if extra.kind in (extra.VAR_POSITIONAL, extra.VAR_KEYWORD):
+            continue
+        if extra.default is inspect.Parameter.empty:
+            raise ModelError(
+                f"model: {name}.forward({', '.join(p.name for p in parameters)}) needs more "
+                f"than one input; edgesplit feeds one tensor. Give {extra.name!r} a default, "
+                "or wrap the model in a module whose forward takes the input alone"
+            )
+        concrete[extra.name] = extra.default
+    try:
+        graph = fx.Tracer().trace(module, concrete_args=concrete or None)
+    except Exception as error:  # fx raises TraceError, TypeError, RuntimeError, NotImplementedError
+        raise ModelError(
+            f"model: cannot trace {name}.forward with torch.fx to split it: "
+            f"{type(error).__name__}: {error}. Data-dependent Python control flow (an `if` or "
+            "loop on a tensor's values) cannot be traced: move it into a submodule of its own "
+            "(a block that is never cut), or return an nn.Sequential or a list of blocks"
+        ) from error
+    return fx.GraphModule(module, graph, class_name=name)
+
+
+def _make_out_of_place(graph: fx.Graph) -> None:
+    """Rewrite ``x.relu_()``, ``x += y`` and ``F.relu(x, inplace=True)`` out of place where
+    nothing reads the mutated tensor afterwards (else the mutation is kept)."""
+    order = {node: index for index, node in enumerate(graph.nodes)}
+    for node in list(graph.nodes):
+        if node.kwargs.get("inplace") is True:
+            node.kwargs = {**node.kwargs, "inplace": False}
+            continue
+        target = _out_of_place(node)
+        if target is None or not node.args or not isinstance(node.args[0], fx.Node):
+            continue
+        mutated = node.args[0]
+        if any(order[user] > order[node] for user in mutated.users if user is not node):
+            continue
+        node.target = target
+
+
+def _out_of_place(node: fx.Node) -> Any:
+    if node.op == "call_function" and node.target in _INPLACE_OPERATORS:
+        return _INPLACE_OPERATORS[node.target]
+    if node.op == "call_method" and isinstance(node.target, str):
+        name = node.target
+        if name.endswith("_") and not name.startswith("_") and hasattr(torch.Tensor, name[:-1]):
+            return name[:-1]
+    return None
+
+
+def _propagate_shapes(graph_module: fx.GraphModule, example: torch.Tensor) -> None:
+    was_training = graph_module.training
+    graph_module.eval()
+    try:
+        with torch.no_grad():
+            ShapeProp(graph_module).propagate(example)
+    except Exception as error:
+        raise ModelError(
+            f"model: running {graph_module.__class__.__name__} on an example batch of shape "
+            f"{list(example.shape)} ({example.dtype}) failed: {type(error).__name__}: {error}; "
+            "check input_shape and input_dtype"
+        ) from error
+    finally:
+        graph_module.train(was_training)
+
+
+def _state_ids(module: nn.Module, node: fx.Node) -> set[int]:
+    """Identities of the parameters and buffers ``node`` uses directly."""
+    if node.op == "call_module":
+        used = module.get_submodule(str(node.target))
+        return {id(t) for t in (*used.parameters(), *used.buffers())}
+    ids = set()
+    for arg in node.all_input_nodes:
+        if arg.op == "get_attr":
+            ids.add(id(_attribute(module, str(arg.target))))
+    return ids
+
+
+def _attribute(module: nn.Module, target: str) -> Any:
+    owner, _, name = target.rpartition(".")
+    return getattr(module.get_submodule(owner) if owner else module, name)
+
+
+def _legal_cuts(
+    module: nn.Module, graph_module: fx.GraphModule, ops: list[fx.Node], batch: int
+) -> list[_Cut]:
+    """Cuts across which exactly one batched tensor flows and no parameter is shared."""
+    position = {node: index for index, node in enumerate(ops)}
+    end = len(ops)
+    last_use: dict[fx.Node, int] = {}
+    for node in graph_module.graph.nodes:
+        for arg in node.all_input_nodes:
+            if arg.op != "get_attr":
+                user_at = end if node.op == "output" else position[node]
+                last_use[arg] = max(last_use.get(arg, -1), user_at)
+    spans: dict[int, list[int]] = {}
+    for index, node in enumerate(ops):
+        for state in _state_ids(module, node):
+            span = spans.setdefault(state, [index, index])
+            span[1] = index
+    blocked = [0] * (end + 1)
+    for first, last in spans.values():
+        for cut in range(first + 1, last + 1):
+            blocked[cut] = 1
+    live = {n for n in graph_module.graph.nodes if n.op == "placeholder" and n in last_use}
+    cuts = []
+    for index, node in enumerate(ops):
+        live = {value for value in live if last_use[value] >= index}
+        if index > 0 and len(live) == 1 and not blocked[index]:
+            (value,) = live
+            if value.op != "placeholder" and _is_batched(value, batch):
+                cuts.append(_Cut(index, value))
+        if last_use.get(node, -1) > index:
+            live.add(node)
+    return cuts
+
+
+def _is_batched(node: fx.Node, batch: int) -> bool:
+    meta = node.meta.get("tensor_meta")
+    return isinstance(meta, TensorMetadata) and len(meta.shape) >= 1 and meta.shape[0] == batch
+
+
+def _chosen_cuts(
+    cuts: list[_Cut], ops: list[fx.Node], split_points: Sequence[str], model: str
+) -> list[_Cut]:
+    """The legal cuts restricted to the marked ones (``split_point`` calls, ``split_points``
+    module names), when there are any; a mark that is not a legal cut is an error."""
+    marked: dict[int, str] = {}
+    for index, node in enumerate(ops):
+        if node.op == "call_function" and node.target is split_point:
+            marked[index + 1] = "split_point() call"
+    for name in split_points:
+        found = [
+            i
+            for i, n in enumerate(ops)
+            if n.op == "call_module" and (n.target == name or str(n.target).startswith(name + "."))
+        ]
+        if not found:
+            raise ModelError(f"split_points: {model} has no module named {name!r} in its forward")
+        marked[found[0]] = f"split point {name!r}"
+    if not marked:
+        return cuts
+    legal = {cut.position for cut in cuts}
+    chosen = []
+    for index, what in sorted(marked.items()):
+        if index >= len(ops):
+            continue  # a mark at the very end cuts nothing
+        if index not in legal:
+            raise ModelError(
+                f"{what} in {model} before {ops[index].name!r} is not a legal cut: more than "
+                "one tensor crosses it (a residual or a mask), or it separates layers that "
+                "share weights; move it to where a single tensor flows"
+            )
+        chosen.append(next(cut for cut in cuts if cut.position == index))
+    return chosen
+
+
+def _has_weights(module: nn.Module, node: fx.Node) -> bool:
+    """Whether ``node`` uses parameters other than a normalization layer's (a BatchNorm
+    belongs with the convolution before it)."""
+    if node.op == "call_module" and isinstance(module.get_submodule(str(node.target)), _NORMS):
+        return False
+    return bool(_state_ids(module, node))
+
+
+def _merge_parameter_free(module: nn.Module, ops: list[fx.Node], cuts: list[_Cut]) -> list[_Cut]:
+    """Drop cuts so that every block holds weights (a run of nodes without them, such as a
+    ReLU, a pooling or a normalization layer, joins the block before it; at the start, the
+    block after it)."""
+    has_state = [_has_weights(module, node) for node in ops]
+    bounds = [0, *(cut.position for cut in cuts), len(ops)]
+    kept = []
+    for index, cut in enumerate(cuts):
+        after = any(has_state[bounds[index + 1] : bounds[index + 2]])
+        before = any(has_state[bounds[0] : cut.position])
+        if after and before:
+            kept.append(cut)
+            bounds[0] = cut.position
+        # else: the cut is dropped; the run before it continues into the next block
+    return kept
+
+
+def _build_blocks(
+    module: nn.Module, graph_module: fx.GraphModule, ops: list[fx.Node], cuts: list[_Cut]
+) -> list[nn.Module]:
+    (output,) = [node for node in graph_module.graph.nodes if node.op == "output"]
+    result = output.args[0]
+    if not isinstance(result, fx.Node) or not isinstance(
+        result.meta.get("tensor_meta"), TensorMetadata
+    ):
+        raise ModelError(
+            f"model: {type(module).__name__}.forward must return one tensor (the logits); it "
+            "returns a tuple or dict: wrap it in a module that returns the logits alone"
+        )
+    placeholders = [node for node in graph_module.graph.nodes if node.op == "placeholder"]
+    starts = [0, *(cut.position for cut in cuts)]
+    stops = [*(cut.position for cut in cuts), len(ops)]
+    inputs = [placeholders[0], *(cut.value for cut in cuts)]
+    outputs = [*(cut.value for cut in cuts), result]
+    return [
+        _block(module, ops[start:stop], entry, exit_, index)
+        for index, (start, stop, entry, exit_) in enumerate(
+            zip(starts, stops, inputs, outputs, strict=True)
+        )
+    ]
+
+
+def _block(
+    module: nn.Module, nodes: list[fx.Node], entry: fx.Node, exit_: fx.Node, index: int
+) -> fx.GraphModule:
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {entry: graph.placeholder("x")}
+
+    def mapped(node: fx.Node) -> fx.Node:
+        if node not in env:
+            if node.op != "get_attr":
+                raise ModelError(f"model: node {node.name!r} is used across a cut (internal)")
+            env[node] = graph.get_attr(str(node.target))
+        return env[node]
+
+    for node in nodes:
+        if node.op == "call_function" and node.target is split_point:
+            env[node] = mapped(node.args[0])  # type: ignore[arg-type]
+            continue
+        env[node] = graph.node_copy(node, mapped)
+    graph.output(mapped(exit_))
+    graph.lint()
+    return fx.GraphModule(module, graph, class_name=f"Block{index}")

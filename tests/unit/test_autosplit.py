@@ -1,0 +1,215 @@
+"""Automatic splitting: any nn.Module becomes blocks whose composition is the module."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from split_models import split_point
+from split_models.autosplit import auto_blocks
+from split_models.errors import ConfigError, ModelError
+from split_models.profiler import profile_model
+from split_models.segment import OptimizerConfig, Segment
+from split_models.zoo import ModelOptions, build_model
+from tests.fixtures import gallery
+
+pytestmark = pytest.mark.unit
+
+TOKENS = ModelOptions("int64", (0, gallery.VOCAB))
+GALLERY = {
+    "lenet": ((1, 28, 28), None),
+    "resnet18_narrow": ((3, 32, 32), None),
+    "mobilenet_like": ((3, 32, 32), None),
+    "lstm_classifier": ((16,), TOKENS),
+    "transformer_classifier": ((16,), TOKENS),
+}
+
+
+def _composed_matches(module: nn.Module, blocks: list[nn.Module], x: torch.Tensor) -> None:
+    """Forward and every parameter's gradient of the blocks in sequence equal the module's."""
+    composed = nn.Sequential(*blocks)
+    module.train()
+    torch.manual_seed(0)
+    expected = module(x)
+    expected.square().mean().backward()  # type: ignore[no-untyped-call]
+    grads = {name: p.grad.clone() for name, p in module.named_parameters() if p.grad is not None}
+    module.zero_grad()
+    torch.manual_seed(0)
+    actual = composed(x)
+    actual.square().mean().backward()  # type: ignore[no-untyped-call]
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+    assert grads, "the module has no gradients to compare"
+    for name, p in module.named_parameters():
+        if name in grads:
+            assert p.grad is not None, name
+            torch.testing.assert_close(p.grad, grads[name], rtol=1e-5, atol=1e-5)
+
+
+def test_resnet18_split_automatically_equals_the_unsplit_model() -> None:
+    torch.manual_seed(0)
+    model = gallery.resnet18((3, 32, 32), 10)
+    blocks = auto_blocks(model, torch.zeros(2, 3, 32, 32))
+    # stem, the eight residual blocks, the classifier: a residual is never cut inside
+    assert len(blocks) == 10
+    x = torch.randn(4, 3, 32, 32)
+    # BatchNorm in training mode updates running stats; compare on fresh copies of them
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    _composed_matches(model, blocks, x)
+    model.load_state_dict(state)
+
+
+@pytest.mark.parametrize("name", sorted(GALLERY))
+def test_every_gallery_model_splits_into_blocks_whose_composition_is_the_model(name: str) -> None:
+    shape, options = GALLERY[name]
+    model = build_model(f"tests.fixtures.gallery:{name}", shape, 10, seed=0, options=options)
+    assert model.num_blocks >= 3
+    owned = [id(p) for block in model.blocks for p in block.parameters()]
+    assert len(owned) == len(set(owned)), "a parameter belongs to two blocks"
+    with torch.no_grad():
+        torch.manual_seed(1)
+        x = model.example_input(3)
+        for block in model.blocks:
+            block.eval()
+        assert model.full()(x).shape == (3, 10)
+
+
+def test_token_models_profile_with_valid_ids_and_no_block_with_weights_has_zero_flops() -> None:
+    for name in ("lstm_classifier", "transformer_classifier"):
+        shape, options = GALLERY[name]
+        model = build_model(f"tests.fixtures.gallery:{name}", shape, 10, seed=0, options=options)
+        profile = profile_model(model, ("linear",), 8)
+        assert profile.blocks[0].input_bytes == 8 * 16  # int64 ids
+        for block, module in zip(profile.blocks, model.blocks, strict=True):
+            if any(True for _ in module.parameters()):
+                assert block.flops > 0, (name, block.summary)
+
+
+def test_split_point_calls_restrict_the_cuts_to_the_marked_ones() -> None:
+    class Marked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = split_point(F.relu(self.a(x)))
+            return self.c(F.relu(self.b(x)))  # type: ignore[no-any-return]
+
+    blocks = auto_blocks(Marked(), torch.zeros(2, 8))
+    assert [len(list(b.parameters())) for b in blocks] == [2, 4]
+
+
+def test_split_points_by_module_name_and_a_mark_that_is_not_a_legal_cut() -> None:
+    model = gallery.resnet18_narrow((3, 32, 32), 10)
+    blocks = auto_blocks(model, torch.zeros(2, 3, 32, 32), ["layer3", "fc"])
+    assert len(blocks) == 3
+    with pytest.raises(ModelError, match="not a legal cut"):
+        auto_blocks(
+            gallery.resnet18_narrow((3, 32, 32), 10), torch.zeros(2, 3, 32, 32), ["layer1.0.conv2"]
+        )
+    with pytest.raises(ModelError, match="no module named 'layer9'"):
+        auto_blocks(gallery.resnet18_narrow((3, 32, 32), 10), torch.zeros(2, 3, 32, 32), ["layer9"])
+
+
+def test_tied_weights_are_never_cut_apart() -> None:
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.mid = nn.Linear(6, 6), nn.Linear(6, 6)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = torch.relu(self.embed(x))
+            x = torch.relu(self.mid(x))
+            return F.linear(x, self.embed.weight)  # the first layer's weight, again
+
+    blocks = auto_blocks(Tied(), torch.zeros(2, 6))
+    assert len(blocks) == 1
+
+
+def test_a_block_may_start_with_an_in_place_relu() -> None:
+    # torchvision's children in a Sequential: a block begins with ReLU(inplace=True)
+    blocks = [nn.Sequential(nn.Linear(4, 8)), nn.Sequential(nn.ReLU(inplace=True), nn.Linear(8, 3))]
+    model = build_model("tests.fixtures.user_models:tiny", (4,), 3)
+    model.blocks = nn.ModuleList(blocks)
+    from split_models.autosplit import disable_inplace
+
+    for block in model.blocks:
+        disable_inplace(block)
+    segment = Segment.from_model(model, 1, 2, optimizer=OptimizerConfig("sgd"))
+    inputs = torch.randn(5, 8)
+    kept = inputs.clone()
+    result = segment.train_from(1, inputs, torch.zeros(5, dtype=torch.long), input_gradient=True)
+    assert result.input_gradient is not None
+    torch.testing.assert_close(inputs, kept)  # the sender's tensor is untouched
+
+
+def test_user_factories_returning_sequential_with_in_place_layers_are_made_safe() -> None:
+    model = build_model("tests.fixtures.user_models:inplace_children", (4,), 3)
+    assert not any(getattr(m, "inplace", False) for m in model.full().modules())
+
+
+def test_models_that_cannot_be_split_are_named_with_the_fix() -> None:
+    class Branchy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.sum() > 0:  # data-dependent control flow
+                return self.a(x)  # type: ignore[no-any-return]
+            return x
+
+    with pytest.raises(ModelError, match=r"cannot trace Branchy.forward.*submodule"):
+        auto_blocks(Branchy(), torch.zeros(2, 4))
+
+    class TwoInputs(nn.Module):
+        def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return x * mask
+
+    with pytest.raises(ModelError, match="needs more than one input"):
+        auto_blocks(TwoInputs(), torch.zeros(2, 4))
+
+    class Pair(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            y = self.a(x)
+            return y, y
+
+    with pytest.raises(ModelError, match="must return one tensor"):
+        auto_blocks(Pair(), torch.zeros(2, 4))
+
+
+def test_integer_inputs_need_their_range() -> None:
+    with pytest.raises(ConfigError, match="input_range"):
+        ModelOptions("int64")
+    with pytest.raises(ConfigError, match="low < high"):
+        ModelOptions("int64", (5, 5))
+
+
+_TORCHVISION = importlib.util.find_spec("torchvision") is not None
+
+
+def _torchvision_models() -> object:
+    try:
+        import torchvision.models
+
+        return torchvision.models
+    except Exception as error:  # a CUDA build next to the CPU torch fails at import
+        pytest.skip(f"torchvision does not import here: {error}")
+
+
+@pytest.mark.skipif(not _TORCHVISION, reason="torchvision is not installed (pip install .[vision])")
+@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v3_small"])
+def test_torchvision_models_split_unchanged(name: str) -> None:
+    models = _torchvision_models()
+    torch.manual_seed(0)
+    model = getattr(models, name)(num_classes=10)
+    blocks = auto_blocks(model, torch.zeros(2, 3, 32, 32))
+    assert len(blocks) >= 5
+    _composed_matches(model, blocks, torch.randn(4, 3, 32, 32))
