@@ -1,4 +1,4 @@
-"""Estimated vs measured training memory of zoo-model segments.
+"""Estimated vs measured training memory of zoo-model and gallery-model segments.
 
 Each row trains one segment (with its local-loss head, or the task loss for the last segment)
 for three steps in a fresh process and measures the real peak (VmHWM reset via
@@ -8,7 +8,11 @@ at that size where the allocator places a few buffers moves a fresh process's pe
 0.15 MiB, and a device has to fit the largest. Targets: |error| <= 15% on every row
 and no underestimate worse than -10%.
 
-    python benchmarks/memory.py [--quick] [--out docs/benchmarks-memory.md]
+    python benchmarks/memory.py [--quick] [--gallery] [--out docs/benchmarks-memory.md]
+
+``--gallery`` measures the ordinary ``nn.Module`` models split automatically
+(``tests/fixtures/gallery.py``: resnet18 at full width, the MobileNetV3-style network, the
+transformer encoder classifier) at batches 16 and 64 instead of the zoo.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ configure_process()
 import torch  # noqa: E402
 
 from split_models import ModelProfile, estimate_segment_memory, format_bytes  # noqa: E402
+from split_models.config import ModelConfig, config_to_dict, parse_config  # noqa: E402
 from split_models.measure import run_measuring_child  # noqa: E402
 
 # model, input shape, segments (the cuts of a three-part split)
@@ -36,21 +41,38 @@ CASES = [
     ("resnet8", (3, 32, 32), [(0, 1), (1, 3), (3, 5)]),
     ("resnet20", (3, 32, 32), [(0, 4), (4, 8), (8, 11)]),
 ]
+_TOKENS = {"input_dtype": "int64", "input_range": 64}
+# import path, input shape, segments, input options
+GALLERY = [
+    ("tests.fixtures.gallery:resnet18", (3, 32, 32), [(0, 2), (2, 6), (6, 10)], {}),
+    ("tests.fixtures.gallery:mobilenet_like", (3, 32, 32), [(0, 3), (3, 6), (6, 9)], {}),
+    ("tests.fixtures.gallery:transformer_classifier", (32,), [(0, 2), (2, 4)], _TOKENS),
+]
 BATCHES = (16, 64, 256)
+GALLERY_BATCHES = (16, 64)
 OPTIMIZER = "sgd-momentum"
 SMALL_SEGMENT = 4 * 2**20
 
 
+def _section(model: str, shape: tuple[int, ...], options: dict[str, object]) -> str:
+    data = {"model": model, "input_shape": list(shape), "num_classes": 10, **options}
+    return json.dumps(config_to_dict(parse_config(ModelConfig, data, "case")))
+
+
 def measure(
-    model: str, shape: tuple[int, ...], start: int, end: int, batch: int, optimizer: str
+    model: str,
+    shape: tuple[int, ...],
+    start: int,
+    end: int,
+    batch: int,
+    optimizer: str,
+    options: dict[str, object] | None = None,
 ) -> dict[str, object]:
     done = run_measuring_child(
         [
             "split_models.measure",
             "--model",
-            model,
-            "--input-shape",
-            ",".join(map(str, shape)),
+            _section(model, shape, options or {}),
             "--start",
             str(start),
             "--end",
@@ -65,9 +87,14 @@ def measure(
     return json.loads(done.stdout)  # type: ignore[no-any-return]
 
 
-def fresh_profile(model: str, shape: tuple[int, ...], batch: int) -> ModelProfile:
+def fresh_profile(
+    model: str, shape: tuple[int, ...], batch: int, options: dict[str, object] | None = None
+) -> ModelProfile:
     """Profile in a new process, as the coordinator does: kernels that an earlier profile in
     the same process generated would hide this model's one-time kernel setup."""
+    extra = []
+    for key, value in (options or {}).items():
+        extra += [f"--{key.replace('_', '-')}", str(value)]
     done = run_measuring_child(
         [
             "edgesplit",
@@ -81,6 +108,7 @@ def fresh_profile(model: str, shape: tuple[int, ...], batch: int) -> ModelProfil
             "--local-loss",
             "linear",
             "--json",
+            *extra,
         ]
     )
     done.check_returncode()
@@ -91,6 +119,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="one segment per model, batch 64")
     parser.add_argument("--optimizer", default=OPTIMIZER)
+    parser.add_argument(
+        "--gallery", action="store_true", help="the automatically split gallery models"
+    )
     parser.add_argument("--out", type=Path, help="append the table to this markdown file")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -100,22 +131,26 @@ def main() -> int:
     )
     worst, worst_under = 0.0, 0.0
     report = Report(header)
-    for name, shape, segments in CASES:
-        for batch in (64,) if args.quick else BATCHES:
-            profile = fresh_profile(name, shape, batch)
+    cases = GALLERY if args.gallery else [(*case, {}) for case in CASES]
+    batches = GALLERY_BATCHES if args.gallery else BATCHES
+    for name, shape, segments, options in cases:
+        for batch in (64,) if args.quick else batches:
+            profile = fresh_profile(name, shape, batch, options)
             for start, end in segments[:1] if args.quick else segments:
                 estimate = estimate_segment_memory(profile, start, end, batch, args.optimizer)
-                measured = measure(name, shape, start, end, batch, args.optimizer)
+                measured = measure(name, shape, start, end, batch, args.optimizer, options)
                 peak = int(measured["peak_bytes"])  # type: ignore[call-overload]
                 if peak < SMALL_SEGMENT:  # a device must fit the largest of three fresh runs
                     again = [
-                        measure(name, shape, start, end, batch, args.optimizer) for _ in range(2)
+                        measure(name, shape, start, end, batch, args.optimizer, options)
+                        for _ in range(2)
                     ]
                     peak = max(peak, *(int(m["peak_bytes"]) for m in again))  # type: ignore[call-overload]
                 error = (estimate.total - peak) / peak
                 worst, worst_under = max(worst, abs(error)), min(worst_under, error)
                 row = (
-                    f"| {name} | {'x'.join(map(str, shape))} | [{start}, {end}) | {batch} "
+                    f"| {name.rpartition(':')[2]} | {'x'.join(map(str, shape))} "
+                    f"| [{start}, {end}) | {batch} "
                     f"| {format_bytes(estimate.total)} | {format_bytes(peak)} "
                     f"| {error:+.1%} | {format_bytes(int(measured['runtime_bytes']))} |"  # type: ignore[call-overload]
                 )

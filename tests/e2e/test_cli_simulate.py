@@ -7,6 +7,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests.e2e.cli import run_cli
@@ -189,3 +190,39 @@ def test_batched_clients_train_together_and_still_learn(tmp_path: Path) -> None:
     assert counts["client_steps"] == batches
     assert counts["calls"] < counts["client_steps"]
     assert summary["final_accuracy"] >= 0.8, summary["rounds"]
+
+
+def test_a_users_own_module_and_data_beside_the_config_file(tmp_path: Path) -> None:
+    # an ordinary nn.Module with its own forward, in a file next to SIM.yaml; data given
+    # relative to that file; the command runs from elsewhere (the repository root)
+    project = tmp_path / "project"
+    (project / "data").mkdir(parents=True)
+    (project / "mynets.py").write_text(
+        "import torch.nn.functional as F\n"
+        "from torch import nn\n\n"
+        "class Net(nn.Module):\n"
+        "    def __init__(self, classes):\n"
+        "        super().__init__()\n"
+        "        self.conv = nn.Conv2d(1, 8, 3, padding=1)\n"
+        "        self.mid = nn.Linear(8 * 16, 32)\n"
+        "        self.out = nn.Linear(32, classes)\n\n"
+        "    def forward(self, x):\n"
+        "        x = F.max_pool2d(F.relu(self.conv(x)), 2)\n"
+        "        return self.out(F.relu(self.mid(x.flatten(1))))\n\n"
+        "def net(num_classes):\n"
+        "    return Net(num_classes)\n"
+    )
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, 4, 160)
+    images = rng.normal(0, 1, (160, 1, 8, 8)).astype(np.float32) + labels[:, None, None, None]
+    np.savez(project / "data" / "train.npz", x=images, y=labels)
+    (project / "SIM.yaml").write_text(
+        "model: mynets:net\ninput_shape: [1, 8, 8]\nnum_classes: 4\n"
+        "data: npz:data/train.npz\nclients: 2\nrounds: 1\nmeasure_memory: false\n"
+    )
+    out = tmp_path / "out"
+    done = run_cli("simulate", "--config", str(project / "SIM.yaml"), "--out", str(out), "-q")
+    assert done.returncode == 0, done.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["rounds"][0]["round"] == 1
+    assert "plan for mynets:net (3 blocks)" in (out / "plan.txt").read_text()

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from split_models.data import load_dataset, partition
+from split_models.data import from_torch, load_dataset, partition, resolve_spec
 from split_models.errors import ConfigError
 
 pytestmark = pytest.mark.unit
@@ -96,3 +96,39 @@ def test_label_skew_grows_as_alpha_shrinks_and_shards_limit_classes() -> None:
         partition(labels, 2, "by-colour")
     with pytest.raises(ConfigError, match="clients"):
         partition(labels, 0)
+
+
+def test_integer_arrays_other_than_uint8_are_token_ids(tmp_path: Path) -> None:
+    ids = np.array([[1, 5, 63], [0, 2, 9]], dtype=np.int32)
+    np.savez(tmp_path / "tokens.npz", x=ids, y=np.array([0, 1]))
+    data = load_dataset(f"npz:{tmp_path / 'tokens.npz'}")
+    assert data.x.dtype == np.int64 and np.array_equal(data.x, ids)
+    assert data.input_shape == (3,)
+
+
+def test_a_torch_dataset_of_pairs_is_read_into_arrays() -> None:
+    import torch
+    from torch.utils.data import TensorDataset
+
+    images = torch.rand(6, 1, 4, 4)
+    labels = torch.tensor([0, 1, 2, 0, 1, 2])
+    data = from_torch(TensorDataset(images, labels))
+    assert data.x.shape == (6, 1, 4, 4) and data.x.dtype == np.float32
+    assert np.allclose(data.x, images.numpy()) and data.num_classes == 3
+    pil_like = [(np.full((4, 4, 3), 255, np.uint8), 1), (np.zeros((4, 4, 3), np.uint8), 0)]
+    colour = from_torch(pil_like, num_classes=2)
+    assert colour.x.shape == (2, 3, 4, 4) and float(colour.x.max()) == 1.0
+    with pytest.raises(ConfigError, match="differ in shape"):
+        from_torch([(np.zeros(3), 0), (np.zeros(4), 1)])
+    with pytest.raises(ConfigError, match=r"not an \(input, label\) pair"):
+        from_torch([np.zeros(3)])
+
+
+def test_relative_data_paths_resolve_against_the_config_folder(tmp_path: Path) -> None:
+    assert resolve_spec("npz:data/train.npz", tmp_path) == f"npz:{tmp_path / 'data/train.npz'}"
+    assert resolve_spec("npz:/abs/x.npz", tmp_path) == "npz:/abs/x.npz"
+    assert resolve_spec("digits", tmp_path) == "digits"
+    assert resolve_spec("torchvision:MNIST:data", tmp_path) == (
+        f"torchvision:MNIST:{tmp_path / 'data'}"
+    )
+    assert resolve_spec("folder:imgs", tmp_path) == f"folder:{tmp_path / 'imgs'}"

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
 from split_models import ModelError, Segment, build_model
 from split_models.weights import load_segment_state, segment_state
+from storage.checkpoints import CheckpointFiles
 
 pytestmark = pytest.mark.unit
 
@@ -49,3 +52,28 @@ def test_missing_or_misshaped_tensors_are_refused() -> None:
     wrong["block0.1.weight"] = np.zeros((3, 3), np.float32)
     with pytest.raises(ModelError, match=r"block0\.1\.weight: shape"):
         load_segment_state(segment, wrong)
+
+
+def test_batchnorm_state_round_trips_through_a_checkpoint_file_with_its_scalar_shapes(
+    tmp_path: Path,
+) -> None:
+    model = build_model("resnet8", (3, 8, 8), 10, seed=0)
+    segment = Segment.from_model(model, 0, 2, "linear")
+    segment.train_step(torch.randn(4, 3, 8, 8), torch.zeros(4, dtype=torch.long))
+    state = segment_state(segment)
+    assert state["block0.1.num_batches_tracked"].shape == ()  # a 0-d tensor
+    files = CheckpointFiles(tmp_path)
+    digest, size = files.put(state)
+    stored = files.get(digest, size)
+    assert {k: v.shape for k, v in stored.items()} == {k: v.shape for k, v in state.items()}
+    fresh = Segment.from_model(build_model("resnet8", (3, 8, 8), 10, seed=1), 0, 2, "linear")
+    load_segment_state(fresh, stored)
+    assert int(fresh.module[0][1].num_batches_tracked) == 1
+
+
+def test_checkpoints_written_with_scalars_as_shape_1_still_load() -> None:
+    segment = Segment.from_model(build_model("resnet8", (3, 8, 8), 10, seed=0), 0, 1, "linear")
+    legacy = segment_state(segment)
+    legacy["block0.1.num_batches_tracked"] = np.array([7], dtype=np.int64)
+    load_segment_state(segment, legacy)
+    assert int(segment.module[0][1].num_batches_tracked) == 7
