@@ -44,6 +44,7 @@ def model_section(args: argparse.Namespace) -> ModelConfig:
         "num_classes": args.num_classes,
         "input_dtype": args.input_dtype,
         "input_range": parse_range(args.input_range),
+        "task": args.task,
     }
     if args.split_points:
         data["split_points"] = [p.strip() for p in args.split_points.split(",") if p.strip()]

@@ -19,7 +19,7 @@ from split_models.config import TrainingConfig, default_of
 from split_models.heads import LOCAL_LOSSES
 from split_models.runtime import configure_process
 from split_models.segment import OPTIMIZERS, OptimizerConfig
-from split_models.zoo import INPUT_DTYPES
+from split_models.zoo import INPUT_DTYPES, TASKS
 from wire.codec import ENCODINGS
 
 __all__ = ["main"]
@@ -63,6 +63,13 @@ def _input_flags(parser: argparse.ArgumentParser, default: str | None = "float32
     )
     parser.add_argument(
         "--input-range", help="token ids: N (ids in [0, N)) or LOW,HIGH (ids in [LOW, HIGH))"
+    )
+    parser.add_argument(
+        "--task",
+        choices=TASKS,
+        default="classification" if default else None,
+        help="a label per sample, or language-model: the next token at every position "
+        "(--num-classes is then the vocabulary)" + (" (default: %(default)s)" if default else ""),
     )
 
 

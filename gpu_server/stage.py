@@ -64,7 +64,7 @@ class BackStage:
                 f"tensor 'x' has shape {list(x.shape)}: 0 rows, expected at least 1; an "
                 "edge sends a batch of 1 or more examples",
             )
-        TensorSpec("int64", (x.shape[0],)).check("y", y)
+        TensorSpec("int64", (x.shape[0], *self.model.label_shape)).check("y", y)
         if len(y) and (y.min() < 0 or y.max() >= self.model.num_classes):
             raise WireError(
                 "labels",

@@ -36,6 +36,7 @@ def simulate_command(args: argparse.Namespace) -> int:
         "num_classes": args.num_classes,
         "input_dtype": args.input_dtype,
         "input_range": parse_range(args.input_range),
+        "task": args.task,
         "seed": args.seed,
         "workers": args.workers,
         "batched": args.batched,

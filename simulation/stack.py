@@ -37,7 +37,9 @@ def stackable(segment: Segment) -> bool:
     no_buffers = not any(True for m in modules for _ in m.buffers())
     config = segment.optimizer_config
     plain = config.clip_norm is None and config.warmup_steps == 0
-    return plain and no_buffers and getattr(segment.head, "kind", "") in ("linear", "mlp", "task")
+    per_position = getattr(segment.head, "per_position", False)
+    kind = getattr(segment.head, "kind", "")
+    return plain and no_buffers and not per_position and kind in ("linear", "mlp", "task")
 
 
 class _Loss(nn.Module):

@@ -19,9 +19,11 @@ another device sent).
 
 from __future__ import annotations
 
+import copy
 import inspect
 import operator
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +36,9 @@ from split_models.errors import ModelError
 __all__ = ["auto_blocks", "disable_inplace", "split_point"]
 
 _OPS = ("call_function", "call_method", "call_module")
+_TRACE_LOCK = threading.Lock()
+_TRACED: dict[Hashable, list[fx.Graph]] = {}  # architecture key -> its block graphs
+_TRACED_MAX = 32
 _NORMS = (
     nn.modules.batchnorm._NormBase,
     nn.LayerNorm,
@@ -81,12 +86,37 @@ class _Cut:
 
 
 def auto_blocks(
-    module: nn.Module, example: torch.Tensor, split_points: Sequence[str] = ()
+    module: nn.Module,
+    example: torch.Tensor,
+    split_points: Sequence[str] = (),
+    key: Hashable | None = None,
 ) -> list[nn.Module]:
     """``module`` as an ordered list of blocks sharing its parameters, whose composition is
     the module's forward. ``example`` is a batch of valid inputs (its values are not used for
-    anything but shapes); ``split_points`` names modules before which the model may be cut."""
+    anything but shapes); ``split_points`` names modules before which the model may be cut.
+
+    ``key`` names the architecture (the same key, the same graph): a model is traced once per
+    process and later instances reuse its block graphs. Tracing patches ``nn.Module.__call__``
+    for every thread while it runs, so it must not overlap another thread's forward passes;
+    traces are serialised, and the roles build a model before they start training it."""
     disable_inplace(module)
+    with _TRACE_LOCK:
+        graphs = _TRACED.get(key) if key is not None else None
+        if graphs is None:
+            graphs = _block_graphs(module, example, split_points)
+            if key is not None:
+                if len(_TRACED) >= _TRACED_MAX:
+                    _TRACED.pop(next(iter(_TRACED)))
+                _TRACED[key] = graphs
+    return [
+        fx.GraphModule(module, copy.deepcopy(graph), class_name=f"Block{index}")
+        for index, graph in enumerate(graphs)
+    ]
+
+
+def _block_graphs(
+    module: nn.Module, example: torch.Tensor, split_points: Sequence[str]
+) -> list[fx.Graph]:
     graph_module = _trace(module)
     _make_out_of_place(graph_module.graph)
     _propagate_shapes(graph_module, example)
@@ -289,7 +319,7 @@ def _merge_parameter_free(module: nn.Module, ops: list[fx.Node], cuts: list[_Cut
 
 def _build_blocks(
     module: nn.Module, graph_module: fx.GraphModule, ops: list[fx.Node], cuts: list[_Cut]
-) -> list[nn.Module]:
+) -> list[fx.Graph]:
     (output,) = [node for node in graph_module.graph.nodes if node.op == "output"]
     result = output.args[0]
     if not isinstance(result, fx.Node) or not isinstance(
@@ -305,16 +335,12 @@ def _build_blocks(
     inputs = [placeholders[0], *(cut.value for cut in cuts)]
     outputs = [*(cut.value for cut in cuts), result]
     return [
-        _block(module, ops[start:stop], entry, exit_, index)
-        for index, (start, stop, entry, exit_) in enumerate(
-            zip(starts, stops, inputs, outputs, strict=True)
-        )
+        _block(ops[start:stop], entry, exit_)
+        for start, stop, entry, exit_ in zip(starts, stops, inputs, outputs, strict=True)
     ]
 
 
-def _block(
-    module: nn.Module, nodes: list[fx.Node], entry: fx.Node, exit_: fx.Node, index: int
-) -> fx.GraphModule:
+def _block(nodes: list[fx.Node], entry: fx.Node, exit_: fx.Node) -> fx.Graph:
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {entry: graph.placeholder("x")}
 
@@ -332,4 +358,4 @@ def _block(
         env[node] = graph.node_copy(node, mapped)
     graph.output(mapped(exit_))
     graph.lint()
-    return fx.GraphModule(module, graph, class_name=f"Block{index}")
+    return graph

@@ -34,7 +34,7 @@ from split_models.errors import ConfigError
 from split_models.heads import LOCAL_LOSSES
 from split_models.segment import OptimizerConfig
 from split_models.units import parse_bandwidth, parse_flops, parse_memory
-from split_models.zoo import INPUT_DTYPES, ModelOptions, SplittableModel, build_model
+from split_models.zoo import INPUT_DTYPES, TASKS, ModelOptions, SplittableModel, build_model
 from wire.codec import ENCODINGS
 from wire.topics import check_name
 
@@ -411,13 +411,15 @@ class ModelConfig:
     input_range: tuple[int, int] | None = setting(None, parse=_input_range, dump=_listed)
     # module names the model may be cut before (else every legal cut, split_models.autosplit)
     split_points: tuple[str, ...] = setting((), parse=_names, dump=_listed)
+    # classification, or language-model: the next token at every position (labels [length])
+    task: str = setting("classification", choices=TASKS)
 
     def __post_init__(self) -> None:
         self.options  # noqa: B018 (validates the combination)
 
     @property
     def options(self) -> ModelOptions:
-        return ModelOptions(self.input_dtype, self.input_range, self.split_points)
+        return ModelOptions(self.input_dtype, self.input_range, self.split_points, self.task)
 
     def build(self, seed: int | None = None) -> SplittableModel:
         """The model this section names, built (``seed``: its initial weights)."""

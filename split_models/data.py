@@ -84,8 +84,11 @@ def _images(x: np.ndarray) -> np.ndarray:
 
 
 def _from_arrays(x: np.ndarray, y: np.ndarray, where: str) -> Dataset:
-    if x.ndim < 2 or y.ndim != 1:
-        raise ConfigError(f"{where}: expected x [N, ...] and y [N], got {x.shape} and {y.shape}")
+    if x.ndim < 2 or y.ndim not in (1, 2) or len(y) != len(x):
+        raise ConfigError(
+            f"{where}: expected x [N, ...] and y [N] (or [N, length]: a token per position), "
+            f"got {x.shape} and {y.shape}"
+        )
     if not np.issubdtype(y.dtype, np.integer):
         raise ConfigError(f"{where}: labels must be integers, got {y.dtype}")
     features = _images(x)
@@ -248,6 +251,11 @@ def partition(
     if clients < 1 or clients > len(labels):
         raise ConfigError(
             f"clients: need 1..{len(labels)} clients for {len(labels)} samples, got {clients}"
+        )
+    if labels.ndim > 1 and kind != "iid":
+        raise ConfigError(
+            f"partition.kind: {kind!r} splits by label; with a label per position (language "
+            "modelling) use iid"
         )
     rng = np.random.default_rng(seed)
     if kind == "iid":

@@ -7,10 +7,10 @@ from collections.abc import Mapping
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from split_models.config import ModelConfig
 from split_models.data import Dataset
+from split_models.heads import task_cross_entropy
 from split_models.segment import Segment
 from split_models.weights import load_segment_state
 
@@ -24,7 +24,8 @@ def evaluate_weights(
     batch: int = 512,
 ) -> dict[str, float]:
     """Accuracy and mean cross-entropy of the assembled model (``weights`` of every block;
-    local heads are ignored) on ``data``, in batches of ``batch`` without autograd."""
+    local heads are ignored) on ``data``, in batches of ``batch`` without autograd. For a
+    language model both are per predicted token."""
     model = spec.build(seed=0)
     whole = Segment.from_model(model, 0, model.num_blocks)
     load_segment_state(whole, weights)
@@ -33,7 +34,7 @@ def evaluate_weights(
         x = torch.from_numpy(data.x[begin : begin + batch])
         y = torch.from_numpy(data.y[begin : begin + batch])
         logits = whole.forward(x)
-        correct += int((logits.argmax(1) == y).sum())
-        loss += float(F.cross_entropy(logits, y, reduction="sum"))
-    count = max(1, len(data))
+        correct += int((logits.argmax(-1) == y).sum())
+        loss += float(task_cross_entropy(logits, y, reduction="sum"))
+    count = max(1, data.y.size)
     return {"accuracy": correct / count, "loss": loss / count}

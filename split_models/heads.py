@@ -3,6 +3,10 @@
 ``linear`` pools and classifies (decoupled greedy learning, Belilovsky et al. 2020), ``mlp`` adds a
 hidden layer (InfoPro/DGL variants), ``supcon`` projects and applies the supervised contrastive
 loss (SCPL, Wang et al. 2023). The last segment of a model uses :class:`TaskLoss` instead.
+
+For language modelling (``per_position``) the heads predict a token at every position of the
+cut's ``[length, width]`` features, as the model's own output layer does, and the loss is the
+mean over positions.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from torch import nn
 
 from split_models.errors import ConfigError
 
-__all__ = ["LOCAL_LOSSES", "LocalHead", "TaskLoss", "make_head"]
+__all__ = ["LOCAL_LOSSES", "LocalHead", "TaskLoss", "make_head", "task_cross_entropy"]
 
 LOCAL_LOSSES = ("linear", "mlp", "supcon")
 _HIDDEN = 128
@@ -37,12 +41,28 @@ def _pooling(feature_shape: Sequence[int]) -> tuple[nn.Module, int]:
 class LocalHead(nn.Module):
     """An auxiliary head with its own loss, trained together with the segment below it."""
 
-    def __init__(self, kind: str, feature_shape: Sequence[int], num_classes: int) -> None:
+    def __init__(
+        self,
+        kind: str,
+        feature_shape: Sequence[int],
+        num_classes: int,
+        per_position: bool = False,
+    ) -> None:
         super().__init__()
         if kind not in LOCAL_LOSSES:
             raise ConfigError(f"local_loss: unknown kind {kind!r}; use one of {LOCAL_LOSSES}")
-        self.kind = kind
-        pool, width = _pooling(feature_shape)
+        self.kind, self.per_position = kind, per_position
+        pool: nn.Module
+        if per_position:
+            if kind == "supcon" or len(feature_shape) != 2:
+                raise ConfigError(
+                    f"local_loss: a language model's heads predict a token per position from "
+                    f"[length, width] features with kind linear or mlp; got {kind!r} on "
+                    f"features {list(feature_shape)}"
+                )
+            pool, width = nn.Identity(), int(feature_shape[-1])
+        else:
+            pool, width = _pooling(feature_shape)
         layers: list[nn.Module] = [pool]
         if kind == "linear":
             layers.append(nn.Linear(width, num_classes))
@@ -59,7 +79,7 @@ class LocalHead(nn.Module):
         out = self(features)
         if self.kind == "supcon":
             return supervised_contrastive_loss(F.normalize(out, dim=1), labels)
-        return F.cross_entropy(out, labels)
+        return task_cross_entropy(out, labels)
 
 
 class TaskLoss(nn.Module):
@@ -68,7 +88,19 @@ class TaskLoss(nn.Module):
     kind = "task"
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits, labels)
+        return task_cross_entropy(logits, labels)
+
+
+def task_cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean"
+) -> torch.Tensor:
+    """Cross-entropy of logits ``[batch, classes]`` against labels ``[batch]``, or of
+    ``[batch, positions, classes]`` against ``[batch, positions]`` (a token per position)."""
+    if logits.dim() > 2:
+        return F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction=reduction
+        )
+    return F.cross_entropy(logits, labels, reduction=reduction)
 
 
 def supervised_contrastive_loss(
@@ -89,6 +121,9 @@ def supervised_contrastive_loss(
     return -(summed[has_positive] / counts[has_positive]).mean()
 
 
-def make_head(kind: str, feature_shape: Sequence[int], num_classes: int) -> LocalHead:
-    """Build the local-loss head of ``kind`` for features of ``feature_shape`` (no batch dim)."""
-    return LocalHead(kind, tuple(feature_shape), num_classes)
+def make_head(
+    kind: str, feature_shape: Sequence[int], num_classes: int, per_position: bool = False
+) -> LocalHead:
+    """Build the local-loss head of ``kind`` for features of ``feature_shape`` (no batch dim);
+    ``per_position``: a token prediction at every position (language modelling)."""
+    return LocalHead(kind, tuple(feature_shape), num_classes, per_position)

@@ -405,7 +405,9 @@ def profile_model(
     for kind in local_losses:
         at_cut = [
             profile_module(
-                make_head(kind, blocks[cut - 1].output_shape, model.num_classes),
+                make_head(
+                    kind, blocks[cut - 1].output_shape, model.num_classes, model.per_position
+                ),
                 blocks[cut - 1].output_shape,
                 batch_size,
             )

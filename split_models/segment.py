@@ -116,7 +116,7 @@ class Segment:
         if end < model.num_blocks:
             with torch.no_grad():
                 feature_shape = _output_shape(model, end)
-            head = make_head(local_loss, feature_shape, model.num_classes)
+            head = make_head(local_loss, feature_shape, model.num_classes, model.per_position)
         return cls(module, head, optimizer or OptimizerConfig(), start, end)
 
     @property

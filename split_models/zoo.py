@@ -15,7 +15,7 @@ import math
 import os
 import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +26,7 @@ from split_models.errors import ConfigError, ModelError
 
 __all__ = [
     "INPUT_DTYPES",
+    "TASKS",
     "ZOO_NAMES",
     "ModelOptions",
     "SplittableModel",
@@ -35,16 +36,21 @@ __all__ = [
 ]
 
 INPUT_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "int64": torch.int64}
+# classification: a label per sample; language-model: token ids in, the next token at every
+# position out (labels [length], logits [length, vocabulary])
+TASKS = ("classification", "language-model")
 
 
 @dataclass(frozen=True)
 class ModelOptions:
     """What a model takes besides its shape: ``input_dtype`` (``int64`` for token ids, which
-    lie in ``input_range`` = [low, high)) and the module names it may be cut before."""
+    lie in ``input_range`` = [low, high)), the module names it may be cut before, and its
+    task (a label per sample, or a token per position for a language model)."""
 
     input_dtype: str = "float32"
     input_range: tuple[int, int] | None = None
     split_points: tuple[str, ...] = ()
+    task: str = "classification"
 
     def __post_init__(self) -> None:
         if self.input_dtype not in INPUT_DTYPES:
@@ -56,6 +62,12 @@ class ModelOptions:
             raise ConfigError(
                 f"input_range: input_dtype {self.input_dtype} needs the range of its ids, "
                 "e.g. input_range: 1000 (a vocabulary of 1000 tokens) or [0, 1000]"
+            )
+        if self.task not in TASKS:
+            raise ConfigError(f"task: unknown {self.task!r}; use one of {list(TASKS)}")
+        if self.task == "language-model" and not integer:
+            raise ConfigError(
+                "task: a language-model takes token ids: set input_dtype: int64 and input_range"
             )
         if self.input_range is not None:
             low, high = self.input_range
@@ -74,6 +86,7 @@ class ModelOptions:
             "input_dtype": self.input_dtype,
             "input_range": None if self.input_range is None else list(self.input_range),
             "split_points": list(self.split_points),
+            "task": self.task,
         }
 
     @classmethod
@@ -83,6 +96,7 @@ class ModelOptions:
             input_dtype=str(data.get("input_dtype", "float32")),
             input_range=None if bounds is None else tuple(bounds),  # type: ignore[arg-type]
             split_points=tuple(data.get("split_points", ())),  # type: ignore[arg-type]
+            task=str(data.get("task", "classification")),
         )
 
 
@@ -103,6 +117,16 @@ class SplittableModel:
     @property
     def num_blocks(self) -> int:
         return len(self.blocks)
+
+    @property
+    def per_position(self) -> bool:
+        """A language model: labels and predictions at every position of the input."""
+        return self.options.task == "language-model"
+
+    @property
+    def label_shape(self) -> tuple[int, ...]:
+        """One sample's labels: ``()`` for a class, ``(length,)`` for a token per position."""
+        return self.input_shape[:1] if self.per_position else ()
 
     def example_input(
         self, batch: int, generator: torch.Generator | None = None, zeros: bool = False
@@ -269,12 +293,12 @@ def _call_factory(
 
 
 def _as_blocks(
-    path: str, built: object, example: torch.Tensor, options: ModelOptions
+    path: str, built: object, example: torch.Tensor, options: ModelOptions, key: Hashable
 ) -> list[nn.Module]:
     if isinstance(built, nn.Sequential | nn.ModuleList) and not options.split_points:
         blocks: list[object] = list(built)
     elif isinstance(built, nn.Module):
-        return auto_blocks(built, example, options.split_points)
+        return auto_blocks(built, example, options.split_points, key)
     elif isinstance(built, Sequence) and not isinstance(built, str):
         blocks = list(built)
     else:
@@ -330,5 +354,6 @@ def build_model(
     else:
         built = _call_factory(_import_factory(name), shape, num_classes)
         example = example_input(shape, options, 2, zeros=True)
-        blocks = _as_blocks(name, built, example, options)
+        key = (name, shape, num_classes, options)
+        blocks = _as_blocks(name, built, example, options, key)
     return SplittableModel(name, nn.ModuleList(blocks), shape, num_classes, options)
