@@ -118,7 +118,8 @@ class Problem:
         )
         ratio = COMPRESSION_BYTES[config.compression] / 4.0
         cut = np.array(
-            [0.0] + [math.ceil(b.output_bytes * ratio) + LABEL_BYTES for b in profile.blocks]
+            [0.0]
+            + [math.ceil(b.output_bytes * ratio) + profile.label_bytes for b in profile.blocks]
         )
         memory = segment_memory_table(
             profile, config.batch_size, config.optimizer, config.local_loss

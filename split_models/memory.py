@@ -95,12 +95,13 @@ class _Chain:
     ``max + params(all)`` once the chain is closed.
     """
 
-    def __init__(self, batch: int, optimizer: str) -> None:
+    def __init__(self, batch: int, optimizer: str, label_bytes: int = _LABEL_BYTES) -> None:
         self.batch, self.copies, self.adam = (
             batch,
             _OPTIMIZER_COPIES[optimizer],
             optimizer == "adam",
         )
+        self.label_bytes = label_bytes
         self.first: BlockProfile | None = None
         self.last: BlockProfile | None = None
         self.params = self.buffers = self.largest_param = 0
@@ -155,7 +156,7 @@ class _Chain:
             # Adam's step computes (exp_avg_sq.sqrt() / c).add_(eps): two temporaries the size
             # of the parameter being updated are alive at once.
             optimizer_state=self.copies * params + (2 * largest_param if self.adam else 0),
-            input=self.batch * (self.first.input_bytes + _LABEL_BYTES),
+            input=self.batch * (self.first.input_bytes + self.label_bytes),
             kernel_setup=setup,
             bookkeeping=STEP_BOOKKEEPING_BYTES,
             step_peak=math.ceil(
@@ -202,7 +203,7 @@ def estimate_segment_memory(
     if not 0 <= start < end <= profile.num_blocks:
         raise ConfigError(f"segment [{start}, {end}) is outside 0..{profile.num_blocks} blocks")
     _validate(profile, batch_size, optimizer, local_loss)
-    chain = _Chain(batch_size, optimizer)
+    chain = _Chain(batch_size, optimizer, profile.label_bytes)
     for block in profile.blocks[start:end]:
         chain.add(block)
     return chain.estimate(_head(profile, end, local_loss))
@@ -219,7 +220,7 @@ def segment_memory_table(
     size = profile.num_blocks + 1
     table = [[0] * size for _ in range(size)]
     for start in range(profile.num_blocks):
-        chain = _Chain(batch_size, optimizer)
+        chain = _Chain(batch_size, optimizer, profile.label_bytes)
         for end in range(start + 1, size):
             chain.add(profile.blocks[end - 1])
             table[start][end] = chain.estimate(_head(profile, end, local_loss)).total

@@ -92,6 +92,7 @@ class ModelProfile:
     num_classes: int
     blocks: tuple[BlockProfile, ...]
     heads: dict[str, tuple[BlockProfile, ...]] = field(default_factory=dict)
+    label_bytes: int = 8  # per sample: one int64 class, or one per position (language model)
 
     @property
     def num_blocks(self) -> int:
@@ -111,6 +112,7 @@ class ModelProfile:
                 kind: tuple(BlockProfile.from_dict(b) for b in profiles)
                 for kind, profiles in data.get("heads", {}).items()
             },
+            label_bytes=int(data.get("label_bytes", 8)),
         )
 
 
@@ -414,4 +416,7 @@ def profile_model(
             for cut in range(1, model.num_blocks + 1)
         ]
         heads[kind] = (at_cut[0], *at_cut)
-    return ModelProfile(model.name, model.input_shape, model.num_classes, tuple(blocks), heads)
+    labels = 8 * math.prod(model.label_shape)
+    return ModelProfile(
+        model.name, model.input_shape, model.num_classes, tuple(blocks), heads, labels
+    )

@@ -213,3 +213,22 @@ def test_torchvision_models_split_unchanged(name: str) -> None:
     blocks = auto_blocks(model, torch.zeros(2, 3, 32, 32))
     assert len(blocks) >= 5
     _composed_matches(model, blocks, torch.randn(4, 3, 32, 32))
+
+
+def test_a_language_model_trains_per_position_across_a_cut() -> None:
+    options = ModelOptions("int64", (0, gallery.VOCAB), task="language-model")
+    model = build_model("tests.fixtures.gallery:tiny_gpt", (12,), gallery.VOCAB, 0, options)
+    assert model.label_shape == (12,)
+    ids = model.example_input(4)
+    labels = torch.roll(ids, -1, dims=1)
+    front = Segment.from_model(model, 0, 2, "linear")
+    step = front.train_step(ids, labels)
+    assert step.output.shape == (4, 12, 32)  # hidden states at every position cross the cut
+    back = Segment.from_model(model, 2, model.num_blocks)
+    assert back.train_step(step.output, labels).loss > 0
+    with pytest.raises(ConfigError, match="token per position"):
+        Segment.from_model(model, 0, 2, "supcon")
+    profile = profile_model(model, ("linear",), 4)
+    assert profile.label_bytes == 8 * 12  # the labels travel and sit in memory per position
+    with pytest.raises(ConfigError, match="language-model takes token ids"):
+        ModelOptions(task="language-model")
