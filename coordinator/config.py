@@ -2,10 +2,13 @@
 
 ```yaml
 run_id: demo-1
-model: cnn                      # zoo name or package.module:function
+model: cnn                      # zoo name or package.module:function (any nn.Module)
 input_shape: [1, 28, 28]
 num_classes: 10
-eval_data: npz:path/to/test.npz
+input_dtype: float32            # int64 for token ids, with input_range: N (ids in [0, N))
+task: classification            # or language-model: the next token at every position
+split_points: []                # optional: module names the model may be cut before
+eval_data: npz:path/to/test.npz  # relative to this file
 devices: {edges: 3, gpu_servers: 1, wait: 120s}   # or edges: [pi-01, pi-02, ...]
 rounds: 3
 local_epochs: 1
@@ -170,7 +173,15 @@ class RunConfig:
 
 # What a resumed run may not change without ``--allow-config-change``: the network (never:
 # the stored weights would not fit) and everything that changes how a round trains.
-STRUCTURE_KEYS = ("model", "input_shape", "num_classes")
+STRUCTURE_KEYS = (
+    "model",
+    "input_shape",
+    "num_classes",
+    "input_dtype",
+    "input_range",
+    "split_points",
+    "task",
+)
 TRAINING_KEYS = (
     "local_epochs",
     "batch_size",

@@ -207,6 +207,7 @@ class Planner:
             profile.num_blocks,
             config.training.batch_size,
             config.training.optimizer.name,
+            config.training.local_loss,
         ).total
         fitting = [s for s in servers if s.memory >= need]
         if fitting:

@@ -257,7 +257,7 @@ def _measure(args: argparse.Namespace) -> dict[str, object]:
     )
     for _ in range(3):  # the second optimizer step initialises more of the runtime lazily
         inputs = warm_inputs if warm_inputs is not None else warm.example_input(2)
-        warm_segment.train_step(inputs, torch.zeros(2, dtype=torch.long))
+        warm_segment.train_step(inputs, torch.zeros(2, *warm.label_shape, dtype=torch.long))
     del warm, warm_segment, warm_inputs
     runtime = resident_bytes()
 
@@ -267,7 +267,9 @@ def _measure(args: argparse.Namespace) -> dict[str, object]:
     if args.start > 0:
         with torch.no_grad():
             inputs = model.segment(0, args.start)(inputs)
-    labels = torch.randint(0, spec.num_classes, (args.batch_size,), generator=generator)
+    labels = torch.randint(
+        0, spec.num_classes, (args.batch_size, *model.label_shape), generator=generator
+    )
     segment = Segment.from_model(
         model, args.start, args.end, args.local_loss, OptimizerConfig(args.optimizer)
     )

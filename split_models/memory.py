@@ -202,7 +202,8 @@ def estimate_segment_memory(
     """
     if not 0 <= start < end <= profile.num_blocks:
         raise ConfigError(f"segment [{start}, {end}) is outside 0..{profile.num_blocks} blocks")
-    _validate(profile, batch_size, optimizer, local_loss)
+    # the last segment has the task loss: which local head was profiled does not matter
+    _validate(profile, batch_size, optimizer, local_loss if end < profile.num_blocks else None)
     chain = _Chain(batch_size, optimizer, profile.label_bytes)
     for block in profile.blocks[start:end]:
         chain.add(block)

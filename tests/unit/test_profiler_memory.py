@@ -137,3 +137,12 @@ def test_a_segment_start_counts_the_kernels_of_a_pass_without_an_input_gradient(
         estimate_segment_memory(profile, 1, 3, 16, "sgd").kernel_setup == 2000 + 300_000 + 700_000
     )
     assert estimate_segment_memory(profile, 4, 6, 16, "sgd").kernel_setup == 5000 + 600_000
+
+
+def test_the_last_segment_needs_no_profile_of_the_configured_local_head() -> None:
+    # the back ends in the task loss: a model profiled only for mlp heads still estimates it
+    profile = profile_model(build_model("mlp", (1, 8, 8), 10), local_losses=("mlp",))
+    whole = estimate_segment_memory(profile, 1, profile.num_blocks, 16, "sgd")
+    assert whole.total > 0
+    with pytest.raises(ConfigError, match="'linear' was not profiled"):
+        estimate_segment_memory(profile, 0, 1, 16, "sgd")  # a front does need its head
