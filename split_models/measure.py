@@ -239,16 +239,13 @@ class PeakMeter:
         return max(0, now)  # no ballast (closed, never started): a lower mark is unseen
 
 
-def _measure(args: argparse.Namespace) -> dict[str, object]:
+def _warm_up(spec: ModelConfig, args: argparse.Namespace) -> None:
+    """Train a throw-away copy of the same segment (same layers, head and optimizer, tiny
+    batch) so code that torch loads lazily counts as runtime, not training."""
     import torch
 
-    torch.set_num_threads(1)
-    from split_models.config import ModelConfig, parse_config
     from split_models.segment import OptimizerConfig, Segment
 
-    spec = parse_config(ModelConfig, json.loads(args.model), "model")
-    # Warm the runtime up on a throw-away copy of the same segment (same layers, head and
-    # optimizer, tiny batch) so code that torch loads lazily counts as runtime, not training.
     warm = spec.build(seed=1)
     with torch.no_grad():
         warm_inputs = warm.segment(0, args.start)(warm.example_input(2)) if args.start else None
@@ -258,7 +255,18 @@ def _measure(args: argparse.Namespace) -> dict[str, object]:
     for _ in range(3):  # the second optimizer step initialises more of the runtime lazily
         inputs = warm_inputs if warm_inputs is not None else warm.example_input(2)
         warm_segment.train_step(inputs, torch.zeros(2, *warm.label_shape, dtype=torch.long))
-    del warm, warm_segment, warm_inputs
+
+
+def _measure(args: argparse.Namespace) -> dict[str, object]:
+    import torch
+
+    torch.set_num_threads(1)
+    from split_models.config import ModelConfig, parse_config
+    from split_models.segment import OptimizerConfig, Segment
+
+    spec = parse_config(ModelConfig, json.loads(args.model), "model")
+    _warm_up(spec, args)
+    gc.collect()
     runtime = resident_bytes()
 
     model = spec.build(seed=0)

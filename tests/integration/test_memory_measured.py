@@ -7,7 +7,7 @@ import json
 import pytest
 
 from split_models import estimate_segment_memory
-from split_models.config import ModelConfig
+from split_models.config import ModelConfig, config_to_dict
 from split_models.errors import ConfigError
 from split_models.isolated import profile_in_fresh_process
 from split_models.measure import peak_supported, run_measuring_child
@@ -21,14 +21,15 @@ pytestmark = [
 @pytest.mark.parametrize(("start", "end", "batch"), [(0, 2, 32), (2, 6, 64)])
 def test_estimate_is_within_15_percent_of_measured_peak(start: int, end: int, batch: int) -> None:
     # profiled in a fresh process: this one's heap holds whatever earlier tests freed
-    profile = profile_in_fresh_process(ModelConfig("cnn", (1, 28, 28), 10), ("linear",), batch)
+    spec = ModelConfig("cnn", (1, 28, 28), 10)
+    profile = profile_in_fresh_process(spec, ("linear",), batch)
     estimate = estimate_segment_memory(profile, start, end, batch, "sgd-momentum").total
     # measured as benchmarks/memory.py does: a fresh process with the measurement allocator
     done = run_measuring_child(
         [
             "split_models.measure",
             "--model",
-            "cnn",
+            json.dumps(config_to_dict(spec)),
             "--start",
             str(start),
             "--end",

@@ -44,7 +44,8 @@ def test_the_example_parses_with_every_field() -> None:
         "fp16",
     )
     assert config.aggregation.name == "fedavg"
-    assert config.data.eval_data == "npz:path/to/test.npz"
+    # a relative path in the file is relative to the file
+    assert config.data.eval_data == f"npz:{EXAMPLE.parent / 'path/to/test.npz'}"
     stored = json.loads(json.dumps(config.to_dict()))  # what the run store keeps
     assert stored["input_shape"] == [1, 28, 28] and stored["devices"]["edges"] == 3
     assert stored["optimizer"]["lr"] == 0.01 and stored["round_deadline"] == 300.0
