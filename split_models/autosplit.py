@@ -46,13 +46,6 @@ _NORMS = (
     nn.LocalResponseNorm,
     nn.RMSNorm,
 )
-_NORMS = (
-    nn.modules.batchnorm._NormBase,
-    nn.LayerNorm,
-    nn.GroupNorm,
-    nn.LocalResponseNorm,
-    nn.RMSNorm,
-)
 _INPLACE_OPERATORS: dict[Callable[..., Any], Callable[..., Any]] = {
     operator.iadd: operator.add,
     operator.isub: operator.sub,
