@@ -148,7 +148,29 @@ def _trace(module: nn.Module) -> fx.GraphModule:
             "loop on a tensor's values) cannot be traced: move it into a submodule of its own "
             "(a block that is never cut), or return an nn.Sequential or a list of blocks"
         ) from error
+    _drop_concrete_arguments(graph, name)
     return fx.GraphModule(module, graph, class_name=name)
+
+
+def _drop_concrete_arguments(graph: fx.Graph, name: str) -> None:
+    """Remove the placeholders of arguments traced at their defaults and fx's checks that
+    they keep them (``_assert_is_none``, ``eq`` + ``_assert``), so the graph takes the input
+    tensor alone."""
+    extra = [n for n in graph.nodes if n.op == "placeholder"][1:]
+    checks = set(extra)
+    for node in graph.nodes:
+        if node.op == "call_function" and node.all_input_nodes:
+            if all(arg in checks for arg in node.all_input_nodes):
+                checks.add(node)
+    for node in reversed(list(graph.nodes)):
+        if node in checks and not node.users:
+            graph.erase_node(node)
+    for node in extra:
+        if node.graph is graph and node.users:
+            raise ModelError(
+                f"model: {name}.forward uses its argument {node.target!r} as a value beside "
+                "the input; edgesplit feeds one tensor: bind it in a wrapper module"
+            )
 
 
 def _make_out_of_place(graph: fx.Graph) -> None:

@@ -232,3 +232,23 @@ def test_a_language_model_trains_per_position_across_a_cut() -> None:
     assert profile.label_bytes == 8 * 12  # the labels travel and sit in memory per position
     with pytest.raises(ConfigError, match="language-model takes token ids"):
         ModelOptions(task="language-model")
+
+
+def test_a_forward_with_optional_arguments_is_traced_at_their_defaults() -> None:
+    class Optional(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+        def forward(
+            self, x: torch.Tensor, mask: torch.Tensor | None = None, scale: float = 2.0
+        ) -> torch.Tensor:
+            if mask is not None:
+                x = x * mask
+            return self.b(torch.relu(self.a(x))) * scale  # type: ignore[no-any-return]
+
+    model = Optional()
+    blocks = auto_blocks(model, torch.zeros(2, 4))
+    assert len(blocks) == 2
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(nn.Sequential(*blocks)(x), model(x))
