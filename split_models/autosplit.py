@@ -159,9 +159,9 @@ def _drop_concrete_arguments(graph: fx.Graph, name: str) -> None:
     extra = [n for n in graph.nodes if n.op == "placeholder"][1:]
     checks = set(extra)
     for node in graph.nodes:
-        if node.op == "call_function" and node.all_input_nodes:
-            if all(arg in checks for arg in node.all_input_nodes):
-                checks.add(node)
+        inputs = node.all_input_nodes
+        if node.op == "call_function" and inputs and all(arg in checks for arg in inputs):
+            checks.add(node)
     for node in reversed(list(graph.nodes)):
         if node in checks and not node.users:
             graph.erase_node(node)
