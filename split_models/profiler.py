@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
+from torch import fx, nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from split_models.heads import LOCAL_LOSSES, make_head
@@ -238,6 +238,7 @@ class _Pass:
     ) -> None:
         self.module, self.shape, self.out_shape = module, shape, out_shape
         self.input_grad, self.ids = input_grad, ids
+        self.cyclic = any(isinstance(m, fx.GraphModule) for m in module.modules())
 
     def peak(self, batch: int) -> int:
         """Peak resident bytes of forward, then backward from a gradient that autograd
@@ -245,7 +246,8 @@ class _Pass:
         block's saved tensors, gradient buffers, kernel workspaces and its own weight gradients
         at their real lifetimes. The copy has fresh weight storage, so per-weight caches count.
         """
-        _collect()  # the copy of the pass before, when cycles keep it (fx blocks do)
+        if self.cyclic:  # the copy of the pass before is kept by its cycles until collected
+            gc.collect()
         module = copy.deepcopy(self.module)
         inputs = _inputs(self.shape, batch, self.ids, grad=self.input_grad)
         weight = torch.randn(batch, *self.out_shape)
@@ -264,19 +266,21 @@ class _Pass:
         """Bytes the first pass at ``batch`` leaves resident: kernels generated and cached for
         that shape. Read from the exact resident size before and after; a difference of peaks
         would carry the meter's error twice and miss what is cached after the pass's peak."""
-        _collect()
+        _collect(self.cyclic)
         before = resident_bytes()
         self.peak(batch)
-        _collect()
+        _collect(self.cyclic)
         return max(0, resident_bytes() - before)
 
 
-def _collect() -> None:
-    """Free what only the cycle collector frees, then return freed heap to the system. A
-    traced block (``fx.GraphModule``) and its graph refer to each other, so a copy of one
-    outlives its last reference; left to the collector, the copies of earlier passes read as
-    memory the pass left resident (4x the weights of a resnet18 block, measured)."""
-    gc.collect()
+def _collect(cyclic: bool) -> None:
+    """Free what only the cycle collector frees (when ``cyclic``), then return freed heap to
+    the system. A traced block (``fx.GraphModule``) and its graph refer to each other, so a
+    copy of one outlives its last reference; left to the collector, the copies of earlier
+    passes read as memory the pass left resident (4x the weights of a resnet18 block,
+    measured). A full collection costs tens of milliseconds, so only such blocks pay it."""
+    if cyclic:
+        gc.collect()
     trim_heap()
 
 
