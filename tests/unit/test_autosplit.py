@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import pytest
@@ -11,8 +12,10 @@ from torch import nn
 
 from split_models import split_point
 from split_models.autosplit import auto_blocks
+from split_models.config import ModelConfig
 from split_models.errors import ConfigError, ModelError
-from split_models.profiler import profile_model
+from split_models.isolated import profile_in_fresh_process
+from split_models.profiler import ModelProfile
 from split_models.segment import OptimizerConfig, Segment
 from split_models.zoo import ModelOptions, build_model
 from tests.fixtures import gallery
@@ -27,6 +30,22 @@ GALLERY = {
     "lstm_classifier": ((16,), TOKENS),
     "transformer_classifier": ((16,), TOKENS),
 }
+
+
+def _fresh_profile(
+    name: str, shape: tuple[int, ...], classes: int, options: ModelOptions | None
+) -> ModelProfile:
+    """Profiled in a child process, as the coordinator does: in this test process's large
+    heap, the cycle collections that profiling traced blocks needs take minutes."""
+    spec = ModelConfig(f"tests.fixtures.gallery:{name}", shape, classes)
+    if options is not None:
+        spec = dataclasses.replace(
+            spec,
+            input_dtype=options.input_dtype,
+            input_range=options.input_range,
+            task=options.task,
+        )
+    return profile_in_fresh_process(spec, ("linear",), 8)
 
 
 def _composed_matches(module: nn.Module, blocks: list[nn.Module], x: torch.Tensor) -> None:
@@ -81,7 +100,7 @@ def test_token_models_profile_with_valid_ids_and_no_block_with_weights_has_zero_
     for name in ("lstm_classifier", "transformer_classifier"):
         shape, options = GALLERY[name]
         model = build_model(f"tests.fixtures.gallery:{name}", shape, 10, seed=0, options=options)
-        profile = profile_model(model, ("linear",), 8)
+        profile = _fresh_profile(name, shape, 10, options)
         assert profile.blocks[0].input_bytes == 8 * 16  # int64 ids
         for block, module in zip(profile.blocks, model.blocks, strict=True):
             if any(True for _ in module.parameters()):
@@ -228,7 +247,7 @@ def test_a_language_model_trains_per_position_across_a_cut() -> None:
     assert back.train_step(step.output, labels).loss > 0
     with pytest.raises(ConfigError, match="token per position"):
         Segment.from_model(model, 0, 2, "supcon")
-    profile = profile_model(model, ("linear",), 4)
+    profile = _fresh_profile("tiny_gpt", (12,), gallery.VOCAB, options)
     assert profile.label_bytes == 8 * 12  # the labels travel and sit in memory per position
     with pytest.raises(ConfigError, match="language-model takes token ids"):
         ModelOptions(task="language-model")
