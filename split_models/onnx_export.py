@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from split_models.errors import ModelError
+from split_models.zoo import example_input
 
 __all__ = ["OnnxCheck", "check_onnx", "export_onnx", "onnx_session"]
 
@@ -42,14 +43,6 @@ class _Wrapped(nn.Module):
         return self.module(x)  # type: ignore[no-any-return]
 
 
-def _sample(
-    shape: tuple[int, ...], batch: int, ids: tuple[int, int] | None, generator: torch.Generator
-) -> torch.Tensor:
-    if ids is not None:
-        return torch.randint(ids[0], ids[1], (batch, *shape), generator=generator)
-    return torch.randn(batch, *shape, generator=generator)
-
-
 def export_onnx(
     module: nn.Module,
     input_shape: tuple[int, ...],
@@ -61,7 +54,9 @@ def export_onnx(
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     wrapped = _Wrapped(module).eval()
-    example = _sample(input_shape, _MIN_BATCH + 1, input_range, torch.Generator().manual_seed(0))
+    example = example_input(
+        input_shape, input_range, _MIN_BATCH + 1, torch.Generator().manual_seed(0)
+    )
     batch = torch.export.Dim("batch", min=1)
     exporter_log = logging.getLogger("torch.onnx")
     level = exporter_log.level
@@ -115,7 +110,7 @@ def check_onnx(
     generator = torch.Generator().manual_seed(seed)
     worst = 0.0
     for batch in batch_sizes:
-        sample = _sample(input_shape, batch, input_range, generator)
+        sample = example_input(input_shape, input_range, batch, generator)
         with torch.no_grad():
             expected = module(sample).numpy()
         (actual,) = session.run(["y"], {"x": sample.numpy()})  # type: ignore[attr-defined]

@@ -35,7 +35,7 @@ from split_models.measure import (
     resident_bytes,
     trim_heap,
 )
-from split_models.zoo import SplittableModel
+from split_models.zoo import SplittableModel, example_input
 
 __all__ = ["BlockProfile", "ModelProfile", "profile_model", "profile_module"]
 
@@ -135,9 +135,8 @@ def _inputs(
 ) -> torch.Tensor:
     """A probe batch: standard normal floats (needing a gradient with ``grad``), or token
     ids drawn from ``ids`` = [low, high) for a model's first block."""
-    if ids is not None:
-        return torch.randint(ids[0], ids[1], (batch, *shape))
-    return torch.randn(batch, *shape, requires_grad=grad)
+    inputs = example_input(shape, ids, batch)
+    return inputs.requires_grad_(grad) if ids is None else inputs
 
 
 def _run_probe(
@@ -353,12 +352,14 @@ def _measure(
         largest_activation = large.largest_activation // _PROBE_BATCHES[1]
         # Without an input gradient first: its kernels are what a segment's first block makes;
         # the pass with one then adds only the kernels for the input gradient.
-        first, backward = (
-            _training_pass(
-                module, shape, out_shape, per_sample, largest_activation, grad, batch_size, ids
-            )
-            for grad in (False, ids is None)
+        first = _training_pass(
+            module, shape, out_shape, per_sample, largest_activation, False, batch_size, ids
         )
+        backward = first  # token ids take no gradient: the one pass is both
+        if ids is None:
+            backward = _training_pass(
+                module, shape, out_shape, per_sample, largest_activation, True, batch_size
+            )
         return {
             "output_shape": out_shape,
             "output_bytes": out.element_size() * math.prod(out_shape),

@@ -133,7 +133,7 @@ class SplittableModel:
     ) -> torch.Tensor:
         """A batch of valid model inputs: standard normal floats, or ids drawn uniformly from
         ``input_range`` (``zeros``: the smallest valid value everywhere)."""
-        return example_input(self.input_shape, self.options, batch, generator, zeros)
+        return example_input(self.input_shape, self.options.input_range, batch, generator, zeros)
 
     def segment(self, start: int, end: int) -> nn.Sequential:
         """The blocks ``[start, end)`` as one module sharing parameters with this model."""
@@ -150,19 +150,19 @@ class SplittableModel:
 
 def example_input(
     shape: Sequence[int],
-    options: ModelOptions,
+    ids: tuple[int, int] | None,
     batch: int,
     generator: torch.Generator | None = None,
     zeros: bool = False,
 ) -> torch.Tensor:
-    """A batch of valid inputs of ``shape`` for a model with ``options``."""
+    """A batch of valid inputs of ``shape``: standard normal floats, or int64 token ids
+    drawn from ``ids`` = [low, high) (``zeros``: the smallest valid value everywhere)."""
     size = (batch, *shape)
-    if options.input_range is None:
+    if ids is None:
         return torch.zeros(size) if zeros else torch.randn(size, generator=generator)
-    low, high = options.input_range
     if zeros:
-        return torch.full(size, low, dtype=options.dtype)
-    return torch.randint(low, high, size, generator=generator, dtype=options.dtype)
+        return torch.full(size, ids[0], dtype=torch.int64)
+    return torch.randint(ids[0], ids[1], size, generator=generator, dtype=torch.int64)
 
 
 def _mlp(input_shape: tuple[int, ...], num_classes: int) -> list[nn.Module]:
@@ -353,7 +353,7 @@ def build_model(
         blocks = _resnet(int(resnet.group(1)), shape, num_classes)
     else:
         built = _call_factory(_import_factory(name), shape, num_classes)
-        example = example_input(shape, options, 2, zeros=True)
+        example = example_input(shape, options.input_range, 2, zeros=True)
         key = (name, shape, num_classes, options)
         blocks = _as_blocks(name, built, example, options, key)
     return SplittableModel(name, nn.ModuleList(blocks), shape, num_classes, options)
