@@ -8,11 +8,13 @@ at that size where the allocator places a few buffers moves a fresh process's pe
 0.15 MiB, and a device has to fit the largest. Targets: |error| <= 15% on every row
 and no underestimate worse than -10%.
 
-    python benchmarks/memory.py [--quick] [--gallery] [--out docs/benchmarks-memory.md]
+    python benchmarks/memory.py [--quick] [--gallery] [--only NAME]
+                                [--out docs/benchmarks-memory.md]
 
 ``--gallery`` measures the ordinary ``nn.Module`` models split automatically
-(``tests/fixtures/gallery.py``: resnet18 at full width, the MobileNetV3-style network, the
-transformer encoder classifier) at batches 16 and 64 instead of the zoo.
+(``tests/fixtures/gallery.py``: torchvision's resnet18 and mobilenet_v3_small definitions,
+the MobileNetV3-style network, the transformer encoder classifier) at batches 16 and 64
+instead of the zoo.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ _TOKENS = {"input_dtype": "int64", "input_range": 64}
 # import path, input shape, segments, input options
 GALLERY = [
     ("tests.fixtures.gallery:resnet18", (3, 32, 32), [(0, 2), (2, 6), (6, 10)], {}),
+    ("tests.fixtures.gallery:mobilenet_v3_small", (3, 32, 32), [(0, 8), (8, 18), (18, 28)], {}),
     ("tests.fixtures.gallery:mobilenet_like", (3, 32, 32), [(0, 3), (3, 6), (6, 9)], {}),
     ("tests.fixtures.gallery:transformer_classifier", (32,), [(0, 2), (2, 4)], _TOKENS),
 ]
@@ -122,6 +125,7 @@ def main() -> int:
     parser.add_argument(
         "--gallery", action="store_true", help="the automatically split gallery models"
     )
+    parser.add_argument("--only", help="the cases whose model name contains this")
     parser.add_argument("--out", type=Path, help="append the table to this markdown file")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -133,6 +137,7 @@ def main() -> int:
     report = Report(header)
     cases = GALLERY if args.gallery else [(*case, {}) for case in CASES]
     batches = GALLERY_BATCHES if args.gallery else BATCHES
+    cases = [case for case in cases if args.only is None or args.only in case[0]]
     for name, shape, segments, options in cases:
         for batch in (64,) if args.quick else batches:
             profile = fresh_profile(name, shape, batch, options)

@@ -192,6 +192,7 @@ TRAINING_KEYS = (
     "strategy",
     "seed",
     "server_clip_norm",
+    "norm",
 )
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from coordinator.planner import stored_plan
+from coordinator.recorder import LOCAL_PREFIX
 from split_models.config import ModelConfig, stored_section
 from split_models.errors import ConfigError
 from split_models.onnx_export import check_onnx, export_onnx
@@ -52,15 +53,21 @@ def export_run(
     round_number: int | None = None,
     per_device: bool = False,
 ) -> list[ExportResult]:
-    """Export the model of ``round_number`` (default: the last committed) into ``out``."""
+    """Export the model of ``round_number`` (default: the last committed) into ``out``; with
+    ``per_device``, each edge's segment too (with ``norm: local``, with its own BatchNorm
+    layers; the whole model holds their average)."""
     run = store.get_run(run_id)
     number = run.current_round if round_number is None else round_number
     if number is None:
         raise ConfigError(f"run {run_id!r} has no committed round to export")
     state = store.checkpoint(run_id, number)
     weights: dict[str, np.ndarray] = {}
-    for tensors in state.weights.values():
-        weights.update(tensors)
+    local: dict[str, dict[str, np.ndarray]] = {}  # FedBN: each device's own BatchNorm layers
+    for name, tensors in state.weights.items():
+        if name.startswith(LOCAL_PREFIX):
+            local[name.removeprefix(LOCAL_PREFIX)] = tensors
+        else:
+            weights.update(tensors)
     spec = stored_section(ModelConfig, run.config, f"run {run_id!r}'s stored config")
     model = spec.build(seed=0)
     whole = Segment.from_model(model, 0, model.num_blocks)
@@ -72,12 +79,8 @@ def export_run(
         if plan is None or not plan.edges:
             raise ConfigError(f"run {run_id!r} has no stored plan, so no device segments")
         for edge in plan.edges:
-            results.append(
-                _export(
-                    Segment.from_model(model, 0, edge.blocks[1]),
-                    f"{run_id}-round{number}-{edge.name}",
-                    spec,
-                    out,
-                )
-            )
+            segment = Segment.from_model(model, 0, edge.blocks[1])
+            # the device's model: with norm: local, its own normalization layers
+            load_segment_state(segment, weights | local.get(edge.name, {}))
+            results.append(_export(segment, f"{run_id}-round{number}-{edge.name}", spec, out))
     return results

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import numpy as np
+from flwr.app import ArrayRecord
 from flwr.serverapp.strategy import FedAvg
 
 from coordinator.assignments import build_message
@@ -35,9 +36,11 @@ def run_federated(
     evaluate: Evaluate | None = None,
     deadline: float = 3600.0,
     seed: int = 0,
+    local_keys: frozenset[str] = frozenset(),
 ) -> int:
     """Train until the run has ``rounds`` committed rounds over ``devices`` (name -> Flower
-    node id); return how many ran now. Each round waits up to ``deadline`` seconds."""
+    node id); return how many ran now. Each round waits up to ``deadline`` seconds.
+    ``local_keys``: tensors each device keeps as its own (FedBN)."""
     state = store.resume(run_id)
     done = 0 if state is None else state.round.number
     weights = dict(initial) if state is None else dict(state.weights[WEIGHTS_SEGMENT])
@@ -46,6 +49,9 @@ def run_federated(
         return 0
     store.set_run_status(run_id, "training")
     recorder = RoundRecorder(store, run_id, strategy, RoundObserver(), evaluate, rounds)
+    recorder.local_keys = local_keys
+    if state is not None:
+        recorder.resume_local(state.weights)
     runner = RoundRunner(grid, strategy, recorder, seed, deadline)
     names = {node: name for name, node in devices.items()}
 
@@ -54,8 +60,9 @@ def run_federated(
         work = RoundWork([names[node] for node in sampled])
         if not sampled:
             work.problem = f"none of {sorted(devices)} is online"
-        arrays = array_record(weights)
+        shared = array_record(weights)
         for node, options in sampled.items():
+            arrays = _arrays(recorder, names[node], weights, shared)
             message = build_message(grid, node, arrays, "train", number, options=options)
             work.messages[names[node]] = message
         return work
@@ -68,3 +75,10 @@ def run_federated(
         raise
     store.set_run_status(run_id, "finished")
     return rounds - done
+
+
+def _arrays(
+    recorder: RoundRecorder, device: str, weights: Mapping[str, np.ndarray], shared: ArrayRecord
+) -> ArrayRecord:
+    """The weights ``device`` trains from: ``shared``, or with its own local tensors."""
+    return array_record(recorder.own(device, weights)) if recorder.local.get(device) else shared

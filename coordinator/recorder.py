@@ -15,11 +15,20 @@ from coordinator.aggregation import flower_quiet
 from storage.base import RunStore
 from storage.errors import NotFoundError
 from storage.records import DeviceResult, Event, MetricPoint, RoundRecord
+from wire.flower import numpy_arrays
 
-__all__ = ["WEIGHTS_SEGMENT", "Evaluate", "Outcome", "RoundObserver", "RoundRecorder"]
+__all__ = [
+    "LOCAL_PREFIX",
+    "WEIGHTS_SEGMENT",
+    "Evaluate",
+    "Outcome",
+    "RoundObserver",
+    "RoundRecorder",
+]
 
 log = logging.getLogger(__name__)
 WEIGHTS_SEGMENT = "global"
+LOCAL_PREFIX = "local:"  # a round's checkpoint segment of one device's own tensors (FedBN)
 Evaluate = Callable[[Mapping[str, np.ndarray]], dict[str, float]]
 
 
@@ -57,7 +66,12 @@ class Outcome:
 
 
 class RoundRecorder:
-    """Aggregates with ``strategy``, evaluates with ``evaluate`` and commits to ``store``."""
+    """Aggregates with ``strategy``, evaluates with ``evaluate`` and commits to ``store``.
+
+    ``local_keys`` names tensors each device keeps as its own (FedBN's BatchNorm layers):
+    they are still aggregated into the global weights, and each device's trained copy is
+    committed with the round (segment ``local:<device>``) and sent back to it next time
+    (:meth:`own`)."""
 
     def __init__(
         self,
@@ -68,16 +82,36 @@ class RoundRecorder:
         evaluate: Evaluate | None = None,
         rounds: int = 0,
         clock: Callable[[], float] = time.monotonic,
+        local_keys: frozenset[str] = frozenset(),
     ) -> None:
         self.store, self.run_id, self.strategy = store, run_id, strategy
         self.observer, self.evaluate, self.rounds, self._clock = observer, evaluate, rounds, clock
+        self.local_keys = local_keys
+        self.local: dict[str, dict[str, np.ndarray]] = {}  # device -> its committed own tensors
+        self._pending: dict[str, dict[str, np.ndarray]] = {}
+
+    def resume_local(self, segments: Mapping[str, Mapping[str, np.ndarray]]) -> None:
+        """The devices' own tensors of a resumed round's checkpoint."""
+        self.local = {
+            name.removeprefix(LOCAL_PREFIX): dict(tensors)
+            for name, tensors in segments.items()
+            if name.startswith(LOCAL_PREFIX)
+        }
+
+    def own(self, device: str, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """``arrays`` for ``device``: its own copy of the local tensors where it has one."""
+        mine = self.local.get(device, {})
+        return {key: mine.get(key, value) for key, value in arrays.items()}
 
     def open(self, number: int, participants: Sequence[str]) -> None:
         """Round ``number`` is (re)opened with ``participants``."""
         self.store.open_round(self.run_id, number, list(participants))
 
-    def aggregate(self, number: int, replies: list[Message]) -> dict[str, np.ndarray] | None:
-        """The round enters ``aggregating``; the strategy's new weights, or None."""
+    def aggregate(
+        self, number: int, replies: list[Message], devices: Sequence[str] = ()
+    ) -> dict[str, np.ndarray] | None:
+        """The round enters ``aggregating``; the strategy's new weights, or None.
+        ``devices``: who sent each reply (by the message it answers, not by what it says)."""
         self.store.set_round_state(self.run_id, number, "aggregating")
         with flower_quiet():  # Flower logs each aggregation at INFO
             arrays, _ = self.strategy.aggregate_train(number, replies)
@@ -86,7 +120,21 @@ class RoundRecorder:
             self.store.add_event(self.run_id, Event("aggregation", note, round=number))
         if arrays is None:
             return None
+        if self.local_keys:
+            self._pending = self._trained_local(replies, devices)
         return {k: v.numpy() for k, v in arrays.items()}
+
+    def _trained_local(
+        self, replies: list[Message], devices: Sequence[str]
+    ) -> dict[str, dict[str, np.ndarray]]:
+        """The committed local tensors updated by this round's replies."""
+        pending = {device: dict(tensors) for device, tensors in self.local.items()}
+        for device, reply in zip(devices, replies, strict=True):
+            trained = numpy_arrays(reply, key=None)
+            own = {k: v for k, v in trained.items() if k in self.local_keys}
+            if own:
+                pending.setdefault(device, {}).update(own)
+        return pending
 
     def committed(self, number: int) -> RoundRecord | None:
         """Round ``number`` if it is committed (the one a new round is judged against)."""
@@ -142,9 +190,12 @@ class RoundRecorder:
         points = _points(number, outcome, trained)
         if points:
             store.add_metrics(self.run_id, points)
-        store.commit_round(
-            self.run_id, number, {WEIGHTS_SEGMENT: weights}, metrics=metrics, evaluation=evaluation
-        )
+        segments = {WEIGHTS_SEGMENT: weights}
+        if self.local_keys:
+            segments |= {LOCAL_PREFIX + d: t for d, t in sorted(self._pending.items())}
+        store.commit_round(self.run_id, number, segments, metrics=metrics, evaluation=evaluation)
+        if self.local_keys:
+            self.local = self._pending
         store.collect_garbage()  # files a crash left before its commit's transaction
         self.observer.round_committed(number, evaluation, outcome.results, servers)
         failed = ", ".join(f"{r.device} ({r.failure})" for r in outcome.results if r.failure)

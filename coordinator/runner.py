@@ -200,7 +200,8 @@ class RoundRunner:
         self.strategy.node_names = {  # type: ignore[attr-defined]
             m.metadata.dst_node_id: d for d, m in work.messages.items()
         }
-        merged = self.recorder.aggregate(number, [replies[d] for d in sorted(outcome.ok)])
+        ok = sorted(outcome.ok)
+        merged = self.recorder.aggregate(number, [replies[d] for d in ok], ok)
         if merged is None:
             return None, "the strategy aggregated nothing"
         evaluation = self.recorder.central_evaluation(merged)

@@ -50,12 +50,12 @@ from split_models.evaluation import evaluate_weights
 from split_models.isolated import profile_in_fresh_process
 from split_models.profiler import ModelProfile
 from split_models.segment import Segment
-from split_models.weights import segment_state
+from split_models.weights import norm_keys, segment_state
 from storage.base import RunStore
 from storage.errors import NotFoundError
 from storage.records import Event
 from wire import topics
-from wire.flower import TransportGrid, array_record
+from wire.flower import TransportGrid, array_record, numpy_arrays
 from wire.roles import Announcement
 from wire.session import new_session
 from wire.transport import Transport
@@ -85,6 +85,14 @@ def initial_weights(
             if k.startswith("head")
         }
     return weights
+
+
+def local_keys(config: RunConfig) -> frozenset[str]:
+    """The tensors each device keeps as its own: the BatchNorm layers with ``norm: local``."""
+    if config.training.norm != "local":
+        return frozenset()
+    model = config.model.build(seed=config.training.seed)
+    return frozenset(norm_keys(Segment.from_model(model, 0, model.num_blocks)))
 
 
 def _strategy(config: RunConfig) -> tuple[FedAvg, int]:
@@ -177,8 +185,11 @@ class Coordinator:
             cuts,
             config.training.seed,
         )
+        recorder = self.runner.recorder
+        recorder.local_keys = local_keys(config)
         if resumed is not None:
             weights |= resumed.weights[WEIGHTS_SEGMENT]
+            recorder.resume_local(resumed.weights)
         store.set_run_status(config.run_id, "training")
         try:
             for number in range(done + 1, config.training.rounds + 1):
@@ -269,9 +280,10 @@ class Coordinator:
             return work
         options = next(iter(sampled.values()), {})
         streams, routes = route(selected, servers)
+        own = self.runner.recorder.own  # FedBN: a device's own BatchNorm layers
         for a in selected:
             task = build_task(self.config, a, self.session, segment=streams[a.device])
-            arrays = array_record(keys_for(weights, 0, a.end, a.end))
+            arrays = array_record(own(a.device, keys_for(weights, 0, a.end, a.end)))
             work.messages[a.device] = build_message(
                 self.grid, a.node, arrays, "train", number, task, sampled[a.node]
             )
@@ -280,7 +292,7 @@ class Coordinator:
                 continue  # nothing streams into this piece this round
             head = back.end if back.end < placement.plan.num_blocks else None
             task = build_task(self.config, back, self.session, server_route=routes[back.device])
-            arrays = array_record(keys_for(weights, back.start, back.end, head))
+            arrays = array_record(own(back.device, keys_for(weights, back.start, back.end, head)))
             work.messages[back.device] = build_message(
                 self.grid, back.node, arrays, "train", number, task, options
             )
@@ -297,6 +309,9 @@ class Coordinator:
             a = assigned[device]
             options = dict(configured.content.config_records[self.strategy.configrecord_key])
             arrays = configured.content.array_records["arrays"]
+            if self.runner.recorder.local.get(device):  # evaluated with its own BatchNorm
+                own = self.runner.recorder.own(device, numpy_arrays(configured))
+                arrays = array_record(own)
             task = build_task(self.config, a, self.session)
             return build_message(self.grid, a.node, arrays, "evaluate", number, task, options)
 

@@ -36,7 +36,7 @@ from split_models.isolated import profile_in_fresh_process
 from split_models.memory import estimate_segment_memory
 from split_models.profiler import ModelProfile
 from split_models.segment import Segment
-from split_models.weights import load_segment_state, segment_state
+from split_models.weights import load_segment_state, norm_keys, segment_state
 from storage.base import RunStore
 from wire.flower import (
     FlowerNode,
@@ -141,10 +141,21 @@ def _train(
     )
     training = config.training
     store.create_run(run_id, config.to_dict(), training.seed)
-    initial = segment_state(_whole(config))
+    whole = _whole(config)
+    initial = segment_state(whole)
     evaluate = _evaluate(config.model, test)
+    local = frozenset(norm_keys(whole)) if training.norm == "local" else frozenset()
     run_federated(
-        store, run_id, strategy, grid, initial, training.rounds, nodes, evaluate, seed=training.seed
+        store,
+        run_id,
+        strategy,
+        grid,
+        initial,
+        training.rounds,
+        nodes,
+        evaluate,
+        seed=training.seed,
+        local_keys=local,
     )
 
 

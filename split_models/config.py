@@ -40,6 +40,7 @@ from wire.topics import check_name
 
 __all__ = [
     "MODES",
+    "NORMS",
     "ModelConfig",
     "TrainingConfig",
     "config_keys",
@@ -53,6 +54,9 @@ __all__ = [
 ]
 
 MODES = ("local-loss", "backprop")
+# How BatchNorm layers aggregate: averaged like every other tensor (FedAvg), or kept by each
+# device as its own (FedBN: every device trains and evaluates with its own normalization).
+NORMS = ("average", "local")
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
 _SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
 _ABSENT = object()
@@ -450,6 +454,10 @@ class TrainingConfig:
     # the GPU server trains the edges' batches one edge after another, in name order, so the
     # same seed gives the same weights bit for bit (with one server; rounds take longer)
     deterministic: bool = False
+    # BatchNorm layers (weight, bias, running statistics): "average" aggregates them with the
+    # strategy; "local" keeps each device's own between rounds (FedBN; the global model holds
+    # their average, for central evaluation and export)
+    norm: str = setting("average", choices=NORMS)
     # The GPU servers clip the back's gradient norm to this (the smaller of it and
     # optimizer.clip_norm, which every segment uses). The back trains on the outputs of many
     # fronts that move under it within a round and jump at its start (the fronts are

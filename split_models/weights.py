@@ -11,11 +11,12 @@ from collections.abc import Mapping
 
 import numpy as np
 import torch
+from torch import nn
 
 from split_models.errors import ModelError
 from split_models.segment import Segment
 
-__all__ = ["load_segment_state", "segment_state"]
+__all__ = ["load_segment_state", "norm_keys", "segment_state"]
 
 
 def segment_state(segment: Segment) -> dict[str, np.ndarray]:
@@ -28,6 +29,27 @@ def segment_state(segment: Segment) -> dict[str, np.ndarray]:
         for key, tensor in segment.head.state_dict().items():
             state[f"head{segment.end}.{key}"] = tensor.detach().cpu().numpy().copy()
     return state
+
+
+def norm_keys(segment: Segment) -> set[str]:
+    """The global names of ``segment``'s BatchNorm tensors (weight, bias, running statistics
+    and batch count): what FedBN (``norm: local``) keeps per device."""
+    keys = set()
+    parts: list[tuple[str, nn.Module]] = [
+        (f"block{segment.start + i}.", block) for i, block in enumerate(segment.module.children())
+    ]
+    if not segment.is_last:
+        parts.append((f"head{segment.end}.", segment.head))
+    for prefix, part in parts:
+        for name, module in part.named_modules():
+            if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                owner = f"{prefix}{name}." if name else prefix
+                for tensor_name, _ in module.named_parameters(recurse=False):
+                    keys.add(owner + tensor_name)
+                for tensor_name, buffer in module.named_buffers(recurse=False):
+                    if buffer is not None:
+                        keys.add(owner + tensor_name)
+    return keys
 
 
 def load_segment_state(segment: Segment, arrays: Mapping[str, np.ndarray]) -> None:

@@ -268,12 +268,13 @@ def add_model_path(folder: str | os.PathLike[str]) -> None:
 
 
 def _import(module_name: str) -> object:
-    """Import ``module_name``; when it is not found, once more with the working directory on
-    the import path (as ``python -m`` would have it)."""
+    """Import ``module_name``; when it (or a module it imports, such as a sibling of the
+    user's file) is not found, once more with the working directory on the import path (as
+    ``python -m`` would have it)."""
     try:
         return importlib.import_module(module_name)
-    except ModuleNotFoundError as error:
-        if error.name != module_name.partition(".")[0] or os.getcwd() in sys.path:
+    except ModuleNotFoundError:
+        if os.getcwd() in sys.path:
             raise
         add_model_path(os.getcwd())
         return importlib.import_module(module_name)

@@ -33,7 +33,7 @@ TOKENS = {"input_dtype": "int64", "input_range": gallery.VOCAB}
 MODELS: dict[str, dict[str, Any]] = {
     "lenet": {"input_shape": [1, 28, 28], "data": "mnist"},
     "resnet18_narrow": {"input_shape": [3, 16, 16], "data": "images"},
-    "mobilenet_like": {"input_shape": [3, 16, 16], "data": "images"},
+    "mobilenet_v3_small": {"input_shape": [3, 32, 32], "data": "images"},  # torchvision's
     "lstm_classifier": {"input_shape": [12], "data": "tokens", **TOKENS},
     "transformer_classifier": {"input_shape": [12], "data": "tokens", **TOKENS},
     "resnet8": {"input_shape": [3, 16, 16], "data": "images"},  # the zoo's, with BatchNorm
@@ -160,7 +160,7 @@ def _fleet(hub: InProcessHub, tmp_path: Path) -> list[object]:
 
 
 @pytest.mark.parametrize(
-    "name", ["resnet8", "mobilenet_like", "transformer_classifier", "tiny_gpt"]
+    "name", ["resnet8", "mobilenet_v3_small", "transformer_classifier", "tiny_gpt"]
 )
 def test_gallery_model_resumes_after_a_coordinator_restart(name: str, tmp_path: Path) -> None:
     first = _run_config(name, tmp_path, rounds=1)

@@ -234,6 +234,29 @@ def test_torchvision_models_split_unchanged(name: str) -> None:
     _composed_matches(model, blocks, torch.randn(4, 3, 32, 32))
 
 
+@pytest.mark.skipif(not _TORCHVISION, reason="torchvision is not installed (pip install .[vision])")
+@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v3_small"])
+def test_the_gallery_copies_are_torchvisions_definitions(name: str) -> None:
+    """The gallery's copies (tested where torchvision does not import) compute what
+    torchvision's models compute with the same weights, under the same names."""
+    models = _torchvision_models()
+    original = getattr(models, name)(num_classes=10).eval()
+    copy = getattr(gallery, name)((3, 32, 32), 10).eval()
+    shapes = {key: tuple(value.shape) for key, value in original.state_dict().items()}
+    assert {key: tuple(value.shape) for key, value in copy.state_dict().items()} == shapes
+    copy.load_state_dict(original.state_dict())
+    x = torch.randn(2, 3, 32, 32)
+    torch.testing.assert_close(copy(x), original(x))
+
+
+def test_mobilenet_v3_small_splits_unchanged() -> None:
+    torch.manual_seed(0)
+    model = gallery.mobilenet_v3_small((3, 32, 32), 10)
+    blocks = auto_blocks(model, torch.zeros(2, 3, 32, 32))
+    assert len(blocks) >= 10  # a cut after every inverted residual, none inside one
+    _composed_matches(model, blocks, torch.randn(4, 3, 32, 32))
+
+
 def test_a_language_model_trains_per_position_across_a_cut() -> None:
     options = ModelOptions("int64", (0, gallery.VOCAB), task="language-model")
     model = build_model("tests.fixtures.gallery:tiny_gpt", (12,), gallery.VOCAB, 0, options)

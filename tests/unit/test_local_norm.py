@@ -1,0 +1,37 @@
+"""FedBN bookkeeping of the round recorder: which copy of a BatchNorm layer a device gets."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from coordinator.recorder import LOCAL_PREFIX, WEIGHTS_SEGMENT, RoundObserver, RoundRecorder
+
+pytestmark = pytest.mark.unit
+
+
+def _recorder() -> RoundRecorder:
+    keys = frozenset({"block0.1.running_mean"})
+    return RoundRecorder(None, "run", None, RoundObserver(), local_keys=keys)  # type: ignore[arg-type]
+
+
+def test_a_device_gets_its_own_copy_of_local_tensors_and_the_global_rest() -> None:
+    recorder = _recorder()
+    mine = np.full(3, 7.0, dtype=np.float32)
+    recorder.resume_local(
+        {
+            WEIGHTS_SEGMENT: {"block0.1.running_mean": np.zeros(3, dtype=np.float32)},
+            LOCAL_PREFIX + "pi-01": {"block0.1.running_mean": mine},
+        }
+    )
+    assert set(recorder.local) == {"pi-01"}
+    weights = {
+        "block0.1.running_mean": np.zeros(3, dtype=np.float32),
+        "block0.0.weight": np.ones(2, dtype=np.float32),
+    }
+    sent = recorder.own("pi-01", weights)
+    np.testing.assert_array_equal(sent["block0.1.running_mean"], mine)
+    np.testing.assert_array_equal(sent["block0.0.weight"], weights["block0.0.weight"])
+    # a device that has not trained yet starts from the global average
+    fresh = recorder.own("pi-02", weights)
+    np.testing.assert_array_equal(fresh["block0.1.running_mean"], np.zeros(3))
