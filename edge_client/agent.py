@@ -26,6 +26,7 @@ from flwr.clientapp import ClientApp
 
 from edge_client.source import OwnSegment, SegmentSource
 from edge_client.trainer import EdgeRoundReport, EdgeTrainer, EdgeTrainerConfig
+from split_models.activations import activation_arrays
 from split_models.config import ModelConfig, TrainingConfig, task_sections
 from split_models.data import Dataset
 from split_models.errors import ConfigError
@@ -66,7 +67,8 @@ def _warm_up(segment: Segment, data: Dataset, encoding: str) -> None:
     twin = copy.deepcopy(segment)
     count = min(2, len(data))
     result = twin.train_step(torch.from_numpy(data.x[:count]), torch.from_numpy(data.y[:count]))
-    envelope = Envelope("activations", "warm-up", "warm-up", 0, 0, {}, {"x": result.output.numpy()})
+    arrays = activation_arrays(result.output)
+    envelope = Envelope("activations", "warm-up", "warm-up", 0, 0, {}, arrays)
     encode(envelope, encoding)
 
 

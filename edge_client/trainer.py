@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from split_models.activations import Activation, activation_arrays, detached, primary
 from split_models.data import Dataset
 from split_models.segment import Segment, StepResult
 from wire import topics
@@ -89,6 +90,7 @@ class EdgeTrainer:
         round_number: int,
         cancelled: Callable[[], bool] | None,
     ) -> torch.Tensor:
+        # ``output``: the activation the gradient is of (side tensors at the cut take none)
         """Wait for the server's gradient of batch ``seq``; others (a retried round's, or a
         malformed one) are dropped with a count."""
         deadline = time.monotonic() + self.config.credit_timeout
@@ -112,7 +114,7 @@ class EdgeTrainer:
 
     def _send(
         self,
-        output: torch.Tensor,
+        output: Activation,
         labels: torch.Tensor,
         round_number: int,
         backprop: bool = False,
@@ -131,7 +133,7 @@ class EdgeTrainer:
             "activations",
             self.config.run,
             round=round_number,
-            tensors={"x": output.numpy(), "y": labels.numpy()},
+            tensors={**activation_arrays(output), "y": labels.numpy()},
             meta=meta,
             encoding=self.config.encoding,
         )
@@ -150,8 +152,8 @@ class EdgeTrainer:
         labels = torch.from_numpy(self.data.y[batch])
         if self.config.mode == "backprop":
             output = self.segment.forward_for_backprop(inputs)
-            seq = self._send(output.detach(), labels, round_number, backprop=True)
-            gradient = self._gradient_for(seq, output, round_number, cancelled)
+            seq = self._send(detached(output), labels, round_number, backprop=True)
+            gradient = self._gradient_for(seq, primary(output), round_number, cancelled)
             self.segment.backward_from(output, gradient)
             return None
         result = step(inputs, labels)

@@ -33,14 +33,15 @@ class ChainLink:
         with self._lock:
             self._sent = {round_number: 0}
 
-    def pass_on(self, output: np.ndarray, labels: np.ndarray, round_number: int) -> None:
-        """Send one trained batch's output (the input of block ``cut``) and its labels."""
+    def pass_on(self, output: dict[str, np.ndarray], labels: np.ndarray, round_number: int) -> None:
+        """Send one trained batch's output (the input of block ``cut``: its tensors under their
+        wire names) and its labels."""
         self.channel.send(
             topics.activations(self.run, self.forward, self.channel.sender),
             "activations",
             self.run,
             round=round_number,
-            tensors={"x": output, "y": labels},
+            tensors={**output, "y": labels},
             meta={"cut": self.cut},
             encoding=self.encoding,
         )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from split_models.activations import Activation, primary, side, wire_names
 from split_models.segment import OptimizerConfig, Segment, StepResult
 from split_models.zoo import SplittableModel
 from wire.codec import Envelope, TensorSpec
@@ -45,8 +46,9 @@ class BackStage:
         self.segment.module.to(self.device)  # in place: the optimizer keeps its parameters
         self.segment.head.to(self.device)
 
-    def validate(self, envelope: Envelope) -> tuple[int, np.ndarray, np.ndarray]:
-        """The batch's cut, inputs and labels; :class:`WireError` when they do not fit."""
+    def validate(self, envelope: Envelope) -> tuple[int, list[np.ndarray], np.ndarray]:
+        """The batch's cut, the tensors crossing it (the activation first) and the labels;
+        :class:`WireError` when they do not fit."""
         cut = envelope.meta.get("cut")
         if isinstance(cut, bool) or not isinstance(cut, int) or cut not in self.cut_specs:
             raise WireError(
@@ -54,10 +56,25 @@ class BackStage:
                 f"cut {cut!r} is not one this server can continue from "
                 f"({sorted(self.cut_specs)}); send it to the server holding block {cut}",
             )
-        x, y = envelope.tensors.get("x"), envelope.tensors.get("y")
-        if x is None or y is None:
-            raise WireError("payload", "an activation batch needs tensors 'x' and 'y'")
-        self.cut_specs[cut].check("x", x)
+        specs = self.cut_specs[cut]
+        names = wire_names(len(specs))
+        expected = {*names, "y"}
+        if set(envelope.tensors) != expected:
+            raise WireError(
+                "payload",
+                f"an activation batch at cut {cut} holds tensors {sorted(expected)}, got "
+                f"{sorted(envelope.tensors)}",
+            )
+        crossing = [envelope.tensors[name] for name in names]
+        y = envelope.tensors["y"]
+        x = crossing[0]
+        for name, spec, tensor in zip(names, specs, crossing, strict=True):
+            spec.check(name, tensor)
+            if tensor.shape[0] != x.shape[0]:
+                raise WireError(
+                    "shape",
+                    f"tensor {name!r} holds {tensor.shape[0]} rows, 'x' {x.shape[0]}",
+                )
         if x.shape[0] == 0:  # a loss over zero items is NaN and would poison the round's
             raise WireError(  # mean loss
                 "shape",
@@ -71,23 +88,25 @@ class BackStage:
                 f"labels span [{y.min()}, {y.max()}], expected within "
                 f"[0, {self.model.num_classes})",
             )
-        return cut, x, y
+        return cut, crossing, y
 
     def train(self, envelope: Envelope) -> tuple[StepResult, torch.Tensor]:
         """Validate and train one batch; the step's result and the labels (on the device).
         A ``backprop`` batch on the last piece gets its input gradient in the result."""
-        cut, x, y = self.validate(envelope)
-        inputs = torch.from_numpy(x).to(self.device)
+        cut, crossing, y = self.validate(envelope)
+        tensors = [torch.from_numpy(t).to(self.device) for t in crossing]
+        inputs: Activation = tensors[0] if len(tensors) == 1 else tuple(tensors)
         labels = torch.from_numpy(y).to(self.device)
         backprop = envelope.meta.get("backprop") is True and self.segment.is_last
         return self.segment.train_from(cut, inputs, labels, input_gradient=backprop), labels
 
 
-def _specs(model: SplittableModel, start: int, end: int) -> dict[int, TensorSpec]:
-    """The input spec at each cut a batch may enter ``[start, end)`` at."""
+def _specs(model: SplittableModel, start: int, end: int) -> dict[int, list[TensorSpec]]:
+    """The specs of the tensors crossing each cut a batch may enter ``[start, end)`` at: the
+    activation (float32), then any side tensors (a mask, position ids) with their own dtypes."""
     specs = {}
     with torch.no_grad():
-        probe = model.example_input(1, zeros=True)
+        probe: Activation = model.example_input(1, zeros=True)
         for index, block in enumerate(model.blocks):
             if not index + 1 < end:
                 break
@@ -95,5 +114,9 @@ def _specs(model: SplittableModel, start: int, end: int) -> dict[int, TensorSpec
             probe = block(probe)
             block.train()
             if start <= index + 1:
-                specs[index + 1] = TensorSpec("float32", (None, *probe.shape[1:]))
+                tensors = (primary(probe), *side(probe))
+                specs[index + 1] = [
+                    TensorSpec("float32" if i == 0 else str(t.numpy().dtype), (None, *t.shape[1:]))
+                    for i, t in enumerate(tensors)
+                ]
     return specs

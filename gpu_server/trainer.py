@@ -19,6 +19,7 @@ import numpy as np
 
 from gpu_server.chain import ChainLink
 from gpu_server.stage import BackStage
+from split_models.activations import activation_arrays
 from split_models.segment import OptimizerConfig, StepResult
 from split_models.weights import load_segment_state, segment_state
 from split_models.zoo import SplittableModel
@@ -148,7 +149,8 @@ class BackTrainer:
             self._return_gradient(envelope, result)
         self._count(envelope.sender, len(labels), result.loss)
         if self.chain is not None:
-            self.chain.pass_on(result.output.cpu().numpy(), labels.cpu().numpy(), envelope.round)
+            output = activation_arrays(result.output)
+            self.chain.pass_on(output, labels.cpu().numpy(), envelope.round)
 
     def _count(self, sender: str, examples: int, loss: float) -> None:
         self.stats.batches += 1

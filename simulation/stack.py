@@ -10,7 +10,8 @@ and backward (``torch.func``) and one optimizer update, each slot exactly as its
 that concurrent client threads ask for and runs them together.
 
 Models with buffers (BatchNorm's running statistics) are not stacked: their replicas would
-update shared statistics under vmap; such segments train one by one.
+update shared statistics under vmap; such segments train one by one, as do segments whose cut
+carries side tensors (an attention mask beside the activation).
 """
 
 from __future__ import annotations
@@ -31,15 +32,19 @@ __all__ = ["SegmentStack", "StepGroup", "stackable"]
 
 
 def stackable(segment: Segment) -> bool:
-    """Whether ``segment`` can be stacked: no buffers, a loss that vmap can batch, and a
-    plain optimizer step (no clipping or warm-up, which the stacked update does not do)."""
+    """Whether ``segment`` can be stacked: no buffers, a loss that vmap can batch, a plain
+    optimizer step (no clipping or warm-up, which the stacked update does not do) and one
+    tensor at its cut (side tensors such as a mask are not stacked yet)."""
     modules = (segment.module, segment.head)
     no_buffers = not any(True for m in modules for _ in m.buffers())
     config = segment.optimizer_config
     plain = config.clip_norm is None and config.warmup_steps == 0
     per_position = getattr(segment.head, "per_position", False)
     kind = getattr(segment.head, "kind", "")
-    return plain and no_buffers and not per_position and kind in ("linear", "mlp", "task")
+    single = segment.side_outputs == 0
+    return (
+        plain and no_buffers and single and not per_position and kind in ("linear", "mlp", "task")
+    )
 
 
 class _Loss(nn.Module):

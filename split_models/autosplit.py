@@ -7,8 +7,12 @@ BatchNorm's running statistics stay in-place buffer updates; an exported program
 parameters into inputs, functionalises buffer mutation and lowers to ATen, all of which would
 have to be undone). Shapes come from one pass of an example batch (``ShapeProp``).
 
-A cut is legal between two nodes of the graph when exactly one tensor with the batch dimension
-crosses it and no parameter is used on both sides (tied weights stay in one block). The nodes
+A cut is legal between two nodes of the graph when one tensor with the batch dimension that
+depends on the weights crosses it (the activation the gradient flows through), possibly with up
+to three batched tensors that depend on no weight (an attention mask or position ids computed
+from the input: they carry no gradient), and no parameter is used on both sides (tied weights
+stay in one block). A residual is never cut: its two branches both depend on weights. Where
+side tensors cross, a block takes and returns the tuple ``(activation, *side)``. The nodes
 between consecutive legal cuts form a block; a block without weights (a ReLU, a pooling, a
 flatten, a normalization layer) joins the block before it. ``split_point(x)`` in a forward, or
 module names in ``split_points``, restrict the cuts to the ones the user marked, as the
@@ -39,6 +43,7 @@ _OPS = ("call_function", "call_method", "call_module")
 _TRACE_LOCK = threading.Lock()
 _TRACED: dict[Hashable, list[fx.Graph]] = {}  # architecture key -> its block graphs
 _TRACED_MAX = 32
+MAX_SIDE_TENSORS = 3  # weight-free tensors (masks, position ids) a cut may carry
 _NORMS = (
     nn.modules.batchnorm._NormBase,
     nn.LayerNorm,
@@ -75,7 +80,12 @@ def disable_inplace(module: nn.Module) -> nn.Module:
 @dataclass(frozen=True)
 class _Cut:
     position: int  # the cut sits before ops[position]
-    value: fx.Node  # the one tensor that crosses it
+    value: fx.Node  # the tensor that crosses it and carries the gradient
+    side: tuple[fx.Node, ...] = ()  # weight-free tensors that cross with it, in graph order
+
+    @property
+    def values(self) -> tuple[fx.Node, ...]:
+        return (self.value, *self.side)
 
 
 def auto_blocks(
@@ -236,7 +246,8 @@ def _attribute(module: nn.Module, target: str) -> Any:
 def _legal_cuts(
     module: nn.Module, graph_module: fx.GraphModule, ops: list[fx.Node], batch: int
 ) -> list[_Cut]:
-    """Cuts across which exactly one batched tensor flows and no parameter is shared."""
+    """Cuts across which one weight-dependent batched tensor flows (with at most a few
+    weight-free ones) and no parameter is shared."""
     position = {node: index for index, node in enumerate(ops)}
     end = len(ops)
     last_use: dict[fx.Node, int] = {}
@@ -254,17 +265,50 @@ def _legal_cuts(
     for first, last in spans.values():
         for cut in range(first + 1, last + 1):
             blocked[cut] = 1
+    weighted = _weight_dependent(module, graph_module)
+    order = {node: index for index, node in enumerate(graph_module.graph.nodes)}
     live = {n for n in graph_module.graph.nodes if n.op == "placeholder" and n in last_use}
     cuts = []
     for index, node in enumerate(ops):
         live = {value for value in live if last_use[value] >= index}
-        if index > 0 and len(live) == 1 and not blocked[index]:
-            (value,) = live
-            if value.op != "placeholder" and _is_batched(value, batch):
-                cuts.append(_Cut(index, value))
+        if index > 0 and not blocked[index]:
+            legal = _cut_at(index, live, weighted, batch, order)
+            if legal is not None:
+                cuts.append(legal)
         if last_use.get(node, -1) > index:
             live.add(node)
     return cuts
+
+
+def _cut_at(
+    index: int, live: set[fx.Node], weighted: set[fx.Node], batch: int, order: dict[fx.Node, int]
+) -> _Cut | None:
+    """The cut before ``ops[index]`` when ``live`` can cross it: one weight-dependent batched
+    tensor and at most ``MAX_SIDE_TENSORS`` batched weight-free ones."""
+    carried = [value for value in live if value in weighted]
+    side = sorted((value for value in live if value not in weighted), key=order.__getitem__)
+    if len(carried) != 1 or len(side) > MAX_SIDE_TENSORS:
+        return None
+    if not all(_is_batched(value, batch) for value in (*carried, *side)):
+        return None
+    return _Cut(index, carried[0], tuple(side))
+
+
+def _weight_dependent(module: nn.Module, graph_module: fx.GraphModule) -> set[fx.Node]:
+    """The nodes whose value depends on a parameter (a gradient can flow through them)."""
+    parameters = {id(p) for p in module.parameters()}
+    dependent: set[fx.Node] = set()
+    for node in graph_module.graph.nodes:
+        if node.op == "get_attr":
+            owns = id(_attribute(module, str(node.target))) in parameters
+        elif node.op == "call_module":
+            used = module.get_submodule(str(node.target)).parameters()
+            owns = any(id(p) in parameters for p in used)
+        else:
+            owns = False
+        if owns or any(arg in dependent for arg in node.all_input_nodes):
+            dependent.add(node)
+    return dependent
 
 
 def _is_batched(node: fx.Node, batch: int) -> bool:
@@ -300,8 +344,8 @@ def _chosen_cuts(
         if index not in legal:
             raise ModelError(
                 f"{what} in {model} before {ops[index].name!r} is not a legal cut: more than "
-                "one tensor crosses it (a residual or a mask), or it separates layers that "
-                "share weights; move it to where a single tensor flows"
+                "one tensor that depends on weights crosses it (a residual), or it separates "
+                "layers that share weights; move it to where a single activation flows"
             )
         chosen.append(next(cut for cut in cuts if cut.position == index))
     return chosen
@@ -347,17 +391,26 @@ def _build_blocks(
     placeholders = [node for node in graph_module.graph.nodes if node.op == "placeholder"]
     starts = [0, *(cut.position for cut in cuts)]
     stops = [*(cut.position for cut in cuts), len(ops)]
-    inputs = [placeholders[0], *(cut.value for cut in cuts)]
-    outputs = [*(cut.value for cut in cuts), result]
+    inputs = [(placeholders[0],), *(cut.values for cut in cuts)]
+    outputs = [*(cut.values for cut in cuts), (result,)]
     return [
         _block(ops[start:stop], entry, exit_)
         for start, stop, entry, exit_ in zip(starts, stops, inputs, outputs, strict=True)
     ]
 
 
-def _block(nodes: list[fx.Node], entry: fx.Node, exit_: fx.Node) -> fx.Graph:
+def _block(
+    nodes: list[fx.Node], entry: tuple[fx.Node, ...], exit_: tuple[fx.Node, ...]
+) -> fx.Graph:
+    """A block's graph: it takes the tensor (or the tuple of tensors) crossing the cut before
+    it and returns what crosses the cut after it."""
     graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {entry: graph.placeholder("x")}
+    x = graph.placeholder("x")
+    env: dict[fx.Node, fx.Node] = {entry[0]: x}
+    if len(entry) > 1:
+        env = {
+            value: graph.call_function(operator.getitem, (x, i)) for i, value in enumerate(entry)
+        }
 
     def mapped(node: fx.Node) -> fx.Node:
         if node not in env:
@@ -371,6 +424,9 @@ def _block(nodes: list[fx.Node], entry: fx.Node, exit_: fx.Node) -> fx.Graph:
             env[node] = mapped(node.args[0])  # type: ignore[arg-type]
             continue
         env[node] = graph.node_copy(node, mapped)
-    graph.output(mapped(exit_))
+    if len(exit_) == 1:
+        graph.output(mapped(exit_[0]))
+    else:
+        graph.output(tuple(mapped(value) for value in exit_))
     graph.lint()
     return graph

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
+from split_models.activations import primary
 from split_models.config import ModelConfig
 from split_models.data import Dataset
 from split_models.heads import task_cross_entropy
@@ -33,7 +34,7 @@ def evaluate_weights(
     for begin in range(0, len(data), batch):
         x = torch.from_numpy(data.x[begin : begin + batch])
         y = torch.from_numpy(data.y[begin : begin + batch])
-        logits = whole.forward(x)
+        logits = primary(whole.forward(x))  # the last block returns the logits alone
         correct += int((logits.argmax(-1) == y).sum())
         loss += float(task_cross_entropy(logits, y, reduction="sum"))
     count = max(1, data.y.size)

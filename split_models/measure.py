@@ -261,6 +261,7 @@ def _measure(args: argparse.Namespace) -> dict[str, object]:
     import torch
 
     torch.set_num_threads(1)
+    from split_models.activations import nbytes, primary
     from split_models.config import ModelConfig, parse_config
     from split_models.segment import OptimizerConfig, Segment
 
@@ -286,15 +287,16 @@ def _measure(args: argparse.Namespace) -> dict[str, object]:
     # The segment's weights and its input batch exist before the meter starts; count them as
     # part of the peak, as the estimate does, by lowering the baseline by their size.
     resident = sum(t.numel() * t.element_size() for t in segment.state_tensors())
-    resident += inputs.numel() * inputs.element_size() + labels.numel() * labels.element_size()
+    resident += nbytes(inputs) + labels.numel() * labels.element_size()
     peaks = []
     with PeakMeter() as meter:
         meter.baseline -= resident
         for _ in range(args.steps):
             if args.mode == "backprop":  # the gradient arrives from the next segment
                 output = segment.forward_for_backprop(inputs)
-                segment.backward_from(output, torch.ones_like(output) / output.numel())
-                del output
+                activation = primary(output)
+                segment.backward_from(output, torch.ones_like(activation) / activation.numel())
+                del output, activation
             else:
                 segment.train_step(inputs, labels)
             peaks.append(meter.peak())

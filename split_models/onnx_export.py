@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from split_models.activations import Activation, primary, side
 from split_models.errors import ModelError
 from split_models.zoo import example_input
 
@@ -33,14 +34,19 @@ class OnnxCheck:
 
 
 class _Wrapped(nn.Module):
-    """Gives the exported graph one input named ``x`` and one output named ``y``."""
+    """Gives the exported graph one input named ``x`` and one output named ``y`` (a segment
+    ending at a cut that carries side tensors has outputs ``y``, ``y.1``, ...)."""
 
     def __init__(self, module: nn.Module) -> None:
         super().__init__()
         self.module = module
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> Activation:
         return self.module(x)  # type: ignore[no-any-return]
+
+
+def _output_names(value: Activation) -> list[str]:
+    return ["y", *(f"y.{i}" for i in range(1, 1 + len(side(value))))]
 
 
 def export_onnx(
@@ -58,6 +64,8 @@ def export_onnx(
         input_shape, input_range, _MIN_BATCH + 1, torch.Generator().manual_seed(0)
     )
     batch = torch.export.Dim("batch", min=1)
+    with torch.no_grad():
+        names = _output_names(wrapped(example))
     exporter_log = logging.getLogger("torch.onnx")
     level = exporter_log.level
     exporter_log.setLevel(logging.ERROR)
@@ -69,7 +77,7 @@ def export_onnx(
                 (example,),
                 dynamic_shapes={"x": {0: batch}},
                 input_names=["x"],
-                output_names=["y"],
+                output_names=names,
                 verbose=False,
             )
             if program is None:
@@ -112,11 +120,17 @@ def check_onnx(
     for batch in batch_sizes:
         sample = example_input(input_shape, input_range, batch, generator)
         with torch.no_grad():
-            expected = module(sample).numpy()
-        (actual,) = session.run(["y"], {"x": sample.numpy()})  # type: ignore[attr-defined]
-        if actual.shape != expected.shape:
-            raise ModelError(
-                f"{path}: onnxruntime output shape {actual.shape} != torch {expected.shape}"
-            )
-        worst = max(worst, float(np.max(np.abs(actual - expected))))
+            value = module(sample)
+        expected = [t.numpy() for t in (primary(value), *side(value))]
+        outputs = session.run(_output_names(value), {"x": sample.numpy()})  # type: ignore[attr-defined]
+        for want, got in zip(expected, outputs, strict=True):
+            if got.shape != want.shape or got.dtype != want.dtype:
+                raise ModelError(
+                    f"{path}: onnxruntime output {got.dtype} {got.shape} != torch "
+                    f"{want.dtype} {want.shape}"
+                )
+            if want.dtype.kind != "f":  # a mask or ids: exactly equal, or the check fails
+                worst = max(worst, 0.0 if np.array_equal(got, want) else float("inf"))
+            else:
+                worst = max(worst, float(np.max(np.abs(got - want))))
     return OnnxCheck(Path(path), tuple(batch_sizes), worst)

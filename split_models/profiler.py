@@ -16,17 +16,17 @@ measured, three times the largest activation stands in for the working set.
 
 from __future__ import annotations
 
-import copy
-import gc
+import contextlib
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-from torch import fx, nn
+from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from split_models.activations import Activation, nbytes, primary, side
 from split_models.heads import LOCAL_LOSSES, make_head
 from split_models.measure import (
     PeakMeter,
@@ -130,17 +130,33 @@ class _Probe:
     largest_activation: int
 
 
+Side = tuple[torch.Tensor, ...]  # weight-free tensors crossing a cut, one example each
+
+
 def _inputs(
-    shape: tuple[int, ...], batch: int, ids: tuple[int, int] | None, grad: bool = False
-) -> torch.Tensor:
+    shape: tuple[int, ...],
+    batch: int,
+    ids: tuple[int, int] | None,
+    grad: bool = False,
+    side: Side = (),
+) -> Activation:
     """A probe batch: standard normal floats (needing a gradient with ``grad``), or token
-    ids drawn from ``ids`` = [low, high) for a model's first block."""
+    ids drawn from ``ids`` = [low, high) for a model's first block; with ``side``, the tuple
+    of that and the side tensors' examples repeated to the batch."""
     inputs = example_input(shape, ids, batch)
-    return inputs.requires_grad_(grad) if ids is None else inputs
+    if ids is None:
+        inputs.requires_grad_(grad)
+    if not side:
+        return inputs
+    return (inputs, *(t.expand(batch, *t.shape[1:]).clone() for t in side))
 
 
 def _run_probe(
-    module: nn.Module, input_shape: tuple[int, ...], batch: int, ids: tuple[int, int] | None
+    module: nn.Module,
+    input_shape: tuple[int, ...],
+    batch: int,
+    ids: tuple[int, int] | None,
+    side: Side = (),
 ) -> _Probe:
     owned = {_storage_key(t)[0] for t in [*module.parameters(), *module.buffers()]}
     saved: dict[int, int] = {}
@@ -157,14 +173,14 @@ def _run_probe(
             largest[0] = max(largest[0], output.numel() * output.element_size())
 
     hooks = [m.register_forward_hook(record) for m in module.modules() if not list(m.children())]
-    x = _inputs(input_shape, batch, ids, grad=True)
+    x = _inputs(input_shape, batch, ids, grad=True, side=side)
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             y = module(x)
     finally:
         for hook in hooks:
             hook.remove()
-    return _Probe(saved, _storage_key(x)[0], _storage_key(y)[0], largest[0])
+    return _Probe(saved, _storage_key(primary(x))[0], _storage_key(primary(y))[0], largest[0])
 
 
 def _saved_split(small: _Probe, large: _Probe) -> tuple[int, int]:
@@ -179,7 +195,11 @@ def _saved_split(small: _Probe, large: _Probe) -> tuple[int, int]:
 
 
 def _count_flops(
-    module: nn.Module, input_shape: tuple[int, ...], batch: int, ids: tuple[int, int] | None
+    module: nn.Module,
+    input_shape: tuple[int, ...],
+    batch: int,
+    ids: tuple[int, int] | None,
+    side: Side = (),
 ) -> int:
     """Forward FLOPs per sample as torch's FLOP counter sees them, plus an estimate for the
     layers with weights it counts nothing for (a fused LSTM, an embedding lookup)."""
@@ -193,7 +213,7 @@ def _count_flops(
     counter = FlopCounterMode(display=False)
     try:
         with counter, torch.no_grad():
-            module(_inputs(input_shape, batch, ids))
+            module(_inputs(input_shape, batch, ids, side=side))
     finally:
         for hook in hooks:
             hook.remove()
@@ -234,25 +254,23 @@ class _Pass:
         out_shape: tuple[int, ...],
         input_grad: bool,
         ids: tuple[int, int] | None = None,
+        side: Side = (),
     ) -> None:
         self.module, self.shape, self.out_shape = module, shape, out_shape
-        self.input_grad, self.ids = input_grad, ids
-        self.cyclic = any(isinstance(m, fx.GraphModule) for m in module.modules())
+        self.input_grad, self.ids, self.side = input_grad, ids, side
 
     def peak(self, batch: int) -> int:
         """Peak resident bytes of forward, then backward from a gradient that autograd
         allocates and frees as a real incoming gradient would be (``(out * w).sum()``): the
         block's saved tensors, gradient buffers, kernel workspaces and its own weight gradients
-        at their real lifetimes. The copy has fresh weight storage, so per-weight caches count.
+        at their real lifetimes. The weights get fresh storage, so per-weight caches count.
         """
-        if self.cyclic:  # the copy of the pass before is kept by its cycles until collected
-            gc.collect()
-        module = copy.deepcopy(self.module)
-        inputs = _inputs(self.shape, batch, self.ids, grad=self.input_grad)
-        weight = torch.randn(batch, *self.out_shape)
-        with PeakMeter() as meter:
-            (module(inputs) * weight).sum().backward()
-            return meter.peak()
+        with _fresh_state(self.module):
+            inputs = _inputs(self.shape, batch, self.ids, self.input_grad, self.side)
+            weight = torch.randn(batch, *self.out_shape)
+            with PeakMeter() as meter:
+                (primary(self.module(inputs)) * weight).sum().backward()  # type: ignore[no-untyped-call]
+                return meter.peak()
 
     def repeat(self, batch: int) -> int:
         """The steady-state pass at ``batch`` (after a first one): the largest of three. The
@@ -265,22 +283,33 @@ class _Pass:
         """Bytes the first pass at ``batch`` leaves resident: kernels generated and cached for
         that shape. Read from the exact resident size before and after; a difference of peaks
         would carry the meter's error twice and miss what is cached after the pass's peak."""
-        _collect(self.cyclic)
+        trim_heap()
         before = resident_bytes()
         self.peak(batch)
-        _collect(self.cyclic)
+        trim_heap()
         return max(0, resident_bytes() - before)
 
 
-def _collect(cyclic: bool) -> None:
-    """Free what only the cycle collector frees (when ``cyclic``), then return freed heap to
-    the system. A traced block (``fx.GraphModule``) and its graph refer to each other, so a
-    copy of one outlives its last reference; left to the collector, the copies of earlier
-    passes read as memory the pass left resident (4x the weights of a resnet18 block,
-    measured). A full collection costs tens of milliseconds, so only such blocks pay it."""
-    if cyclic:
-        gc.collect()
-    trim_heap()
+@contextlib.contextmanager
+def _fresh_state(module: nn.Module) -> Iterator[None]:
+    """Run ``module`` on fresh copies of its parameters and buffers (no gradients), put back
+    afterwards: a pass neither changes the block (BatchNorm statistics, gradients) nor keeps
+    anything alive after it. A copy of the whole block would instead: a traced block
+    (``fx.GraphModule``, a class of its own per instance) and its graph refer to each other,
+    so copies outlive their last reference until the cycle collector runs, and read as memory
+    a pass left resident; collecting after every pass cost 0.1 s each (90 s for one
+    MobileNetV3 profile)."""
+    tensors = [*module.parameters(), *(b for b in module.buffers() if b is not None)]
+    kept = [(t, t.data, t.grad) for t in tensors]
+    try:
+        for tensor in tensors:
+            tensor.data = tensor.data.clone()
+            tensor.grad = None
+        yield
+    finally:
+        for tensor, data, grad in kept:
+            tensor.data = data
+            tensor.grad = grad
 
 
 def _probe_batches(
@@ -303,6 +332,7 @@ def _training_pass(
     input_grad: bool,
     batch: int | None,
     ids: tuple[int, int] | None = None,
+    side: Side = (),
 ) -> tuple[int, int, int]:
     """Per-sample and fixed bytes a steady-state training pass holds at its peak beyond the
     saved activations (the fixed part includes the block's weight gradients where they are
@@ -313,7 +343,7 @@ def _training_pass(
     if not (peak_supported() and release_freed_memory()):
         params = sum(p.numel() * p.element_size() for p in module.parameters())
         return _FALLBACK_WORKING_SET * largest, params, 0
-    passes = _Pass(module, shape, out_shape, input_grad, ids)
+    passes = _Pass(module, shape, out_shape, input_grad, ids, side)
     passes.peak(_WARM_UP_BATCH)  # lazily loaded code is runtime, measured separately
     small, large = _probe_batches(shape, out_shape, batch)
     target = batch or large
@@ -337,32 +367,44 @@ def _summary(module: nn.Module) -> str:
 
 
 def _measure(
-    module: nn.Module, shape: tuple[int, ...], batch_size: int | None, ids: tuple[int, int] | None
+    module: nn.Module,
+    shape: tuple[int, ...],
+    batch_size: int | None,
+    ids: tuple[int, int] | None,
+    side: Side = (),
 ) -> dict[str, Any]:
     """The measured parts of a block's profile, taken in training mode."""
     was_training = module.training
     module.train()
     try:
-        small, large = (_run_probe(module, shape, b, ids) for b in _PROBE_BATCHES)
+        small, large = (_run_probe(module, shape, b, ids, side) for b in _PROBE_BATCHES)
         with torch.no_grad():
-            out = module(_inputs(shape, _PROBE_BATCHES[0], ids))
-        out_shape = tuple(out.shape[1:])
-        flops = _count_flops(module, shape, _PROBE_BATCHES[0], ids)
+            out = module(_inputs(shape, _PROBE_BATCHES[0], ids, side=side))
+        out_shape = tuple(primary(out).shape[1:])
+        flops = _count_flops(module, shape, _PROBE_BATCHES[0], ids, side)
         per_sample, fixed = _saved_split(small, large)
         largest_activation = large.largest_activation // _PROBE_BATCHES[1]
         # Without an input gradient first: its kernels are what a segment's first block makes;
         # the pass with one then adds only the kernels for the input gradient.
         first = _training_pass(
-            module, shape, out_shape, per_sample, largest_activation, False, batch_size, ids
+            module, shape, out_shape, per_sample, largest_activation, False, batch_size, ids, side
         )
         backward = first  # token ids take no gradient: the one pass is both
         if ids is None:
             backward = _training_pass(
-                module, shape, out_shape, per_sample, largest_activation, True, batch_size
+                module,
+                shape,
+                out_shape,
+                per_sample,
+                largest_activation,
+                True,
+                batch_size,
+                None,
+                side,
             )
         return {
             "output_shape": out_shape,
-            "output_bytes": out.element_size() * math.prod(out_shape),
+            "output_bytes": nbytes(out) // _PROBE_BATCHES[0],  # side tensors travel too
             "saved_bytes": per_sample,
             "saved_fixed_bytes": fixed,
             "saves_input": large.input_key in large.saved,
@@ -385,22 +427,25 @@ def profile_module(
     input_shape: Sequence[int],
     batch_size: int | None = None,
     input_range: tuple[int, int] | None = None,
+    side: Side = (),
 ) -> BlockProfile:
     """Profile one module for inputs of ``input_shape`` (without the batch dimension).
 
     ``batch_size`` is the batch the profile is for: the backward working set is measured at it,
     since kernel buffers do not grow linearly with the batch. ``input_range``: the module takes
-    int64 token ids in [low, high) (a model's first block), not floats.
+    int64 token ids in [low, high) (a model's first block), not floats. ``side``: examples
+    (batch 1) of the weight-free tensors that reach it with its input (a multi-tensor cut).
     """
     shape = tuple(int(d) for d in input_shape)
-    measured = _measure(module, shape, batch_size, input_range)
+    measured = _measure(module, shape, batch_size, input_range, side)
     params = list(module.parameters())
     return BlockProfile(
         param_bytes=sum(p.numel() * p.element_size() for p in params),
         buffer_bytes=sum(b.numel() * b.element_size() for b in module.buffers()),
         largest_param_bytes=max((p.numel() * p.element_size() for p in params), default=0),
         input_shape=shape,
-        input_bytes=(4 if input_range is None else 8) * math.prod(shape),
+        input_bytes=(4 if input_range is None else 8) * math.prod(shape)
+        + sum(t.numel() * t.element_size() for t in side),
         summary=_summary(module),
         **measured,
     )
@@ -416,8 +461,8 @@ def profile_model(
     blocks: list[BlockProfile] = []
     shape = model.input_shape
     ids = model.options.input_range
-    for block in model.blocks:
-        blocks.append(profile_module(block, shape, batch_size, ids))
+    for block, crossing in zip(model.blocks, _side_tensors(model), strict=True):
+        blocks.append(profile_module(block, shape, batch_size, ids, crossing))
         shape, ids = blocks[-1].output_shape, None
     heads: dict[str, tuple[BlockProfile, ...]] = {}
     for kind in local_losses:
@@ -436,3 +481,20 @@ def profile_model(
     return ModelProfile(
         model.name, model.input_shape, model.num_classes, tuple(blocks), heads, labels
     )
+
+
+def _side_tensors(model: SplittableModel) -> list[Side]:
+    """For each block, the side tensors reaching it with its input (from one valid example:
+    a mask computed from real ids, not from random floats)."""
+    found: list[Side] = []
+    with torch.no_grad():
+        value: Activation = model.example_input(1)
+        for block in model.blocks:
+            found.append(side(value))
+            was_training = block.training
+            block.eval()
+            try:
+                value = block(value)
+            finally:
+                block.train(was_training)
+    return found

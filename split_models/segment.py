@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from split_models.activations import Activation, detached, primary, side
 from split_models.errors import ConfigError
 from split_models.heads import LocalHead, TaskLoss, make_head
 from split_models.zoo import SplittableModel
@@ -76,9 +77,9 @@ class StepResult:
     """The detached output of a training step and the loss it was trained on; with
     ``input_gradient=True`` also the gradient of the loss with respect to the step's input."""
 
-    output: torch.Tensor
+    output: Activation  # a tensor, or (activation, *side tensors) at a multi-tensor cut
     loss: float
-    input_gradient: torch.Tensor | None = None
+    input_gradient: torch.Tensor | None = None  # of the activation (side tensors take none)
 
 
 class Segment:
@@ -98,6 +99,7 @@ class Segment:
         self.optimizer_config = optimizer
         self.optimizer = optimizer.build(self.trainable_parameters())
         self.proximal_mu = 0.0
+        self.side_outputs = 0  # weight-free tensors crossing the cut after it with its output
         self._anchor: list[torch.Tensor] = []
         self._steps = 0  # optimizer steps since the round began (for the warm-up)
 
@@ -113,11 +115,14 @@ class Segment:
         """Segment of ``model`` sharing its parameters; the last segment gets the task loss."""
         module = model.segment(start, end)
         head: LocalHead | TaskLoss = TaskLoss()
+        side_outputs = 0
         if end < model.num_blocks:
             with torch.no_grad():
-                feature_shape = _output_shape(model, end)
+                feature_shape, side_outputs = _output_shape(model, end)
             head = make_head(local_loss, feature_shape, model.num_classes, model.per_position)
-        return cls(module, head, optimizer or OptimizerConfig(), start, end)
+        segment = cls(module, head, optimizer or OptimizerConfig(), start, end)
+        segment.side_outputs = side_outputs
+        return segment
 
     @property
     def is_last(self) -> bool:
@@ -165,14 +170,14 @@ class Segment:
         modules = (self.module, self.head)
         return [t for m in modules for t in (*m.parameters(), *m.buffers())]
 
-    def train_step(self, inputs: torch.Tensor, labels: torch.Tensor) -> StepResult:
+    def train_step(self, inputs: Activation, labels: torch.Tensor) -> StepResult:
         """One optimizer step on the segment's own loss; no gradient leaves the segment."""
         return self.train_from(self.start, inputs, labels)
 
     def train_from(
         self,
         block: int,
-        inputs: torch.Tensor,
+        inputs: Activation,
         labels: torch.Tensor,
         input_gradient: bool = False,
     ) -> StepResult:
@@ -189,40 +194,45 @@ class Segment:
         self.module.train()
         self.head.train()
         self.optimizer.zero_grad(set_to_none=True)
-        inputs = inputs.detach().requires_grad_(input_gradient)
+        inputs = detached(inputs, input_gradient)
         output = inputs
         for child in list(self.module.children())[block - self.start :]:
             output = child(output)
-        loss = self.head.loss(output, labels)
+        loss = self.head.loss(primary(output), labels)
         loss.backward()  # type: ignore[no-untyped-call]
         self._step()
-        gradient = inputs.grad.detach() if input_gradient and inputs.grad is not None else None
-        return StepResult(output.detach(), float(loss.detach()), gradient)
+        grad = primary(inputs).grad
+        gradient = grad.detach() if input_gradient and grad is not None else None
+        return StepResult(detached(output), float(loss.detach()), gradient)
 
-    def forward_for_backprop(self, inputs: torch.Tensor) -> torch.Tensor:
+    def forward_for_backprop(self, inputs: Activation) -> Activation:
         """Backprop mode, first half of a step: the output with its graph, for a gradient
         that comes from the next segment (the local head is not used)."""
         self.module.train()
         self.optimizer.zero_grad(set_to_none=True)
-        return self.module(inputs.detach())  # type: ignore[no-any-return]
+        return self.module(detached(inputs))  # type: ignore[no-any-return]
 
-    def backward_from(self, output: torch.Tensor, gradient: torch.Tensor) -> None:
-        """Backprop mode, second half: back-propagate the next segment's gradient and step."""
-        output.backward(gradient)  # type: ignore[no-untyped-call]
+    def backward_from(self, output: Activation, gradient: torch.Tensor) -> None:
+        """Backprop mode, second half: back-propagate the next segment's gradient (of the
+        activation; side tensors carry none) and step."""
+        primary(output).backward(gradient)  # type: ignore[no-untyped-call]
         self._step()
 
     @torch.no_grad()
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+    def forward(self, inputs: Activation) -> Activation:
         """Inference through the segment's blocks only (the head is not applied)."""
         self.module.eval()
         return self.module(inputs)  # type: ignore[no-any-return]
 
 
-def _output_shape(model: SplittableModel, end: int) -> tuple[int, ...]:
+def _output_shape(model: SplittableModel, end: int) -> tuple[tuple[int, ...], int]:
+    """The shape (without the batch) of the activation after block ``end - 1``, and how many
+    side tensors cross that cut with it."""
     probe = model.segment(0, end)
     was_training = probe.training
     probe.eval()
     try:
-        return tuple(probe(model.example_input(1, zeros=True)).shape[1:])
+        output = probe(model.example_input(1, zeros=True))
+        return tuple(primary(output).shape[1:]), len(side(output))
     finally:
         probe.train(was_training)

@@ -36,6 +36,13 @@ MODELS: dict[str, dict[str, Any]] = {
     "mobilenet_v3_small": {"input_shape": [3, 32, 32], "data": "images"},  # torchvision's
     "lstm_classifier": {"input_shape": [12], "data": "tokens", **TOKENS},
     "transformer_classifier": {"input_shape": [12], "data": "tokens", **TOKENS},
+    # hidden states and the padding mask cross the cut between its encoder layers (the one cut)
+    "masked_transformer": {
+        "input_shape": [12],
+        "data": "tokens",
+        "split_points": ["layers.1"],
+        **TOKENS,
+    },
     "resnet8": {"input_shape": [3, 16, 16], "data": "images"},  # the zoo's, with BatchNorm
     "tiny_gpt": {"input_shape": [12], "data": "text", "task": "language-model", **TOKENS},
 }
@@ -160,7 +167,8 @@ def _fleet(hub: InProcessHub, tmp_path: Path) -> list[object]:
 
 
 @pytest.mark.parametrize(
-    "name", ["resnet8", "mobilenet_v3_small", "transformer_classifier", "tiny_gpt"]
+    "name",
+    ["resnet8", "mobilenet_v3_small", "transformer_classifier", "masked_transformer", "tiny_gpt"],
 )
 def test_gallery_model_resumes_after_a_coordinator_restart(name: str, tmp_path: Path) -> None:
     first = _run_config(name, tmp_path, rounds=1)
