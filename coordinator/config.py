@@ -53,6 +53,7 @@ from split_models.config import (
     ModelConfig,
     TrainingConfig,
     config_to_dict,
+    flat_model_section,
     parse_config,
     parse_duration,
     setting,
@@ -157,6 +158,8 @@ class RunConfig:
     @classmethod
     def parse(cls, data: object) -> RunConfig:
         """Read RUN.yaml's mapping (or a stored ``to_dict()``, of this version or earlier)."""
+        if isinstance(data, Mapping):
+            data = flat_model_section(data)
         if isinstance(data, Mapping) and "strategy_options" in data:  # stored before sections
             fields = dict(data)
             options = fields.pop("strategy_options")

@@ -59,6 +59,7 @@ from split_models.config import (
     ModelConfig,
     TrainingConfig,
     config_to_dict,
+    flat_model_section,
     parse_config,
     setting,
 )
@@ -289,7 +290,7 @@ class SimConfig:
 def parse_sim_config(data: object, overrides: Mapping[str, Any] | None = None) -> SimConfig:
     """Read SIM.yaml's mapping (None: every default); ``overrides`` (the command line's
     flags, None where not given) win over the file."""
-    fields = dict(_mapping(data))
+    fields = flat_model_section(_mapping(data))
     fields.update({k: v for k, v in (overrides or {}).items() if v is not None})
     config = parse_config(SimConfig, fields, "simulation config", SimConfig(), _NOT_KEYS)
     mode = METHODS.get(config.method, "local-loss")

@@ -46,6 +46,7 @@ __all__ = [
     "config_keys",
     "config_to_dict",
     "default_of",
+    "flat_model_section",
     "parse_config",
     "parse_duration",
     "setting",
@@ -476,6 +477,28 @@ class TrainingConfig:
     @classmethod
     def parse(cls, data: object) -> TrainingConfig:
         return parse_config(cls, data, "training")
+
+
+def flat_model_section(data: Mapping[str, Any]) -> dict[str, Any]:
+    """``data`` with a nested ``model: {name: ..., input_shape: ...}`` section (as people
+    write it) spread into the flat keys of RUN.yaml and SIM.yaml; a key given in both
+    places is refused by name."""
+    fields = dict(data)
+    section = fields.get("model")
+    if not isinstance(section, Mapping):
+        return fields
+    section = dict(section)
+    if "name" not in section:
+        raise ConfigError("model: a model section needs its name (model: {name: resnet8, ...})")
+    fields["model"] = section.pop("name")
+    valid = config_keys(ModelConfig)
+    for key, value in section.items():
+        if key not in valid:
+            raise ConfigError(f"model.{key}: unknown key; valid: {sorted(valid - {'model'})}")
+        if key in fields:
+            raise ConfigError(f"model.{key}: given twice (in the model section and at the top)")
+        fields[key] = value
+    return fields
 
 
 def task_sections(model: object, training: object) -> tuple[ModelConfig, TrainingConfig]:

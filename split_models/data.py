@@ -209,8 +209,25 @@ def _torchvision(spec: str) -> Dataset:
     return from_torch(data)  # ImageFolder, FakeData...
 
 
+_KINDS = ("npz", "folder", "torchvision")
+
+
+def _with_kind(spec: str, folder: str | Path = ".") -> str:
+    """A bare path as users write it, with its kind: ``train.npz`` is ``npz:train.npz``, an
+    existing folder (relative to ``folder``) is ``folder:PATH``; anything else as it is."""
+    kind = spec.partition(":")[0]
+    if kind in _KINDS or spec == "digits":
+        return spec
+    if spec.endswith(".npz"):
+        return f"npz:{spec}"
+    if (Path(folder) / spec).is_dir():
+        return f"folder:{spec}"
+    return spec
+
+
 def resolve_spec(spec: str, folder: str | Path) -> str:
     """``spec`` with a relative path made relative to ``folder`` (a config file's)."""
+    spec = _with_kind(spec, folder)
     kind, _, rest = spec.partition(":")
     if kind in ("npz", "folder") and rest and not Path(rest).is_absolute():
         return f"{kind}:{Path(folder) / rest}"
@@ -222,7 +239,9 @@ def resolve_spec(spec: str, folder: str | Path) -> str:
 
 
 def load_dataset(spec: str) -> Dataset:
-    """Load a dataset from a spec such as ``npz:data/train.npz`` or ``digits``."""
+    """Load a dataset from a spec such as ``npz:data/train.npz`` (or ``data/train.npz``),
+    ``digits``, ``folder:photos`` (or an existing folder ``photos``)."""
+    spec = _with_kind(spec)
     kind, _, rest = spec.partition(":")
     if kind == "npz" and rest:
         return _npz(rest)

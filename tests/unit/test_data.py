@@ -132,3 +132,14 @@ def test_relative_data_paths_resolve_against_the_config_folder(tmp_path: Path) -
         f"torchvision:MNIST:{tmp_path / 'data'}"
     )
     assert resolve_spec("folder:imgs", tmp_path) == f"folder:{tmp_path / 'imgs'}"
+
+
+def test_a_bare_npz_path_or_folder_is_taken_as_what_it_is(tmp_path: Path) -> None:
+    np.savez(tmp_path / "train.npz", x=np.zeros((4, 1, 2, 2), np.float32), y=np.arange(4))
+    (tmp_path / "photos").mkdir()
+    assert len(load_dataset(str(tmp_path / "train.npz"))) == 4
+    assert resolve_spec("train.npz", tmp_path) == f"npz:{tmp_path / 'train.npz'}"
+    assert resolve_spec("photos", tmp_path) == f"folder:{tmp_path / 'photos'}"
+    assert resolve_spec("digits", tmp_path) == "digits"
+    with pytest.raises(ConfigError, match="unknown dataset spec 'nowhere'"):
+        load_dataset(str(tmp_path / "nowhere").replace(str(tmp_path) + "/", ""))

@@ -118,3 +118,18 @@ def test_missing_required_keys_and_files() -> None:
 )
 def test_durations(text: object, seconds: float) -> None:
     assert parse_duration(text, "wait") == seconds
+
+
+def test_a_nested_model_section_reads_as_the_flat_keys() -> None:
+    base = {"run_id": "r", "devices": {"edges": ["pi-01"]}, "rounds": 1}
+    nested = RunConfig.parse(
+        {**base, "model": {"name": "mlp", "input_shape": [1, 8, 8], "num_classes": 10}}
+    )
+    flat = RunConfig.parse({**base, "model": "mlp", "input_shape": [1, 8, 8], "num_classes": 10})
+    assert nested == flat
+    with pytest.raises(ConfigError, match=r"model\.num_classes: given twice"):
+        RunConfig.parse({**base, "model": {"name": "mlp", "num_classes": 10}, "num_classes": 3})
+    with pytest.raises(ConfigError, match=r"model\.widht: unknown key"):
+        RunConfig.parse({**base, "model": {"name": "mlp", "widht": 3}, "num_classes": 3})
+    with pytest.raises(ConfigError, match="needs its name"):
+        RunConfig.parse({**base, "model": {"input_shape": [1, 8, 8]}, "num_classes": 3})
