@@ -16,7 +16,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -83,21 +83,24 @@ class _Job:
     attempt: int = 1  # the coordinator's try of the round
 
 
-def _job(message: Message) -> _Job:
-    """The task of ``message``; raises ``WireError``/``ConfigError`` naming the bad field."""
+def _job(message: Message, models: Collection[str]) -> _Job:
+    """The task of ``message``; raises ``WireError``/``ConfigError`` naming the bad field
+    (or a model outside the zoo and ``models``)."""
     task = Task.parse(str(message.content.config_records["config"]["task"]))
     train = message.metadata.message_type == "train"
     mu, attempt = (proximal_mu_of(message), attempt_of(message)) if train else (0.0, 1)
-    return _Job(task, *task_sections(task.model, task.training), mu, attempt)
+    return _Job(task, *task_sections(task.model, task.training, models), mu, attempt)
 
 
-def _with_job(handle: Callable[[Message, _Job], Message]) -> Callable[[Message, Context], Message]:
+def _with_job(
+    handle: Callable[[Message, _Job], Message], models: Collection[str]
+) -> Callable[[Message, Context], Message]:
     """A Flower handler that parses the message's task once and passes it to ``handle``; a
     task that does not parse is answered with an error naming the bad field."""
 
     def handler(message: Message, _context: Context) -> Message:
         try:
-            job = _job(message)
+            job = _job(message, models)
         except (WireError, ConfigError) as error:
             log.warning("rejected a task: %s", error)
             return Message(Error(code=3, reason=f"bad task: {error}"), reply_to=message)
@@ -118,11 +121,15 @@ class EdgeAgent:
         budget: int | None = None,
         measure_peak: bool = True,
         source: SegmentSource | None = None,
+        models: Collection[str] = (),
     ) -> None:
         """``budget``: the memory training may use now, when it is below what the device
         announced (other work on the device); assignments are checked against it.
         ``source``: where the agent gets built segments (a host running many agents shares
-        one); by default the agent builds and keeps its own."""
+        one); by default the agent builds and keeps its own. ``models``: the import paths
+        (``package.module:function``) it may build besides the zoo's models; a task naming
+        any other is refused, so no message makes the agent import code."""
+        self.models = tuple(models)
         if announcement.role != "edge":
             raise ValueError("an edge agent announces the role 'edge'")
         self.announcement, self.data = announcement, data
@@ -220,9 +227,9 @@ class EdgeAgent:
     # ---------------------------------------------------------------- Flower
     def client_app(self) -> ClientApp:
         app = ClientApp()
-        app.query()(_with_job(self._query))
-        app.train()(_with_job(self._round))
-        app.evaluate()(_with_job(self._evaluate))
+        app.query()(_with_job(self._query, self.models))
+        app.train()(_with_job(self._round, self.models))
+        app.evaluate()(_with_job(self._evaluate, self.models))
         return app
 
     def _query(self, message: Message, job: _Job) -> Message:

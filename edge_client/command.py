@@ -34,7 +34,7 @@ def edge_command(args: argparse.Namespace) -> int:
     node = node_id_for(args.id)
     control = MqttTransport(config, f"{args.id}-control", will=node_will(node, args.id))
     stream = MqttTransport(config, f"{args.id}-stream")
-    agent = EdgeAgent(announcement, data, control, stream)
+    agent = EdgeAgent(announcement, data, control, stream, models=args.models)
     log.info(
         "edge %s online (node %d): %d samples, memory %s, broker %s",
         args.id,

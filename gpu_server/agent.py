@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Collection
 
 from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
@@ -42,7 +43,16 @@ def server_wait_seconds(deadline: float) -> float:
 class GpuAgent:
     """Serves Flower ``train`` messages for the back segment of each round."""
 
-    def __init__(self, announcement: Announcement, control: Transport, stream: Transport) -> None:
+    def __init__(
+        self,
+        announcement: Announcement,
+        control: Transport,
+        stream: Transport,
+        models: Collection[str] = (),
+    ) -> None:
+        """``models``: the import paths it may build besides the zoo's models (a task naming
+        any other is refused: no message makes the server import code)."""
+        self.models = tuple(models)
         if announcement.role != "gpu":
             raise ValueError("a GPU server agent announces the role 'gpu'")
         self.announcement = announcement
@@ -95,7 +105,7 @@ class GpuAgent:
         def train(message: Message, _context: Context) -> Message:
             try:
                 task = Task.parse(str(message.content.config_records["config"]["task"]))
-                sections = task_sections(task.model, task.training)
+                sections = task_sections(task.model, task.training, self.models)
                 mu, attempt = proximal_mu_of(message), attempt_of(message)
             except (WireError, ConfigError) as error:
                 log.warning("rejected a task: %s", error)

@@ -42,7 +42,7 @@ def gpu_server_command(args: argparse.Namespace) -> int:
         replace(config, session_expiry=0, clean_start=True, fresh_session=False),
         f"{args.id}-stream",
     )
-    agent = GpuAgent(announcement, control, stream)
+    agent = GpuAgent(announcement, control, stream, models=args.models)
     log.info(
         "GPU server %s online (node %d, %s), broker %s", args.id, node, args.device, args.broker
     )

@@ -100,7 +100,13 @@ class _Fleet(RoundObserver):
         stream = self.connect(f"{name}-stream{suffix}")
         announcement = Announcement(name, "edge", profile.memory, profile.flops, profile.uplink)
         agent = EdgeAgent(
-            announcement, self.data[name], control, stream, measure_peak=False, source=self.pool
+            announcement,
+            self.data[name],
+            control,
+            stream,
+            measure_peak=False,
+            source=self.pool,
+            models=(self.config.model.name,),
         )
         self._agents[name] = (agent, control, stream)
 
@@ -257,6 +263,7 @@ def _split_learning(
             gpu,
             connect("gpu-sim-control", node_will(gpu.node_id, "gpu-sim")),
             connect("gpu-sim-stream"),
+            models=(config.model.name,),
         )
         fleet = _Fleet(config, data, profiles, connect)
         observers = _Observers(fleet, *([observer] if observer is not None else []))

@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import re
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import MISSING, dataclass, field
 from typing import Any, TypeVar
 
@@ -34,7 +35,14 @@ from split_models.errors import ConfigError
 from split_models.heads import LOCAL_LOSSES
 from split_models.segment import OptimizerConfig
 from split_models.units import parse_bandwidth, parse_flops, parse_memory
-from split_models.zoo import INPUT_DTYPES, TASKS, ModelOptions, SplittableModel, build_model
+from split_models.zoo import (
+    INPUT_DTYPES,
+    TASKS,
+    ZOO_NAMES,
+    ModelOptions,
+    SplittableModel,
+    build_model,
+)
 from wire.codec import ENCODINGS
 from wire.topics import check_name
 
@@ -58,6 +66,10 @@ MODES = ("local-loss", "backprop")
 # How BatchNorm layers aggregate: averaged like every other tensor (FedAvg), or kept by each
 # device as its own (FedBN: every device trains and evaluates with its own normalization).
 NORMS = ("average", "local")
+# Bounds on what a config (or a task from the network) may ask for: a device must be able to
+# refuse an absurd request by name instead of waiting, allocating or looping for ever.
+MAX_DURATION_SECONDS = 7 * 24 * 3600.0
+MAX_SAMPLE_ELEMENTS = 1 << 26  # values per sample (a 3x4096x4096 image is 50 M)
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
 _SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
 _ABSENT = object()
@@ -77,8 +89,12 @@ def parse_duration(value: object, field_name: str) -> float:
                 f"{field_name}: expected a duration such as 120s or 5m, got {value!r}"
             )
         seconds = float(match.group(1)) * _SECONDS[match.group(2)]
-    if seconds <= 0:
+    if not math.isfinite(seconds) or seconds <= 0:
         raise ConfigError(f"{field_name}: must be positive, got {value!r}")
+    if seconds > MAX_DURATION_SECONDS:
+        raise ConfigError(
+            f"{field_name}: {value!r} is longer than the 7 days a wait or deadline may take"
+        )
     return seconds
 
 
@@ -301,11 +317,15 @@ def _number(kind: str, meta: Mapping[str, Any], value: object, path: str) -> int
     types: type | tuple[type, ...] = int if kind == "int" else (int, float)
     ok = not isinstance(value, bool) and isinstance(value, types)
     number = float(value) if ok else 0.0  # type: ignore[arg-type]
-    ok = ok and not (
-        (low is not None and number < low)
-        or (above is not None and number <= above)
-        or (below is not None and number >= below)
-        or (high is not None and number > high)
+    ok = (
+        ok
+        and math.isfinite(number)
+        and not (
+            (low is not None and number < low)
+            or (above is not None and number <= above)
+            or (below is not None and number >= below)
+            or (high is not None and number > high)
+        )
     )
     if not ok:
         what = meta.get("what") or ("an integer" if kind == "int" else "a number")
@@ -337,6 +357,11 @@ def _shape(value: object, path: str) -> tuple[int, ...]:
         or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in value)
     ):
         raise ConfigError(f"{path}: expected a list of positive integers, got {value!r}")
+    if len(value) > 8 or math.prod(value) > MAX_SAMPLE_ELEMENTS:
+        raise ConfigError(
+            f"{path}: {list(value)} is larger than a sample may be (at most 8 dimensions and "
+            f"{MAX_SAMPLE_ELEMENTS:,} values)"
+        )
     return tuple(value)
 
 
@@ -384,6 +409,8 @@ def _input_range(value: object, path: str) -> tuple[int, int] | None:
         or len(value) != 2
         or any(isinstance(v, bool) or not isinstance(v, int) for v in value)
         or not value[0] < value[1]
+        or value[0] < -(2**62)
+        or value[1] > 2**62
     ):
         raise ConfigError(
             f"{path}: expected the number of token ids N (ids in [0, N)) or [low, high) "
@@ -410,7 +437,7 @@ class ModelConfig:
 
     name: str = setting(key="model", what="a zoo name or package.module:function")
     input_shape: tuple[int, ...] = setting(kind="shape")
-    num_classes: int = setting(minimum=2)
+    num_classes: int = setting(minimum=2, maximum=10_000_000)
     input_dtype: str = setting("float32", choices=tuple(INPUT_DTYPES))
     # token ids lie in [low, high); a single number N means [0, N)
     input_range: tuple[int, int] | None = setting(None, parse=_input_range, dump=_listed)
@@ -435,14 +462,14 @@ class ModelConfig:
 class TrainingConfig:
     """How each round trains: plain data, so a device can be sent it as it is."""
 
-    rounds: int = setting(minimum=1)
-    local_epochs: int = setting(1, minimum=1)
-    batch_size: int = setting(32, minimum=1)
+    rounds: int = setting(minimum=1, maximum=1_000_000)
+    local_epochs: int = setting(1, minimum=1, maximum=10_000)
+    batch_size: int = setting(32, minimum=1, maximum=1 << 16)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     local_loss: str = setting("linear", choices=LOCAL_LOSSES)
     mode: str = setting("local-loss", choices=MODES)
     compression: str = setting("fp32", choices=ENCODINGS)
-    seed: int = setting(0, minimum=0)
+    seed: int = setting(0, minimum=0, maximum=2**32 - 1)
     round_deadline_seconds: float = setting(
         300.0, key="round_deadline", aliases=("round_deadline_seconds",), kind="duration"
     )
@@ -501,10 +528,18 @@ def flat_model_section(data: Mapping[str, Any]) -> dict[str, Any]:
     return fields
 
 
-def task_sections(model: object, training: object) -> tuple[ModelConfig, TrainingConfig]:
+def task_sections(
+    model: object, training: object, models: Collection[str] = ()
+) -> tuple[ModelConfig, TrainingConfig]:
     """A task's ``model`` and ``training`` sections, parsed; raises :class:`ConfigError`
-    naming the bad field as ``task.model.<key>`` or ``task.training.<key>``."""
-    return (
-        parse_config(ModelConfig, model, "task.model", prefix="task.model."),
-        parse_config(TrainingConfig, training, "task.training", prefix="task.training."),
-    )
+    naming the bad field as ``task.model.<key>`` or ``task.training.<key>``. The model must
+    be a zoo model or one of ``models``, the import paths the device was started with: a
+    message never makes a device import code."""
+    spec = parse_config(ModelConfig, model, "task.model", prefix="task.model.")
+    if spec.name not in ZOO_NAMES and spec.name not in models:
+        allowed = ", ".join([*ZOO_NAMES, *models])
+        raise ConfigError(
+            f"task.model.model: {spec.name!r} is not a model this device may build; it builds "
+            f"{allowed} (start it with --model {spec.name} to allow that import path)"
+        )
+    return spec, parse_config(TrainingConfig, training, "task.training", prefix="task.training.")

@@ -9,6 +9,7 @@ each edge's batch from that edge's cut), optionally returning the gradient of th
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -43,19 +44,21 @@ class OptimizerConfig:
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZERS:
             raise ConfigError(f"optimizer.name: unknown {self.name!r}; use one of {OPTIMIZERS}")
-        if not self.lr > 0:
-            raise ConfigError(f"optimizer.lr: must be positive, got {self.lr}")
+        if not 0 < self.lr <= 100:
+            raise ConfigError(f"optimizer.lr: must be positive (at most 100), got {self.lr}")
         if not 0 <= self.momentum < 1:
             raise ConfigError(f"optimizer.momentum: must be in [0, 1), got {self.momentum}")
-        if self.weight_decay < 0:
+        if not 0 <= self.weight_decay < math.inf:
             raise ConfigError(f"optimizer.weight_decay: must be >= 0, got {self.weight_decay}")
-        if self.clip_norm is not None and not self.clip_norm > 0:
+        if self.clip_norm is not None and not 0 < self.clip_norm < math.inf:
             raise ConfigError(
                 f"optimizer.clip_norm: must be positive (or absent: no clipping), got "
                 f"{self.clip_norm}"
             )
-        if self.warmup_steps < 0:
-            raise ConfigError(f"optimizer.warmup_steps: must be >= 0, got {self.warmup_steps}")
+        if not 0 <= self.warmup_steps <= 10**9:
+            raise ConfigError(
+                f"optimizer.warmup_steps: must be in [0, 1e9], got {self.warmup_steps}"
+            )
 
     def lr_at(self, step: int) -> float:
         """The learning rate of a round's ``step``-th optimizer step (from 0)."""

@@ -185,10 +185,16 @@ def _stream_name(data: Mapping[str, Any], key: str, optional: bool) -> str | Non
         raise WireError("field", str(error)) from error
 
 
-def _count(data: Mapping[str, Any], key: str) -> int:
+MAX_BLOCKS = 100_000  # block indices a task may name
+MAX_ESTIMATE_BYTES = 1 << 50
+
+
+def _count(data: Mapping[str, Any], key: str, maximum: int = MAX_BLOCKS) -> int:
     value = data.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise WireError("field", f"task.{key}: expected an integer >= 0, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= maximum:
+        raise WireError(
+            "field", f"task.{key}: expected an integer in [0, {maximum:,}], got {value!r}"
+        )
     return value
 
 
@@ -262,7 +268,9 @@ class Task:
             training=_section(data, "training"),
             start=start,
             end=end,
-            estimated_peak_bytes=_count(data, "estimated_peak_bytes") if estimate else 0,
+            estimated_peak_bytes=(
+                _count(data, "estimated_peak_bytes", MAX_ESTIMATE_BYTES) if estimate else 0
+            ),
             segment=_stream_name(data, "segment", True) or "seg-0",
             edges=_names(data, "edges"),
             servers=_names(data, "servers"),

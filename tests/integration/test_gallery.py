@@ -146,12 +146,14 @@ def _run_config(name: str, tmp_path: Path, rounds: int) -> RunConfig:
     )
 
 
-def _fleet(hub: InProcessHub, tmp_path: Path) -> list[object]:
+def _fleet(hub: InProcessHub, tmp_path: Path, name: str) -> list[object]:
+    models = (_model_path(name),)  # the agents may build this import path, as --model says
     agents: list[object] = [
         GpuAgent(
             Announcement("gpu-a", "gpu", 1 << 30, 1e9),
             hub.connect("gpu-a-control", node_will(node_id_for("gpu-a"), "gpu-a")),
             hub.connect("gpu-a-stream"),
+            models=models,
         )
     ]
     for edge in EDGES:
@@ -161,6 +163,7 @@ def _fleet(hub: InProcessHub, tmp_path: Path) -> list[object]:
                 load_dataset(f"npz:{tmp_path / f'{edge}.npz'}"),
                 hub.connect(f"{edge}-control", node_will(node_id_for(edge), edge)),
                 hub.connect(f"{edge}-stream"),
+                models=models,
             )
         )
     return agents
@@ -175,7 +178,7 @@ def test_gallery_model_resumes_after_a_coordinator_restart(name: str, tmp_path: 
     profile = profile_in_fresh_process(first.model, ("linear",), 16)
     with open_store(f"sqlite:///{tmp_path / 'runs.db'}") as store:
         hub = InProcessHub()
-        _fleet(hub, tmp_path)
+        _fleet(hub, tmp_path, name)
         assert Coordinator(first, store, hub.connect("c1"), profile=lambda _: profile).run() == 1
         # a new coordinator process on the same store continues from the committed round
         again = _run_config(name, tmp_path, rounds=2)

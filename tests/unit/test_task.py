@@ -158,3 +158,95 @@ def test_the_segment_key_ignores_bookkeeping_but_not_what_shapes_the_segment() -
     assert _task(forward=None).segment_key() != base.segment_key()  # the last piece: no head
     backprop = dataclasses.replace(TRAINING, mode="backprop")
     assert _task(training=backprop.to_dict()).segment_key() != base.segment_key()
+
+
+def _reply_to(agent: object, hub: InProcessHub, task: Task, device: str) -> object:
+    config = ConfigRecord({"task": task.to_json(), "server-round": 1})
+    grid = TransportGrid(InProcessTransport(hub, "coordinator"))
+    message = grid.create_message(
+        RecordDict({"config": config}), "train", node_id_for(device), "edgesplit"
+    )
+    context = Context(1, node_id_for(device), {}, RecordDict(), {})
+    return agent.client_app()(message, context)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("model", ["os:abort", "subprocess:run", "tests.fixtures.gallery:lenet"])
+def test_no_task_makes_an_agent_import_a_module_it_was_not_started_with(model: str) -> None:
+    import sys
+
+    from gpu_server.agent import GpuAgent
+
+    hub = InProcessHub()
+    rng = np.random.default_rng(0)
+    data = Dataset(rng.normal(size=(8, 1, 8, 8)).astype(np.float32), np.arange(8) % 10, 10)
+    edge = EdgeAgent(
+        Announcement("pi-01", "edge", 1 << 32, 1e9, 1e7),
+        data,
+        InProcessTransport(hub, "pi-01-control"),
+        InProcessTransport(hub, "pi-01-stream"),
+        measure_peak=False,
+    )
+    gpu = GpuAgent(
+        Announcement("gpu-a", "gpu", 1 << 32, 1e9),
+        InProcessTransport(hub, "gpu-a-control"),
+        InProcessTransport(hub, "gpu-a-stream"),
+    )
+    before = set(sys.modules)
+    hostile = _task(model={**config_to_dict(MODEL), "model": model})
+    for agent, device in ((edge, "pi-01"), (gpu, "gpu-a")):
+        reply = _reply_to(
+            agent, hub, dataclasses.replace(hostile, start=0 if device == "pi-01" else 1), device
+        )
+        assert reply.has_error(), device  # type: ignore[attr-defined]
+        assert "is not a model this device may build" in reply.error.reason  # type: ignore[attr-defined]
+        assert f"--model {model}" in reply.error.reason  # type: ignore[attr-defined]
+    assert set(sys.modules) - before == set()  # nothing was imported
+
+
+def test_an_agent_started_with_an_import_path_may_build_it() -> None:
+    from split_models.config import task_sections
+
+    spec = {**config_to_dict(MODEL), "model": "tests.fixtures.gallery:lenet"}
+    allowed, _ = task_sections(spec, TRAINING.to_dict(), ("tests.fixtures.gallery:lenet",))
+    assert allowed.name == "tests.fixtures.gallery:lenet"
+
+
+@pytest.mark.parametrize(
+    ("training", "field"),
+    [
+        ({"round_deadline": 1e12}, "task.training.round_deadline"),
+        ({"local_epochs": 10**9}, "task.training.local_epochs"),
+        ({"batch_size": 1 << 30}, "task.training.batch_size"),
+        ({"rounds": 10**12}, "task.training.rounds"),
+        ({"federated_eval": float("nan")}, "task.training.federated_eval"),
+        ({"optimizer": {"name": "sgd", "lr": 1e9}}, "optimizer.lr"),
+    ],
+)
+def test_every_numeric_field_of_a_task_is_bounded(training: dict[str, object], field: str) -> None:
+    from split_models.config import task_sections
+    from split_models.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        task_sections(config_to_dict(MODEL), {**TRAINING.to_dict(), **training})
+
+
+@pytest.mark.parametrize(
+    ("model", "field"),
+    [
+        ({"input_shape": [1 << 20, 1 << 20]}, "task.model.input_shape"),
+        ({"num_classes": 10**12}, "task.model.num_classes"),
+    ],
+)
+def test_a_task_cannot_ask_for_an_absurd_model(model: dict[str, object], field: str) -> None:
+    from split_models.config import task_sections
+    from split_models.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        task_sections({**config_to_dict(MODEL), **model}, TRAINING.to_dict())
+
+
+def test_block_indices_and_estimates_of_a_task_are_bounded() -> None:
+    with pytest.raises(WireError, match=r"task\.end"):
+        Task.parse(_task(end=10**9).to_json())
+    with pytest.raises(WireError, match=r"task\.estimated_peak_bytes"):
+        Task.parse(_task(estimated_peak_bytes=1 << 62).to_json())
