@@ -98,9 +98,13 @@ class RoundRecorder:
             if name.startswith(LOCAL_PREFIX)
         }
 
-    def own(self, device: str, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """``arrays`` for ``device``: its own copy of the local tensors where it has one."""
-        mine = self.local.get(device, {})
+    def own(
+        self, device: str, arrays: Mapping[str, np.ndarray], trained: bool = False
+    ) -> dict[str, np.ndarray]:
+        """``arrays`` for ``device``: its own copy of the local tensors where it has one (with
+        ``trained``, the copy it sent in the round being aggregated, not yet committed: what
+        the federated evaluation of that round uses)."""
+        mine = (self._pending if trained else self.local).get(device, {})
         return {key: mine.get(key, value) for key, value in arrays.items()}
 
     def open(self, number: int, participants: Sequence[str]) -> None:

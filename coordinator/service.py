@@ -309,9 +309,9 @@ class Coordinator:
             a = assigned[device]
             options = dict(configured.content.config_records[self.strategy.configrecord_key])
             arrays = configured.content.array_records["arrays"]
-            if self.runner.recorder.local.get(device):  # evaluated with its own BatchNorm
-                own = self.runner.recorder.own(device, numpy_arrays(configured))
-                arrays = array_record(own)
+            recorder = self.runner.recorder
+            if recorder.local_keys:  # evaluated with the BatchNorm layers it just trained
+                arrays = array_record(recorder.own(device, numpy_arrays(configured), True))
             task = build_task(self.config, a, self.session)
             return build_message(self.grid, a.node, arrays, "evaluate", number, task, options)
 

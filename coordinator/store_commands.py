@@ -96,12 +96,22 @@ def db_upgrade_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _only_run(store: RunStore) -> str:
+    """The run of a store that holds one (a simulation's); else name them."""
+    runs = [r.run_id for r in store.list_runs()]
+    if len(runs) != 1:
+        held = ", ".join(runs[:10]) or "none"
+        raise ConfigError(f"--run: the store holds {len(runs)} runs ({held}); name one")
+    return runs[0]
+
+
 def export_command(args: argparse.Namespace) -> int:
     """Export a run's model (and device segments) to ONNX and check each file."""
     from coordinator.export import TOLERANCE, export_run
 
     with _open_existing(args.db) as store:
-        results = export_run(store, args.run, Path(args.out), args.round, args.per_device)
+        run = args.run or _only_run(store)
+        results = export_run(store, run, Path(args.out), args.round, args.per_device)
     for result in results:
         verdict = "ok" if result.ok else f"FAILS (> {TOLERANCE:g})"
         print(

@@ -298,7 +298,7 @@ def _export_parser(commands: argparse._SubParsersAction) -> None:  # type: ignor
         "each file through onnxruntime against torch, and fail above 1e-4.",
     )
     export.add_argument("--db", required=True, help="database URL or SQLite file")
-    export.add_argument("--run", required=True, help="run id")
+    export.add_argument("--run", help="run id (default: the store's only run)")
     export.add_argument("--round", type=int, help="round to export (default: the last committed)")
     export.add_argument("--out", required=True, help="output directory")
     export.add_argument(

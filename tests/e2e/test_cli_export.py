@@ -84,3 +84,17 @@ def test_export_errors_exit_2(tmp_path: Path) -> None:
         "export", "--db", str(database), "--run", "exp-1", "--round", "7", "--out", str(tmp_path)
     )
     assert missing.returncode == 2 and "round 7" in missing.stderr
+
+
+def test_export_takes_the_only_run_of_a_store_and_names_them_when_there_are_more(
+    tmp_path: Path,
+) -> None:
+    database = tmp_path / "runs.db"
+    _stored_run(database)
+    only = run("export", "--db", str(database), "--out", str(tmp_path / "onnx"))
+    assert only.returncode == 0, only.stderr
+    assert (tmp_path / "onnx" / "exp-1-round1-model.onnx").is_file()
+    with open_store(str(database)) as store:
+        store.create_run("exp-2", store.get_run("exp-1").config, seed=0)
+    two = run("export", "--db", str(database), "--out", str(tmp_path / "again"))
+    assert two.returncode == 2 and "holds 2 runs (exp-1, exp-2); name one" in two.stderr

@@ -35,3 +35,22 @@ def test_a_device_gets_its_own_copy_of_local_tensors_and_the_global_rest() -> No
     # a device that has not trained yet starts from the global average
     fresh = recorder.own("pi-02", weights)
     np.testing.assert_array_equal(fresh["block0.1.running_mean"], np.zeros(3))
+
+
+def test_the_round_being_aggregated_is_evaluated_with_the_copies_just_trained() -> None:
+    from types import SimpleNamespace
+
+    from wire.flower import array_record
+
+    recorder = _recorder()
+    trained = np.full(3, 5.0, dtype=np.float32)
+    arrays = {"block0.1.running_mean": trained, "block0.0.weight": np.ones(2, np.float32)}
+    reply = SimpleNamespace(content=SimpleNamespace(array_records={"a": array_record(arrays)}))
+    recorder._pending = recorder._trained_local([reply], ["pi-01"])  # type: ignore[list-item]
+    weights = {"block0.1.running_mean": np.zeros(3, np.float32)}
+    np.testing.assert_array_equal(
+        recorder.own("pi-01", weights, trained=True)["block0.1.running_mean"], trained
+    )
+    # not committed yet: the next round's train message would still carry the committed copy
+    np.testing.assert_array_equal(recorder.own("pi-01", weights)["block0.1.running_mean"], 0)
+    assert set(recorder._pending["pi-01"]) == {"block0.1.running_mean"}  # BatchNorm only
