@@ -252,6 +252,8 @@ class RoundRunner:
             elif reply.has_error():
                 why = (reply.error.reason or "failed")[:500]
                 outcome.results.append(DeviceResult(device, failure=why))
+            elif (problem := _malformed(reply)) is not None:
+                outcome.results.append(DeviceResult(device, failure=problem))
             elif bad := non_finite_tensors(numpy_arrays(reply, key=None)):
                 why = f"sent weights holding NaN or infinity ({', '.join(bad[:3])})"
                 outcome.results.append(DeviceResult(device, failure=why))
@@ -310,6 +312,8 @@ class RoundRunner:
         for device, reply in sorted(replies.items()):
             if reply.has_error():
                 log.warning("federated evaluation on %s failed: %s", device, reply.error.reason)
+            elif (problem := _malformed_evaluation(reply)) is not None:
+                log.warning("federated evaluation on %s left out: %s", device, problem)
             elif _examples(reply) > 0:
                 counted.append(reply)
         with flower_quiet():
@@ -324,5 +328,39 @@ class RoundRunner:
         }
 
 
+def _malformed_evaluation(reply: Message) -> str | None:
+    metrics = reply.content.metric_records.get("metrics")
+    if metrics is None:
+        return "sent no metrics record"
+    for name in ("num-examples", "accuracy", "loss"):
+        value = metrics.get(name)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return f"sent metric {name} {value!r}, expected a number"
+        if not math.isfinite(value) or value < 0 or (name == "accuracy" and value > 1):
+            return f"sent metric {name} {value!r}, out of range"
+    return None
+
+
 def _examples(reply: Message) -> float:
     return float(reply.content.metric_records["metrics"]["num-examples"])  # type: ignore[arg-type]
+
+
+def _malformed(reply: Message) -> str | None:
+    """Why a reply that is no error cannot be used (a device may send anything), or None."""
+    if len(reply.content.array_records) != 1:
+        return f"sent {len(reply.content.array_records)} weight records, expected 1"
+    metrics = reply.content.metric_records.get("metrics")
+    if metrics is None:
+        return "sent no metrics record"
+    examples = metrics.get("num-examples")
+    if (
+        isinstance(examples, bool)
+        or not isinstance(examples, int | float)
+        or not 0 <= examples < math.inf
+    ):
+        return f"sent num-examples {examples!r}, expected a count >= 0"
+    for name in ("loss", "wall-seconds", "bytes-sent", "bytes-received", "peak-memory"):
+        value = metrics.get(name, 0)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return f"sent metric {name} {value!r}, expected a number"
+    return None

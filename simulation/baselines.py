@@ -47,6 +47,7 @@ from wire.flower import (
     proximal_mu_of,
     round_of,
 )
+from wire.roles import node_id_for
 from wire.transport import InProcessHub
 
 __all__ = [
@@ -127,7 +128,7 @@ def _train(
     stores ``config`` (its ``method`` the baseline's), which ``parse_sim_config`` reads back."""
     hub = InProcessHub()
     grid = TransportGrid(hub.connect("coordinator"))
-    nodes = {name: index + 1 for index, name in enumerate(clients)}
+    nodes = {name: node_id_for(name) for name in clients}
     for name, app in clients.items():
         FlowerNode(
             hub.connect(f"{name}-control", node_will(nodes[name], name)),

@@ -100,6 +100,15 @@ def _node_name(node_id: int, name: str | None) -> str:
     return topics.check_name(name if name is not None else str(int(node_id)), "node")
 
 
+def node_id_of(name: str) -> int:
+    """The Flower node id of the node named ``name``: the number itself for a numbered node
+    (``"7"``), else ``wire.roles.node_id_for(name)``. The grid derives it from the topic a
+    node announces itself on, never from what the announcement says."""
+    from wire.roles import node_id_for
+
+    return int(name) if name.isdigit() else node_id_for(name)
+
+
 class _Frames:
     """Serialise Flower messages into chunk frames and back, with validation."""
 
@@ -140,7 +149,7 @@ class TransportGrid(Grid):
         self._frames = _Frames(transport)
         self._run = Run.create_empty(run_id)
         self._replies: dict[str, Message] = {}
-        self._sent: set[str] = set()
+        self._sent: dict[str, str] = {}  # message id -> the name of the node it went to
         self._online: set[int] = set()
         self._names: dict[int, str] = {}  # node id -> the name its topics carry
         self._condition = threading.Condition()
@@ -148,19 +157,28 @@ class TransportGrid(Grid):
         TaskIdentity.run_id = run_id
         TaskIdentity.node_id = SUPERLINK_NODE_ID
         TaskIdentity.task_id = run_id
-        transport.subscribe(topics.flower_out(), self._on_reply)
+        transport.subscribe(topics.flower_out_filter(), self._on_reply)
         transport.subscribe(f"{_NODES}/+", self._on_presence)
 
-    def _on_reply(self, _topic: str, payload: bytes) -> None:
+    def _on_reply(self, topic: str, payload: bytes) -> None:
+        """A reply on ``flower/<name>/out``: kept only when it answers a message sent to
+        that node (a device cannot answer for another: the topic is its account's)."""
+        sender = topic.split("/")[-2]
         message = self._frames.receive(payload)
         if message is None:
             return
         reply_to = message.metadata.reply_to_message_id
         with self._condition:
-            if reply_to not in self._sent:
+            addressee = self._sent.get(reply_to)
+            if addressee is None:
                 log.warning("dropped a Flower reply to unknown message %r", reply_to)
                 return
-            self._sent.discard(reply_to)
+            if addressee != sender:
+                log.warning(
+                    "dropped a Flower reply from %r to a message sent to %r", sender, addressee
+                )
+                return
+            del self._sent[reply_to]
             self._replies[reply_to] = message
             self._condition.notify_all()
 
@@ -168,9 +186,18 @@ class TransportGrid(Grid):
         """Retained ``online <node id>`` or ``offline`` on ``edgesplit/v1/presence/<name>``."""
         name = topic.rsplit("/", 1)[1]
         state, _, number = payload.decode("ascii", "replace").partition(" ")
+        try:
+            node_id = node_id_of(name)
+        except ValueError:
+            log.warning("ignored the presence of a node named %r", name)
+            return
         with self._condition:
             if state == "online" and number.isdigit():
-                node_id = int(number)
+                if int(number) != node_id:  # the id is the name's, whatever a node says
+                    log.warning(
+                        "ignored %r announcing node %s: its node id is %s", name, number, node_id
+                    )
+                    return
                 self._names[node_id] = name
                 self._online.add(node_id)
             else:
@@ -213,11 +240,11 @@ class TransportGrid(Grid):
         for message in messages:
             identifier = str(uuid.uuid4())
             message.metadata.__dict__["_message_id"] = identifier
-            with self._condition:
-                self._sent.add(identifier)
             node = message.metadata.dst_node_id
             with self._condition:
                 name = self._names.get(node)
+                if name is not None:
+                    self._sent[identifier] = name
             if name is None:
                 raise ValueError(f"node {node} never announced itself; it cannot be reached")
             self._frames.send(topics.flower_in(name), message)
@@ -231,8 +258,8 @@ class TransportGrid(Grid):
     def abandon(self, message_ids: Iterable[str]) -> None:
         """Stop waiting for replies to ``message_ids``; late replies to them are dropped."""
         with self._condition:
-            self._sent -= set(message_ids)
             for identifier in message_ids:
+                self._sent.pop(identifier, None)
                 self._replies.pop(identifier, None)
 
     def send_and_receive(
@@ -253,7 +280,8 @@ class TransportGrid(Grid):
             replies += got
             pending -= {m.metadata.reply_to_message_id for m in got}
         with self._condition:
-            self._sent -= pending  # late replies to abandoned messages are dropped
+            for identifier in pending:  # late replies to abandoned messages are dropped
+                self._sent.pop(identifier, None)
         # Arrival order depends on the network; a fixed order makes aggregation reproducible.
         return sorted(replies, key=lambda m: m.metadata.src_node_id)
 
@@ -275,6 +303,11 @@ class FlowerNode:
     ) -> None:
         self.transport, self.node_id, self.app = transport, int(node_id), app
         self.name = _node_name(node_id, name)
+        if node_id_of(self.name) != self.node_id:
+            raise ValueError(
+                f"node {self.name!r} has node id {node_id_of(self.name)}, not {node_id}: the "
+                "coordinator derives a node's id from its name"
+            )
         self._frames = _Frames(transport)
         self._context = Context(
             run_id=run_id,
@@ -312,7 +345,7 @@ class FlowerNode:
                 Error(code=1, reason=f"{type(error).__name__}: {error}"), reply_to=message
             )
         self.handled += 1
-        self._frames.send(topics.flower_out(), reply)
+        self._frames.send(topics.flower_out(self.name), reply)
 
     def leave(self) -> None:
         """Announce a clean departure (retained ``offline``)."""

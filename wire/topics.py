@@ -19,6 +19,7 @@ __all__ = [
     "done",
     "flower_in",
     "flower_out",
+    "flower_out_filter",
     "gradients",
     "presence",
     "processed",
@@ -96,8 +97,14 @@ def flower_in(node: str) -> str:
     return f"{PREFIX}/flower/{check_name(node, 'node')}/in"
 
 
-def flower_out() -> str:
-    return f"{PREFIX}/flower/out"
+def flower_out(node: str) -> str:
+    """Replies of the node of device ``node`` (named, so a broker ACL binds them to the
+    device's account and the coordinator knows who answered from the topic alone)."""
+    return f"{PREFIX}/flower/{check_name(node, 'node')}/out"
+
+
+def flower_out_filter() -> str:
+    return f"{PREFIX}/flower/+/out"
 
 
 def shared(group: str, topic_filter: str) -> str:

@@ -15,6 +15,7 @@ from wire import topics
 from wire.broker import Broker
 from wire.errors import TransportError
 from wire.mqtt import MqttConfig, MqttTransport
+from wire.roles import node_id_for
 
 pytestmark = pytest.mark.integration
 
@@ -97,15 +98,16 @@ def test_a_device_is_a_flower_node_only_under_its_own_name(secured: Broker) -> N
 
     grid = TransportGrid(_connect(secured, "coordinator"))
     device = _connect(secured, "pi-01")  # the will below is not set; presence is published
-    FlowerNode(device, 7, app, name="pi-01")
-    assert grid.wait_for_nodes(1, timeout=5) == [7]
-    message = grid.create_message(RecordDict({"q": ConfigRecord({"x": 1})}), "query", 7, "g")
+    mine, theirs = node_id_for("pi-01"), node_id_for("pi-02")
+    FlowerNode(device, mine, app, name="pi-01")
+    assert grid.wait_for_nodes(1, timeout=5) == [mine]
+    message = grid.create_message(RecordDict({"q": ConfigRecord({"x": 1})}), "query", mine, "g")
     (reply,) = grid.send_and_receive([message], timeout=10)
     assert reply.content.config_records["answer"]["ok"] == 1
-    # pi-01 cannot pose as pi-02's node
-    FlowerNode(device, 8, app, name="pi-02")
+    # pi-01 cannot pose as pi-02's node: the broker refuses its presence and its replies there
+    FlowerNode(device, theirs, app, name="pi-02")
     device.flush()
     time.sleep(0.5)
-    assert grid.wait_for_nodes(2, timeout=1) == [7]
-    assert node_will(7, "pi-01").topic.endswith("/presence/pi-01")
+    assert grid.wait_for_nodes(2, timeout=1) == [mine]
+    assert node_will(mine, "pi-01").topic.endswith("/presence/pi-01")
     device.close()

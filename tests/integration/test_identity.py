@@ -1,0 +1,68 @@
+"""A device account may lie: the coordinator's grid takes a node's identity from the topic it
+publishes on (its account's, under the shipped ACL), never from what the payload says."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.clientapp import ClientApp
+
+from wire import topics
+from wire.flower import FlowerNode, TransportGrid, _Frames, node_id_of
+from wire.roles import node_id_for
+from wire.transport import InProcessHub
+
+pytestmark = pytest.mark.integration
+
+app = ClientApp()
+
+
+@app.query()
+def answer(message: Message, context: Context) -> Message:
+    return Message(RecordDict({"a": ConfigRecord({"node": context.node_id})}), reply_to=message)
+
+
+def _settle() -> None:
+    time.sleep(0.2)
+
+
+def test_a_device_cannot_announce_another_devices_node_id() -> None:
+    hub = InProcessHub()
+    grid = TransportGrid(hub.connect("coordinator"))
+    attacker = hub.connect("pi-01")
+    # pi-01 says "online <pi-02's id>" on its own presence topic
+    attacker.publish(topics.presence("pi-01"), f"online {node_id_for('pi-02')}".encode(), True)
+    _settle()
+    assert list(grid.get_node_ids()) == []  # ignored: pi-01's id is the one of its name
+    FlowerNode(hub.connect("pi-02"), node_id_for("pi-02"), app, name="pi-02")
+    assert grid.wait_for_nodes(1, timeout=5) == [node_id_for("pi-02")]
+    message = grid.create_message(RecordDict(), "query", node_id_for("pi-02"), "g")
+    (reply,) = grid.send_and_receive([message], timeout=5)
+    assert reply.content.config_records["a"]["node"] == node_id_for("pi-02")
+
+
+def test_a_reply_on_another_devices_topic_is_dropped() -> None:
+    hub = InProcessHub()
+    grid = TransportGrid(hub.connect("coordinator"))
+    genuine = hub.connect("pi-02")  # online, but does not answer (yet)
+    genuine.publish(topics.presence("pi-02"), f"online {node_id_for('pi-02')}".encode(), True)
+    assert grid.wait_for_nodes(1, timeout=5) == [node_id_for("pi-02")]
+    message = grid.create_message(RecordDict(), "query", node_id_for("pi-02"), "g")
+    (identifier,) = grid.push_messages([message])
+    # pi-01 forges an answer to pi-02's message on its own reply topic
+    forged = Message(RecordDict({"a": ConfigRecord({"node": 1})}), reply_to=message)
+    _Frames(hub.connect("pi-01")).send(topics.flower_out("pi-01"), forged)
+    _settle()
+    assert list(grid.pull_messages([identifier])) == []
+    # the genuine answer on pi-02's own topic is taken
+    _Frames(genuine).send(topics.flower_out("pi-02"), forged)
+    _settle()
+    assert len(list(grid.pull_messages([identifier]))) == 1
+
+
+def test_a_node_must_carry_the_id_of_its_name() -> None:
+    with pytest.raises(ValueError, match="derives a node's id from its name"):
+        FlowerNode(InProcessHub().connect("x"), 7, app, name="pi-01")
+    assert node_id_of("7") == 7 and node_id_of("pi-01") == node_id_for("pi-01")
