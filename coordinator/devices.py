@@ -39,13 +39,21 @@ class DeviceRegistry:
         self._lock = threading.Lock()
         transport.subscribe(f"{topics.PREFIX}/capabilities/+", self._on_announcement)
 
-    def _on_announcement(self, _topic: str, payload: bytes) -> None:
+    def _on_announcement(self, topic: str, payload: bytes) -> None:
         if not payload:
             return  # a cleared retained message
         try:
             announcement = Announcement.parse(payload)
         except WireError as error:
             log.warning("ignored a bad device announcement: %s", error)
+            return
+        named = topic.rsplit("/", 1)[1]
+        if announcement.device != named:  # a device speaks for itself only (ACL: %u)
+            log.warning(
+                "ignored an announcement of %r on the capabilities topic of %r",
+                announcement.device,
+                named,
+            )
             return
         with self._lock:
             self._announcements[announcement.device] = announcement

@@ -10,6 +10,7 @@ from typing import Any
 from split_models.errors import ConfigError
 from storage import RunStore, normalise_url, open_store
 from storage.report import run_status, runs_overview
+from wire.mqtt import redact_url
 
 __all__ = ["db_upgrade_command", "export_command", "status_command"]
 
@@ -92,7 +93,7 @@ def db_upgrade_command(args: argparse.Namespace) -> int:
     """Create or migrate the database at ``--db`` to the current schema."""
     with open_store(normalise_url(args.db)) as store:
         runs = len(store.list_runs())
-    print(f"database {args.db} is at the current schema ({runs} runs)")
+    print(f"database {redact_url(args.db)} is at the current schema ({runs} runs)")
     return 0
 
 

@@ -11,7 +11,7 @@ from split_models.measure import release_freed_memory
 from split_models.runtime import configure_logging, wait_for_stop
 from split_models.units import parse_bandwidth, parse_flops, parse_memory
 from wire.flower import node_will
-from wire.mqtt import MqttConfig, MqttTransport
+from wire.mqtt import MqttConfig, MqttTransport, redact_url
 from wire.roles import Announcement, node_id_for
 
 __all__ = ["edge_command"]
@@ -41,7 +41,7 @@ def edge_command(args: argparse.Namespace) -> int:
         node,
         len(data),
         args.memory,
-        args.broker,
+        redact_url(args.broker),
     )
 
     def stop() -> None:

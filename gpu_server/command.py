@@ -11,7 +11,7 @@ from split_models.errors import ConfigError
 from split_models.runtime import configure_logging, wait_for_stop
 from split_models.units import parse_flops, parse_memory
 from wire.flower import node_will
-from wire.mqtt import MqttConfig, MqttTransport
+from wire.mqtt import MqttConfig, MqttTransport, redact_url
 from wire.roles import Announcement, node_id_for
 
 __all__ = ["gpu_server_command"]
@@ -44,7 +44,11 @@ def gpu_server_command(args: argparse.Namespace) -> int:
     )
     agent = GpuAgent(announcement, control, stream, models=args.models)
     log.info(
-        "GPU server %s online (node %d, %s), broker %s", args.id, node, args.device, args.broker
+        "GPU server %s online (node %d, %s), broker %s",
+        args.id,
+        node,
+        args.device,
+        redact_url(args.broker),
     )
 
     def stop() -> None:

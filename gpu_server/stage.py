@@ -13,12 +13,16 @@ import numpy as np
 import torch
 
 from split_models.activations import Activation, primary, side, wire_names
-from split_models.segment import OptimizerConfig, Segment, StepResult
+from split_models.segment import NonFiniteLoss, OptimizerConfig, Segment, StepResult
 from split_models.zoo import SplittableModel
 from wire.codec import Envelope, TensorSpec
 from wire.errors import WireError
 
-__all__ = ["BackStage"]
+__all__ = ["MAX_ACTIVATION", "BackStage"]
+
+# The largest magnitude an activation from the wire may hold. Finite values near float32's
+# limit (3e38) pass the codec's checks but overflow the back's first layer to infinity.
+MAX_ACTIVATION = 1e8
 
 
 class BackStage:
@@ -75,6 +79,13 @@ class BackStage:
                     "shape",
                     f"tensor {name!r} holds {tensor.shape[0]} rows, 'x' {x.shape[0]}",
                 )
+        largest = float(np.max(np.abs(x))) if x.size else 0.0
+        if largest > MAX_ACTIVATION:  # finite, but enough to overflow the back to NaN
+            raise WireError(
+                "range",
+                f"tensor 'x' holds a value of magnitude {largest:.3g}, above the "
+                f"{MAX_ACTIVATION:.0e} an activation may have",
+            )
         if x.shape[0] == 0:  # a loss over zero items is NaN and would poison the round's
             raise WireError(  # mean loss
                 "shape",
@@ -98,7 +109,11 @@ class BackStage:
         inputs: Activation = tensors[0] if len(tensors) == 1 else tuple(tensors)
         labels = torch.from_numpy(y).to(self.device)
         backprop = envelope.meta.get("backprop") is True and self.segment.is_last
-        return self.segment.train_from(cut, inputs, labels, input_gradient=backprop), labels
+        try:
+            step = self.segment.train_from(cut, inputs, labels, input_gradient=backprop)
+        except NonFiniteLoss as error:
+            raise WireError("non_finite", f"batch not trained: {error}") from error
+        return step, labels
 
 
 def _specs(model: SplittableModel, start: int, end: int) -> dict[int, list[TensorSpec]]:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from split_models.activations import Activation, detached, primary, side
-from split_models.errors import ConfigError
+from split_models.errors import ConfigError, ModelError
 from split_models.heads import LocalHead, TaskLoss, make_head
 from split_models.zoo import SplittableModel
 
@@ -73,6 +73,10 @@ class OptimizerConfig:
         return torch.optim.SGD(
             parameters, lr=self.lr, momentum=momentum, weight_decay=self.weight_decay
         )
+
+
+class NonFiniteLoss(ModelError):
+    """A batch whose loss is NaN or infinite: the segment took no step on it."""
 
 
 @dataclass(frozen=True)
@@ -202,6 +206,9 @@ class Segment:
         for child in list(self.module.children())[block - self.start :]:
             output = child(output)
         loss = self.head.loss(primary(output), labels)
+        if not bool(torch.isfinite(loss)):  # stepping on it would turn every weight to NaN
+            self.optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteLoss(f"the loss of this batch is {float(loss)}; no step was taken")
         loss.backward()  # type: ignore[no-untyped-call]
         self._step()
         grad = primary(inputs).grad

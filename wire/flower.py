@@ -9,6 +9,7 @@ inbound payload is size-bounded, hash-checked and parsed defensively.
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -286,6 +287,9 @@ class TransportGrid(Grid):
         return sorted(replies, key=lambda m: m.metadata.src_node_id)
 
 
+_SEEN_MESSAGES = 4096  # message ids a node remembers, to drop repeats
+
+
 class FlowerNode:
     """A device's side: runs a Flower ``ClientApp`` on every message addressed to it.
 
@@ -317,6 +321,8 @@ class FlowerNode:
             run_config={},
         )
         self.handled = 0
+        self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._seen_lock = threading.Lock()
         TaskIdentity.run_id = run_id
         transport.subscribe(topics.flower_in(self.name), self._on_message)
         self._announce()
@@ -336,6 +342,15 @@ class FlowerNode:
             log.warning(
                 "node %s dropped a message for node %s", self.node_id, message.metadata.dst_node_id
             )
+            return
+        identifier = message.metadata.message_id
+        with self._seen_lock:
+            repeated = identifier in self._seen
+            self._seen[identifier] = None
+            if len(self._seen) > _SEEN_MESSAGES:
+                self._seen.popitem(last=False)
+        if repeated:  # a redelivery or a replay: a round is not trained twice
+            log.warning("node %s dropped a repeated message %r", self.node_id, identifier)
             return
         try:
             reply = self.app(message, self._context)

@@ -27,11 +27,22 @@ from paho.mqtt.properties import Properties
 from wire.errors import TransportError
 from wire.transport import Handler, Transport, Will, _Mailbox, matches, split_shared
 
-__all__ = ["MqttConfig", "MqttTransport"]
+__all__ = ["MqttConfig", "MqttTransport", "redact_url"]
 
 _UNCLAIMED_BYTES = 256 * 1024 * 1024
 
 log = logging.getLogger(__name__)
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password replaced by ``***`` (for logs and messages)."""
+    parsed = urlparse(url)
+    if parsed.password is None:
+        return url
+    user = parsed.username or ""
+    host = parsed.hostname or ""
+    port = f":{parsed.port}" if parsed.port else ""
+    return parsed._replace(netloc=f"{user}:***@{host}{port}").geturl()
 
 
 @dataclass(frozen=True)
@@ -63,7 +74,9 @@ class MqttConfig:
     def from_url(cls, url: str, **overrides: Any) -> MqttConfig:
         parsed = urlparse(url)
         if parsed.scheme not in ("mqtt", "mqtts"):
-            raise ValueError(f"broker URL: expected mqtt://host:port or mqtts://..., got {url!r}")
+            raise ValueError(
+                f"broker URL: expected mqtt://host:port or mqtts://..., got {redact_url(url)!r}"
+            )
         query = {k: v[-1] for k, v in parse_qs(parsed.query).items()}
         tls = parsed.scheme == "mqtts"
         parsed_config = cls(

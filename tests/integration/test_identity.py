@@ -66,3 +66,23 @@ def test_a_node_must_carry_the_id_of_its_name() -> None:
     with pytest.raises(ValueError, match="derives a node's id from its name"):
         FlowerNode(InProcessHub().connect("x"), 7, app, name="pi-01")
     assert node_id_of("7") == 7 and node_id_of("pi-01") == node_id_for("pi-01")
+
+
+def test_a_replayed_message_is_handled_once() -> None:
+    handled = []
+    counting = ClientApp()
+
+    @counting.query()
+    def count(message: Message, context: Context) -> Message:
+        handled.append(message.metadata.message_id)
+        return Message(RecordDict(), reply_to=message)
+
+    hub = InProcessHub()
+    grid = TransportGrid(hub.connect("coordinator"))
+    FlowerNode(hub.connect("pi-01"), node_id_for("pi-01"), counting, name="pi-01")
+    assert grid.wait_for_nodes(1, timeout=5)
+    message = grid.create_message(RecordDict(), "query", node_id_for("pi-01"), "g")
+    assert len(list(grid.send_and_receive([message], timeout=5))) == 1
+    _Frames(hub.connect("replayer")).send(topics.flower_in("pi-01"), message)  # again
+    _settle()
+    assert handled == [message.metadata.message_id]

@@ -47,3 +47,45 @@ def test_a_good_reply_passes_and_evaluation_replies_are_checked_too() -> None:
     lying = _reply({"num-examples": 4, "accuracy": 7.0, "loss": 1.0})
     assert "out of range" in str(_malformed_evaluation(lying))  # type: ignore[arg-type]
     assert "no metrics" in str(_malformed_evaluation(_reply(None)))  # type: ignore[arg-type]
+
+
+def test_finite_activations_large_enough_to_overflow_the_back_are_refused() -> None:
+    import torch
+
+    from gpu_server.stage import BackStage
+    from split_models.zoo import build_model
+    from wire.codec import Envelope
+    from wire.errors import WireError
+
+    model = build_model("mlp", (1, 8, 8), 10, seed=0)
+    stage = BackStage(model, 1, model.num_blocks)
+    spec = stage.cut_specs[1][0]
+    x = np.full((4, *spec.shape[1:]), 3e38, dtype=np.float32)
+    y = np.zeros(4, dtype=np.int64)
+    before = [p.detach().clone() for p in stage.segment.module.parameters()]
+    with pytest.raises(WireError, match="magnitude 3e\\+38"):
+        stage.train(Envelope("activations", "r", "pi-01", 0, 1, {"cut": 1}, {"x": x, "y": y}))
+    # just under the bound but still overflowing: the loss is not finite, no step is taken
+    with torch.no_grad():
+        for p in stage.segment.module.parameters():
+            p.fill_(1e30)
+    poisoned = [p.detach().clone() for p in stage.segment.module.parameters()]
+    x = np.full((4, *spec.shape[1:]), 1e7, dtype=np.float32)
+    with pytest.raises(WireError, match="not trained"):
+        stage.train(Envelope("activations", "r", "pi-01", 1, 1, {"cut": 1}, {"x": x, "y": y}))
+    for p, q in zip(stage.segment.module.parameters(), poisoned, strict=True):
+        assert torch.equal(p, q)  # untouched by the bad batch
+    assert before  # the segment has weights
+
+
+def test_passwords_never_reach_a_log_line_or_an_error() -> None:
+    from wire.mqtt import MqttConfig, redact_url
+
+    assert redact_url("mqtts://pi-01:s3cret@broker:8883") == "mqtts://pi-01:***@broker:8883"
+    assert redact_url("postgresql+psycopg://edgesplit:pw@db/runs") == (
+        "postgresql+psycopg://edgesplit:***@db/runs"
+    )
+    assert redact_url("mqtt://127.0.0.1:1883") == "mqtt://127.0.0.1:1883"
+    with pytest.raises(ValueError) as error:
+        MqttConfig.from_url("tcp://pi-01:s3cret@broker:1883")
+    assert "s3cret" not in str(error.value) and "***" in str(error.value)
