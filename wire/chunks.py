@@ -55,6 +55,17 @@ class _Pending:
     last_seen: float = 0.0
 
 
+def _check_geometry(index: int, count: int, total: int, size: int) -> None:
+    """A message's first chunk must fit its declared size and count: every chunk but the last
+    is full, so a chunk of ``size`` bytes means ``ceil(total / size)`` chunks."""
+    if count == 1 and size != total:
+        raise WireError("header", f"a single chunk of {size} bytes declares {total}")
+    if index < count - 1 and (size == 0 or -(-total // size) != count):
+        raise WireError(
+            "header", f"{count} chunks of {size} bytes cannot make the declared {total} bytes"
+        )
+
+
 class Reassembler:
     """Collects chunks per message id; ``feed`` returns the whole message when complete."""
 
@@ -70,8 +81,9 @@ class Reassembler:
 
     @property
     def pending_bytes(self) -> int:
-        """Bytes reserved by incomplete messages: their declared totals."""
-        return sum(p.total for p in self._pending.values())
+        """Bytes held by incomplete messages: what arrived of them, not what they declare
+        (a frame declaring a huge total must not reserve the bound for itself)."""
+        return sum(p.size for p in self._pending.values())
 
     def _parse(self, data: bytes) -> tuple[dict[str, object], bytes]:
         start = len(CHUNK_MAGIC) + _LENGTH.size
@@ -106,15 +118,22 @@ class Reassembler:
         identity = str(header["id"])
         pending = self._pending.get(identity)
         if pending is None:
-            total = int(header["total"])  # type: ignore[call-overload]
-            if total > self.max_pending_bytes - self.pending_bytes:
+            total, count = int(header["total"]), int(header["count"])  # type: ignore[call-overload]
+            if total > self.max_pending_bytes:
                 raise WireError(
                     "oversize",
-                    f"message of {total} bytes would exceed the "
-                    f"reassembly bound of {self.max_pending_bytes}",
+                    f"message of {total} bytes exceeds the reassembly bound of "
+                    f"{self.max_pending_bytes}",
                 )
-            pending = _Pending(int(header["count"]), total, str(header["sha256"]))  # type: ignore[call-overload]
+            _check_geometry(int(header["index"]), count, total, len(body))  # type: ignore[call-overload]
+            pending = _Pending(count, total, str(header["sha256"]))
             self._pending[identity] = pending
+        if self.pending_bytes + len(body) > self.max_pending_bytes:
+            del self._pending[identity]
+            raise WireError(
+                "oversize",
+                f"incomplete messages would hold more than {self.max_pending_bytes} bytes",
+            )
         if (pending.count, pending.total) != (header["count"], header["total"]):
             raise WireError("header", "chunk disagrees with earlier chunks of its message")
         index = int(header["index"])  # type: ignore[call-overload]

@@ -110,25 +110,41 @@ def node_id_of(name: str) -> int:
     return int(name) if name.isdigit() else node_id_for(name)
 
 
+_SOURCES = 1024  # senders whose incomplete messages a receiver keeps apart
+
+
 class _Frames:
     """Serialise Flower messages into chunk frames and back, with validation."""
 
     def __init__(self, transport: Transport) -> None:
         self.transport = transport
         self.chunk_bytes = min(CHUNK_BYTES, transport.max_payload - 512)
-        self.reassembler = Reassembler(MAX_MESSAGE_BYTES)
+        # one reassembler per topic a message arrives on (per sender, under the ACL): what
+        # one sender leaves incomplete cannot crowd out another's messages
+        self._reassemblers: collections.OrderedDict[str, Reassembler] = collections.OrderedDict()
         self.rejected = 0
         self._lock = threading.Lock()
+
+    def _reassembler(self, source: str) -> Reassembler:
+        found = self._reassemblers.get(source)
+        if found is None:
+            found = self._reassemblers[source] = Reassembler(MAX_MESSAGE_BYTES)
+            while len(self._reassemblers) > _SOURCES:  # the least recently heard goes
+                self._reassemblers.popitem(last=False)
+        self._reassemblers.move_to_end(source)
+        return found
 
     def send(self, topic: str, message: Message) -> None:
         data = message_to_proto(message).SerializeToString()
         for frame in split(data, self.chunk_bytes):
             self.transport.publish(topic, frame)
 
-    def receive(self, payload: bytes) -> Message | None:
+    def receive(self, payload: bytes, source: str = "") -> Message | None:
+        """The Flower message ``payload`` completes (None while incomplete or when invalid);
+        ``source``: the topic it came on."""
         try:
             with self._lock:
-                whole = self.reassembler.feed(payload)
+                whole = self._reassembler(source).feed(payload)
             if whole is None:
                 return None
             proto = ProtoMessage()
@@ -165,7 +181,7 @@ class TransportGrid(Grid):
         """A reply on ``flower/<name>/out``: kept only when it answers a message sent to
         that node (a device cannot answer for another: the topic is its account's)."""
         sender = topic.split("/")[-2]
-        message = self._frames.receive(payload)
+        message = self._frames.receive(payload, topic)
         if message is None:
             return
         reply_to = message.metadata.reply_to_message_id
@@ -334,8 +350,8 @@ class FlowerNode:
             f"{_NODES}/{self.name}", f"online {self.node_id}".encode(), retain=True
         )
 
-    def _on_message(self, _topic: str, payload: bytes) -> None:
-        message = self._frames.receive(payload)
+    def _on_message(self, topic: str, payload: bytes) -> None:
+        message = self._frames.receive(payload, topic)
         if message is None:
             return
         if message.metadata.dst_node_id != self.node_id:

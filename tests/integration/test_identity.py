@@ -86,3 +86,23 @@ def test_a_replayed_message_is_handled_once() -> None:
     _Frames(hub.connect("replayer")).send(topics.flower_in("pi-01"), message)  # again
     _settle()
     assert handled == [message.metadata.message_id]
+
+
+def test_a_frame_declaring_a_huge_message_does_not_block_real_replies() -> None:
+    import json
+    import struct
+
+    hub = InProcessHub()
+    grid = TransportGrid(hub.connect("coordinator"))
+    FlowerNode(hub.connect("pi-02"), node_id_for("pi-02"), app, name="pi-02")
+    assert grid.wait_for_nodes(1, timeout=5)
+    header = json.dumps(
+        {"id": "junk", "index": 0, "count": 1 << 20, "total": 1 << 30, "sha256": "0" * 64}
+    ).encode()
+    junk = b"ESC1" + struct.pack("<I", len(header)) + header + b"x" * 1024
+    attacker = hub.connect("pi-01")
+    for _ in range(3):
+        attacker.publish(topics.flower_out("pi-01"), junk)
+    message = grid.create_message(RecordDict(), "query", node_id_for("pi-02"), "g")
+    (reply,) = grid.send_and_receive([message], timeout=5)
+    assert reply.content.config_records["a"]["node"] == node_id_for("pi-02")

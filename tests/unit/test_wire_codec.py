@@ -157,12 +157,38 @@ def test_reassembly_times_out_and_bounds_memory() -> None:
     reassembler = Reassembler(max_pending_bytes=3 * 1024 * 1024, timeout=10, clock=lambda: now[0])
     first = list(split(os.urandom(2 * 1024 * 1024), 1024 * 1024))
     assert reassembler.feed(first[0]) is None
-    with pytest.raises(WireError) as caught:  # a second large message would pass the bound
-        reassembler.feed(next(split(os.urandom(2 * 1024 * 1024), 1024 * 1024)))
+    second = list(split(os.urandom(3 * 1024 * 1024), 1024 * 1024))
+    assert reassembler.feed(second[0]) is None
+    assert reassembler.feed(second[1]) is None  # 3 MiB held: the bound
+    with pytest.raises(WireError) as caught:  # what arrives beyond it is refused
+        reassembler.feed(second[2])
     assert caught.value.reason == "oversize"
     now[0] = 11.0  # the first message's chunks stopped arriving
     assert reassembler.feed(next(split(b"x" * 2048, 1024))) is None
     assert reassembler.expired == 1
+
+
+def test_a_small_frame_declaring_a_huge_message_reserves_nothing() -> None:
+    import hashlib
+    import json
+    import struct
+
+    def frame(index: int, count: int, total: int, body: bytes) -> bytes:
+        header = json.dumps(
+            {"id": "x", "index": index, "count": count, "total": total, "sha256": "0" * 64}
+        ).encode()
+        return b"ESC1" + struct.pack("<I", len(header)) + header + body
+
+    reassembler = Reassembler(max_pending_bytes=1 << 30)
+    with pytest.raises(WireError, match="single chunk"):  # 100 bytes said to be 1 GiB
+        reassembler.feed(frame(0, 1, 1 << 30, b"x" * 100))
+    with pytest.raises(WireError, match="cannot make"):
+        reassembler.feed(frame(0, 3, 1 << 30, b"x" * 100))
+    assert reassembler.feed(frame(2, 3, 1 << 29, b"x" * 100)) is None  # a last chunk first
+    assert reassembler.pending_bytes == 100  # holds what came, reserves nothing more
+    data = os.urandom(4096)
+    (whole,) = [r for r in (reassembler.feed(f) for f in split(data, 1024)) if r is not None]
+    assert whole == data and hashlib.sha256(whole).digest()
 
 
 def test_corrupted_chunk_is_detected() -> None:
