@@ -34,7 +34,7 @@ class CheckpointFiles:
 
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)  # the owner's alone
 
     def path(self, sha256: str) -> Path:
         return self.root / sha256[:2] / f"{sha256}{_SUFFIX}"
@@ -49,9 +49,10 @@ class CheckpointFiles:
         target = self.path(digest)
         if target.exists() and target.stat().st_size == len(payload):
             return digest, len(payload)
-        target.parent.mkdir(parents=True, exist_ok=True)
+        target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         temporary = target.with_name(f"{target.name}.{os.getpid()}{_TEMP_SUFFIX}")
-        with temporary.open("wb") as handle:
+        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(descriptor, "wb") as handle:
             handle.write(payload)
             handle.flush()
             os.fsync(handle.fileno())

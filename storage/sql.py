@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -56,6 +57,12 @@ def create_store_engine(url: str) -> Engine:
     parsed = make_url(url)
     if parsed.get_backend_name() != "sqlite":
         return create_engine(url, pool_pre_ping=True)
+    database = parsed.database
+    if database and database != ":memory:" and not os.path.exists(database):
+        # the run store holds the run's config and history: its owner's alone (0600; SQLite
+        # gives its -wal and -shm files the same mode)
+        os.makedirs(os.path.dirname(os.path.abspath(database)), exist_ok=True)
+        os.close(os.open(database, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
     engine = create_engine(url, connect_args={"timeout": _SQLITE_BUSY_MS / 1000})
 
     @event.listens_for(engine, "connect")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import ssl
 import threading
 import time
@@ -32,6 +33,26 @@ __all__ = ["MqttConfig", "MqttTransport", "redact_url"]
 _UNCLAIMED_BYTES = 256 * 1024 * 1024
 
 log = logging.getLogger(__name__)
+
+
+PASSWORD_ENV = "EDGESPLIT_BROKER_PASSWORD"
+PASSWORD_FILE_ENV = "EDGESPLIT_BROKER_PASSWORD_FILE"
+
+
+def _password_from_env() -> str | None:
+    """The broker password when the URL has none: ``$EDGESPLIT_BROKER_PASSWORD``, or the
+    first line of the file ``$EDGESPLIT_BROKER_PASSWORD_FILE`` (so it is in no argv, unit file
+    or process list)."""
+    if os.environ.get(PASSWORD_ENV):
+        return os.environ[PASSWORD_ENV]
+    path = os.environ.get(PASSWORD_FILE_ENV)
+    if not path:
+        return None
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return handle.readline().rstrip("\r\n") or None
+    except OSError as error:
+        raise ValueError(f"{PASSWORD_FILE_ENV}: cannot read {path}: {error.strerror}") from error
 
 
 def redact_url(url: str) -> str:
@@ -83,7 +104,13 @@ class MqttConfig:
             host=parsed.hostname or "127.0.0.1",
             port=parsed.port or (8883 if tls else 1883),
             username=unquote(parsed.username) if parsed.username else None,
-            password=unquote(parsed.password) if parsed.password else None,
+            password=(
+                unquote(parsed.password)
+                if parsed.password
+                else _password_from_env()
+                if parsed.username
+                else None
+            ),
             tls=tls,
             ca_file=query.get("ca"),
             cert_file=query.get("cert"),

@@ -89,3 +89,19 @@ def test_sigkill_during_commits_leaves_a_consistent_resumable_store(tmp_path: Pa
         survived += 1
     print(f"\nstore crash test: {survived} SIGKILLs survived, {last_round} rounds committed")
     assert survived == KILLS and last_round > 10
+
+
+def test_the_store_and_its_checkpoints_are_the_owners_alone(tmp_path: Path) -> None:
+    import stat
+
+    with open_store(str(tmp_path / "runs.db")) as store:
+        store.create_run("r", {"a": 1}, 0)
+        store.open_round("r", 1, ["pi-01"])
+        store.commit_round("r", 1, {"global": {"w": np.zeros(3, np.float32)}})
+    modes = {
+        path.relative_to(tmp_path).parts[-1][:8]: stat.S_IMODE(path.stat().st_mode)
+        for path in tmp_path.rglob("*")
+    }
+    assert modes["runs.db"] == 0o600
+    assert modes["runs.db."] == 0o700  # runs.db.checkpoints
+    assert set(modes.values()) <= {0o600, 0o700}, modes
