@@ -53,13 +53,13 @@ from split_models.config import (
     ModelConfig,
     TrainingConfig,
     config_to_dict,
-    flat_model_section,
     parse_config,
     parse_duration,
     setting,
 )
 from split_models.data import resolve_spec
 from split_models.errors import ConfigError
+from split_models.sections import flat_model_section
 from split_models.zoo import add_model_path
 from wire.topics import check_name
 

@@ -27,11 +27,12 @@ from flwr.clientapp import ClientApp
 from edge_client.source import OwnSegment, SegmentSource
 from edge_client.trainer import EdgeRoundReport, EdgeTrainer, EdgeTrainerConfig
 from split_models.activations import activation_arrays
-from split_models.config import ModelConfig, TrainingConfig, task_sections
+from split_models.config import ModelConfig, TrainingConfig
 from split_models.data import Dataset
 from split_models.errors import ConfigError
 from split_models.evaluation import evaluate_weights
 from split_models.measure import PeakMeter, peak_supported
+from split_models.sections import task_sections
 from split_models.segment import Segment
 from split_models.units import format_bytes
 from wire import topics

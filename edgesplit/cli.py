@@ -171,6 +171,18 @@ def _coordinator_parser(commands: argparse._SubParsersAction) -> None:  # type: 
     coordinator.add_argument("-v", "--verbose", action="store_true")
 
 
+def _allowed_models(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        dest="models",
+        help="an import path (package.module:function) of a model this device may train, "
+        "besides the zoo's; repeat for more. A task naming any other model is refused: no "
+        "message makes the device import code",
+    )
+
+
 def _role_parsers(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     broker_help = _BROKER_HELP
     _coordinator_parser(commands)
@@ -188,15 +200,7 @@ def _role_parsers(commands: argparse._SubParsersAction) -> None:  # type: ignore
     )
     edge.add_argument("--flops", default="2e9", help="sustained FLOP/s (default: %(default)s)")
     edge.add_argument("--uplink", default="20Mbit", help="uplink bandwidth (default: %(default)s)")
-    edge.add_argument(
-        "--model",
-        action="append",
-        default=[],
-        dest="models",
-        help="an import path (package.module:function) of a model this device may train, "
-        "besides the zoo's; repeat for more. A task naming any other model is refused: no "
-        "message makes the device import code",
-    )
+    _allowed_models(edge)
     edge.add_argument("-v", "--verbose", action="store_true")
     gpu = commands.add_parser(
         "gpu-server",
@@ -209,15 +213,7 @@ def _role_parsers(commands: argparse._SubParsersAction) -> None:  # type: ignore
     gpu.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     gpu.add_argument("--memory", default="80GiB", help="memory for training (default: %(default)s)")
     gpu.add_argument("--flops", default="1e13", help="sustained FLOP/s (default: %(default)s)")
-    gpu.add_argument(
-        "--model",
-        action="append",
-        default=[],
-        dest="models",
-        help="an import path (package.module:function) of a model this device may train, "
-        "besides the zoo's; repeat for more. A task naming any other model is refused: no "
-        "message makes the device import code",
-    )
+    _allowed_models(gpu)
     gpu.add_argument("-v", "--verbose", action="store_true")
 
 

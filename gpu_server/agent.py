@@ -19,8 +19,9 @@ from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, Record
 from flwr.clientapp import ClientApp
 
 from gpu_server.trainer import BackTrainer
-from split_models.config import ModelConfig, TrainingConfig, task_sections
+from split_models.config import ModelConfig, TrainingConfig
 from split_models.errors import ConfigError
+from split_models.sections import task_sections
 from wire.channel import Channel
 from wire.errors import WireError
 from wire.flower import array_record, attempt_of, numpy_arrays, proximal_mu_of, round_of

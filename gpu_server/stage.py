@@ -110,7 +110,7 @@ class BackStage:
         labels = torch.from_numpy(y).to(self.device)
         backprop = envelope.meta.get("backprop") is True and self.segment.is_last
         try:
-            step = self.segment.train_from(cut, inputs, labels, input_gradient=backprop)
+            step = self.segment.train_from(cut, inputs, labels, backprop, finite_only=True)
         except NonFiniteLoss as error:
             raise WireError("non_finite", f"batch not trained: {error}") from error
         return step, labels

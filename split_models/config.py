@@ -27,7 +27,7 @@ import functools
 import math
 import re
 import typing
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field
 from typing import Any, TypeVar
 
@@ -35,14 +35,7 @@ from split_models.errors import ConfigError
 from split_models.heads import LOCAL_LOSSES
 from split_models.segment import OptimizerConfig
 from split_models.units import parse_bandwidth, parse_flops, parse_memory
-from split_models.zoo import (
-    INPUT_DTYPES,
-    TASKS,
-    ZOO_NAMES,
-    ModelOptions,
-    SplittableModel,
-    build_model,
-)
+from split_models.zoo import INPUT_DTYPES, TASKS, ModelOptions, SplittableModel, build_model
 from wire.codec import ENCODINGS
 from wire.topics import check_name
 
@@ -54,12 +47,10 @@ __all__ = [
     "config_keys",
     "config_to_dict",
     "default_of",
-    "flat_model_section",
     "parse_config",
     "parse_duration",
     "setting",
     "stored_section",
-    "task_sections",
 ]
 
 MODES = ("local-loss", "backprop")
@@ -504,42 +495,3 @@ class TrainingConfig:
     @classmethod
     def parse(cls, data: object) -> TrainingConfig:
         return parse_config(cls, data, "training")
-
-
-def flat_model_section(data: Mapping[str, Any]) -> dict[str, Any]:
-    """``data`` with a nested ``model: {name: ..., input_shape: ...}`` section (as people
-    write it) spread into the flat keys of RUN.yaml and SIM.yaml; a key given in both
-    places is refused by name."""
-    fields = dict(data)
-    section = fields.get("model")
-    if not isinstance(section, Mapping):
-        return fields
-    section = dict(section)
-    if "name" not in section:
-        raise ConfigError("model: a model section needs its name (model: {name: resnet8, ...})")
-    fields["model"] = section.pop("name")
-    valid = config_keys(ModelConfig)
-    for key, value in section.items():
-        if key not in valid:
-            raise ConfigError(f"model.{key}: unknown key; valid: {sorted(valid - {'model'})}")
-        if key in fields:
-            raise ConfigError(f"model.{key}: given twice (in the model section and at the top)")
-        fields[key] = value
-    return fields
-
-
-def task_sections(
-    model: object, training: object, models: Collection[str] = ()
-) -> tuple[ModelConfig, TrainingConfig]:
-    """A task's ``model`` and ``training`` sections, parsed; raises :class:`ConfigError`
-    naming the bad field as ``task.model.<key>`` or ``task.training.<key>``. The model must
-    be a zoo model or one of ``models``, the import paths the device was started with: a
-    message never makes a device import code."""
-    spec = parse_config(ModelConfig, model, "task.model", prefix="task.model.")
-    if spec.name not in ZOO_NAMES and spec.name not in models:
-        allowed = ", ".join([*ZOO_NAMES, *models])
-        raise ConfigError(
-            f"task.model.model: {spec.name!r} is not a model this device may build; it builds "
-            f"{allowed} (start it with --model {spec.name} to allow that import path)"
-        )
-    return spec, parse_config(TrainingConfig, training, "task.training", prefix="task.training.")

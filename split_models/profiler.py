@@ -386,22 +386,11 @@ def _measure(
         largest_activation = large.largest_activation // _PROBE_BATCHES[1]
         # Without an input gradient first: its kernels are what a segment's first block makes;
         # the pass with one then adds only the kernels for the input gradient.
-        first = _training_pass(
-            module, shape, out_shape, per_sample, largest_activation, False, batch_size, ids, side
-        )
+        common = (module, shape, out_shape, per_sample, largest_activation)
+        first = _training_pass(*common, False, batch_size, ids, side)
         backward = first  # token ids take no gradient: the one pass is both
         if ids is None:
-            backward = _training_pass(
-                module,
-                shape,
-                out_shape,
-                per_sample,
-                largest_activation,
-                True,
-                batch_size,
-                None,
-                side,
-            )
+            backward = _training_pass(*common, True, batch_size, None, side)
         return {
             "output_shape": out_shape,
             "output_bytes": nbytes(out) // _PROBE_BATCHES[0],  # side tensors travel too

@@ -187,12 +187,16 @@ class Segment:
         inputs: Activation,
         labels: torch.Tensor,
         input_gradient: bool = False,
+        finite_only: bool = False,
     ) -> StepResult:
         """One optimizer step on the segment's own loss (its local head, or the task loss
         for the last segment) for a batch entering at global block ``block`` (``inputs`` are
         the output of block ``block - 1``); blocks before ``block`` take no part. With
         ``input_gradient`` the result carries the loss's gradient of ``inputs`` (backprop
-        mode: the sender back-propagates it through its own blocks)."""
+        mode: the sender back-propagates it through its own blocks). With ``finite_only``
+        a batch whose loss is not finite raises :class:`NonFiniteLoss` without a step (a
+        server does so for batches from the network; an edge steps and its NaN weights leave
+        it out of the round)."""
         if not self.start <= block < self.end:
             raise ValueError(
                 f"block: a batch enters segment [{self.start}, {self.end}) at a block in "
@@ -206,9 +210,11 @@ class Segment:
         for child in list(self.module.children())[block - self.start :]:
             output = child(output)
         loss = self.head.loss(primary(output), labels)
-        if not bool(torch.isfinite(loss)):  # stepping on it would turn every weight to NaN
+        if finite_only and not bool(torch.isfinite(loss)):  # a step would make weights NaN
             self.optimizer.zero_grad(set_to_none=True)
-            raise NonFiniteLoss(f"the loss of this batch is {float(loss)}; no step was taken")
+            raise NonFiniteLoss(
+                f"the loss of this batch is NaN or infinite ({float(loss)}); no step was taken"
+            )
         loss.backward()  # type: ignore[no-untyped-call]
         self._step()
         grad = primary(inputs).grad

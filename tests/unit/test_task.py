@@ -115,17 +115,21 @@ def test_a_malformed_task_is_rejected(payload: str, message: str) -> None:
     assert message in str(error.value)
 
 
-def test_an_edge_agent_answers_a_bad_training_section_with_the_field() -> None:
-    hub = InProcessHub()
+def _edge_agent(hub: InProcessHub) -> EdgeAgent:
     rng = np.random.default_rng(0)
     data = Dataset(rng.normal(size=(8, 1, 8, 8)).astype(np.float32), np.arange(8) % 10, 10)
-    agent = EdgeAgent(
+    return EdgeAgent(
         Announcement("pi-01", "edge", 1 << 32, 1e9, 1e7),
         data,
         InProcessTransport(hub, "pi-01-control"),
         InProcessTransport(hub, "pi-01-stream"),
         measure_peak=False,
     )
+
+
+def test_an_edge_agent_answers_a_bad_training_section_with_the_field() -> None:
+    hub = InProcessHub()
+    agent = _edge_agent(hub)
     task = _task(training={**TRAINING.to_dict(), "batch_size": 0})
     config = ConfigRecord({"task": task.to_json(), "server-round": 1})
     grid = TransportGrid(InProcessTransport(hub, "coordinator"))
@@ -177,15 +181,7 @@ def test_no_task_makes_an_agent_import_a_module_it_was_not_started_with(model: s
     from gpu_server.agent import GpuAgent
 
     hub = InProcessHub()
-    rng = np.random.default_rng(0)
-    data = Dataset(rng.normal(size=(8, 1, 8, 8)).astype(np.float32), np.arange(8) % 10, 10)
-    edge = EdgeAgent(
-        Announcement("pi-01", "edge", 1 << 32, 1e9, 1e7),
-        data,
-        InProcessTransport(hub, "pi-01-control"),
-        InProcessTransport(hub, "pi-01-stream"),
-        measure_peak=False,
-    )
+    edge = _edge_agent(hub)
     gpu = GpuAgent(
         Announcement("gpu-a", "gpu", 1 << 32, 1e9),
         InProcessTransport(hub, "gpu-a-control"),
@@ -204,7 +200,7 @@ def test_no_task_makes_an_agent_import_a_module_it_was_not_started_with(model: s
 
 
 def test_an_agent_started_with_an_import_path_may_build_it() -> None:
-    from split_models.config import task_sections
+    from split_models.sections import task_sections
 
     spec = {**config_to_dict(MODEL), "model": "tests.fixtures.gallery:lenet"}
     allowed, _ = task_sections(spec, TRAINING.to_dict(), ("tests.fixtures.gallery:lenet",))
@@ -223,8 +219,8 @@ def test_an_agent_started_with_an_import_path_may_build_it() -> None:
     ],
 )
 def test_every_numeric_field_of_a_task_is_bounded(training: dict[str, object], field: str) -> None:
-    from split_models.config import task_sections
     from split_models.errors import ConfigError
+    from split_models.sections import task_sections
 
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         task_sections(config_to_dict(MODEL), {**TRAINING.to_dict(), **training})
@@ -238,8 +234,8 @@ def test_every_numeric_field_of_a_task_is_bounded(training: dict[str, object], f
     ],
 )
 def test_a_task_cannot_ask_for_an_absurd_model(model: dict[str, object], field: str) -> None:
-    from split_models.config import task_sections
     from split_models.errors import ConfigError
+    from split_models.sections import task_sections
 
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         task_sections({**config_to_dict(MODEL), **model}, TRAINING.to_dict())

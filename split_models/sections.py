@@ -1,0 +1,52 @@
+"""The model and training sections as they arrive: from a task on the network (checked
+against what the device may build) or written by hand (a nested ``model:`` section)."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from typing import Any
+
+from split_models.config import ModelConfig, TrainingConfig, config_keys, parse_config
+from split_models.errors import ConfigError
+from split_models.zoo import ZOO_NAMES
+
+__all__ = ["flat_model_section", "task_sections"]
+
+
+def flat_model_section(data: Mapping[str, Any]) -> dict[str, Any]:
+    """``data`` with a nested ``model: {name: ..., input_shape: ...}`` section (as people
+    write it) spread into the flat keys of RUN.yaml and SIM.yaml; a key given in both
+    places is refused by name."""
+    fields = dict(data)
+    section = fields.get("model")
+    if not isinstance(section, Mapping):
+        return fields
+    section = dict(section)
+    if "name" not in section:
+        raise ConfigError("model: a model section needs its name (model: {name: resnet8, ...})")
+    fields["model"] = section.pop("name")
+    valid = config_keys(ModelConfig)
+    for key, value in section.items():
+        if key not in valid:
+            raise ConfigError(f"model.{key}: unknown key; valid: {sorted(valid - {'model'})}")
+        if key in fields:
+            raise ConfigError(f"model.{key}: given twice (in the model section and at the top)")
+        fields[key] = value
+    return fields
+
+
+def task_sections(
+    model: object, training: object, models: Collection[str] = ()
+) -> tuple[ModelConfig, TrainingConfig]:
+    """A task's ``model`` and ``training`` sections, parsed; raises :class:`ConfigError`
+    naming the bad field as ``task.model.<key>`` or ``task.training.<key>``. The model must
+    be a zoo model or one of ``models``, the import paths the device was started with: a
+    message never makes a device import code."""
+    spec = parse_config(ModelConfig, model, "task.model", prefix="task.model.")
+    if spec.name not in ZOO_NAMES and spec.name not in models:
+        allowed = ", ".join([*ZOO_NAMES, *models])
+        raise ConfigError(
+            f"task.model.model: {spec.name!r} is not a model this device may build; it builds "
+            f"{allowed} (start it with --model {spec.name} to allow that import path)"
+        )
+    return spec, parse_config(TrainingConfig, training, "task.training", prefix="task.training.")
