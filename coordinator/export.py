@@ -80,7 +80,7 @@ def export_run(
             raise ConfigError(f"run {run_id!r} has no stored plan, so no device segments")
         for edge in plan.edges:
             segment = Segment.from_model(model, 0, edge.blocks[1])  # shares the weights
-            # the device's model: with norm: local, its own normalization layers
-            load_segment_state(whole, weights | local.get(edge.name, {}))
+            if local:  # the device's model: with norm: local, its own normalization layers
+                load_segment_state(whole, weights | local.get(edge.name, {}))
             results.append(_export(segment, f"{run_id}-round{number}-{edge.name}", spec, out))
     return results

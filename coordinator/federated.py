@@ -49,9 +49,7 @@ def run_federated(
         return 0
     store.set_run_status(run_id, "training")
     recorder = RoundRecorder(store, run_id, strategy, RoundObserver(), evaluate, rounds)
-    recorder.local_keys = local_keys
-    if state is not None:
-        recorder.resume_local(state.weights)
+    recorder.keep_local(local_keys, None if state is None else state.weights)
     runner = RoundRunner(grid, strategy, recorder, seed, deadline)
     names = {node: name for name, node in devices.items()}
 

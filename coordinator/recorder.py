@@ -82,19 +82,24 @@ class RoundRecorder:
         evaluate: Evaluate | None = None,
         rounds: int = 0,
         clock: Callable[[], float] = time.monotonic,
-        local_keys: frozenset[str] = frozenset(),
     ) -> None:
         self.store, self.run_id, self.strategy = store, run_id, strategy
         self.observer, self.evaluate, self.rounds, self._clock = observer, evaluate, rounds, clock
-        self.local_keys = local_keys
+        self.local_keys: frozenset[str] = frozenset()
         self.local: dict[str, dict[str, np.ndarray]] = {}  # device -> its committed own tensors
         self._pending: dict[str, dict[str, np.ndarray]] = {}
 
-    def resume_local(self, segments: Mapping[str, Mapping[str, np.ndarray]]) -> None:
-        """The devices' own tensors of a resumed round's checkpoint."""
+    def keep_local(
+        self,
+        keys: frozenset[str],
+        resumed: Mapping[str, Mapping[str, np.ndarray]] | None = None,
+    ) -> None:
+        """Keep ``keys`` per device from now on, starting from the devices' own tensors in
+        ``resumed`` (a resumed round's checkpoint segments), if any."""
+        self.local_keys = keys
         self.local = {
             name.removeprefix(LOCAL_PREFIX): dict(tensors)
-            for name, tensors in segments.items()
+            for name, tensors in (resumed or {}).items()
             if name.startswith(LOCAL_PREFIX)
         }
 

@@ -43,7 +43,6 @@ from coordinator.errors import CoordinatorError
 from coordinator.planner import Placement, Planner
 from coordinator.recorder import WEIGHTS_SEGMENT, Evaluate, RoundObserver, RoundRecorder
 from coordinator.runner import RoundRunner, RoundWork
-from split_models.config import ModelConfig
 from split_models.data import Dataset, load_dataset
 from split_models.errors import ConfigError, SplitError
 from split_models.evaluation import evaluate_weights
@@ -51,6 +50,7 @@ from split_models.isolated import profile_in_fresh_process
 from split_models.profiler import ModelProfile
 from split_models.segment import Segment
 from split_models.weights import norm_keys, segment_state
+from split_models.zoo import SplittableModel
 from storage.base import RunStore
 from storage.errors import NotFoundError
 from storage.records import Event
@@ -72,10 +72,9 @@ log = logging.getLogger(__name__)
 
 
 def initial_weights(
-    spec: ModelConfig, local_loss: str, cuts: Sequence[int], seed: int
+    model: SplittableModel, local_loss: str, cuts: Sequence[int], seed: int
 ) -> dict[str, np.ndarray]:
-    """The model's blocks and a local head for every cut, all from ``seed``."""
-    model = spec.build(seed=seed)
+    """The blocks of ``model`` (built from ``seed``) and a local head for every cut."""
     weights = segment_state(Segment.from_model(model, 0, model.num_blocks))
     for cut in sorted(set(cuts)):
         torch.manual_seed(seed * 1000 + cut)
@@ -87,11 +86,10 @@ def initial_weights(
     return weights
 
 
-def local_keys(config: RunConfig) -> frozenset[str]:
+def local_keys(config: RunConfig, model: SplittableModel) -> frozenset[str]:
     """The tensors each device keeps as its own: the BatchNorm layers with ``norm: local``."""
     if config.training.norm != "local":
         return frozenset()
-    model = config.model.build(seed=config.training.seed)
     return frozenset(norm_keys(Segment.from_model(model, 0, model.num_blocks)))
 
 
@@ -179,17 +177,13 @@ class Coordinator:
         cuts = [a.end for a in placement.edges] + [
             b.end for b in placement.servers if b.end < placement.plan.num_blocks
         ]
-        weights = initial_weights(
-            config.model,
-            config.training.local_loss,
-            cuts,
-            config.training.seed,
+        model = config.model.build(seed=config.training.seed)
+        weights = initial_weights(model, config.training.local_loss, cuts, config.training.seed)
+        self.runner.recorder.keep_local(
+            local_keys(config, model), None if resumed is None else resumed.weights
         )
-        recorder = self.runner.recorder
-        recorder.local_keys = local_keys(config)
         if resumed is not None:
             weights |= resumed.weights[WEIGHTS_SEGMENT]
-            recorder.resume_local(resumed.weights)
         store.set_run_status(config.run_id, "training")
         try:
             for number in range(done + 1, config.training.rounds + 1):

@@ -120,18 +120,11 @@ def _specs(model: SplittableModel, start: int, end: int) -> dict[int, list[Tenso
     """The specs of the tensors crossing each cut a batch may enter ``[start, end)`` at: the
     activation (float32), then any side tensors (a mask, position ids) with their own dtypes."""
     specs = {}
-    with torch.no_grad():
-        probe: Activation = model.example_input(1, zeros=True)
-        for index, block in enumerate(model.blocks):
-            if not index + 1 < end:
-                break
-            block.eval()
-            probe = block(probe)
-            block.train()
-            if start <= index + 1:
-                tensors = (primary(probe), *side(probe))
-                specs[index + 1] = [
-                    TensorSpec("float32" if i == 0 else str(t.numpy().dtype), (None, *t.shape[1:]))
-                    for i, t in enumerate(tensors)
-                ]
+    for cut, value in enumerate(model.cut_values(zeros=True)[: end - 1], start=1):
+        if start <= cut:
+            tensors = (primary(value), *side(value))
+            specs[cut] = [
+                TensorSpec("float32" if i == 0 else str(t.numpy().dtype), (None, *t.shape[1:]))
+                for i, t in enumerate(tensors)
+            ]
     return specs

@@ -8,8 +8,6 @@ the memory estimate read the activation; every tensor travels, named ``x`` (the 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import numpy as np
 import torch
 
@@ -17,11 +15,9 @@ __all__ = [
     "Activation",
     "activation_arrays",
     "detached",
-    "from_arrays",
     "nbytes",
     "primary",
     "side",
-    "to_device",
     "wire_names",
 ]
 
@@ -45,20 +41,15 @@ def detached(value: Activation, requires_grad: bool = False) -> Activation:
     return (x, *(t.detach() for t in rest)) if rest else x
 
 
-def to_device(value: Activation, device: torch.device | str) -> Activation:
-    rest = side(value)
-    x = primary(value).to(device)
-    return (x, *(t.to(device) for t in rest)) if rest else x
-
-
 def nbytes(value: Activation) -> int:
     tensors = (primary(value), *side(value))
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def wire_names(count: int) -> list[str]:
-    """The wire names of ``count`` tensors crossing a cut: ``x``, ``x.1``, ``x.2``..."""
-    return ["x", *(f"x.{i}" for i in range(1, count))]
+def wire_names(count: int, stem: str = "x") -> list[str]:
+    """The names of ``count`` tensors crossing a cut: ``x``, ``x.1``, ``x.2``... on the wire
+    (``stem`` ``y``: an exported segment's outputs)."""
+    return [stem, *(f"{stem}.{i}" for i in range(1, count))]
 
 
 def activation_arrays(value: Activation) -> dict[str, np.ndarray]:
@@ -68,9 +59,3 @@ def activation_arrays(value: Activation) -> dict[str, np.ndarray]:
         name: t.detach().cpu().numpy()
         for name, t in zip(wire_names(len(tensors)), tensors, strict=True)
     }
-
-
-def from_arrays(arrays: Mapping[str, np.ndarray], count: int) -> Activation:
-    """The value of ``count`` tensors under their wire names (``KeyError`` when missing)."""
-    tensors = [torch.from_numpy(np.asarray(arrays[name])) for name in wire_names(count)]
-    return tensors[0] if count == 1 else tuple(tensors)

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from split_models.activations import Activation, primary, side
+from split_models.activations import Activation, primary, side, wire_names
 from split_models.errors import ModelError
 from split_models.zoo import example_input
 
@@ -46,7 +46,7 @@ class _Wrapped(nn.Module):
 
 
 def _output_names(value: Activation) -> list[str]:
-    return ["y", *(f"y.{i}" for i in range(1, 1 + len(side(value))))]
+    return wire_names(1 + len(side(value)), "y")
 
 
 def export_onnx(

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from split_models.activations import Activation
 from split_models.autosplit import auto_blocks, disable_inplace
 from split_models.errors import ConfigError, ModelError
 
@@ -146,6 +147,23 @@ class SplittableModel:
 
     def full(self) -> nn.Sequential:
         return self.segment(0, self.num_blocks)
+
+    def cut_values(self, zeros: bool = False) -> list[Activation]:
+        """What each block passes on for one example (``zeros``: the all-smallest input):
+        entry ``i`` is block ``i``'s output, a tensor or ``(activation, *side)``. Computed in
+        eval mode without gradients; the blocks' modes are put back."""
+        values = []
+        with torch.no_grad():
+            value: Activation = self.example_input(1, zeros=zeros)
+            for block in self.blocks:
+                was_training = block.training
+                block.eval()
+                try:
+                    value = block(value)
+                finally:
+                    block.train(was_training)
+                values.append(value)
+        return values
 
 
 def example_input(

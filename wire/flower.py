@@ -218,8 +218,7 @@ class TransportGrid(Grid):
                 self._names[node_id] = name
                 self._online.add(node_id)
             else:
-                for node_id in [n for n, known in self._names.items() if known == name]:
-                    self._online.discard(node_id)
+                self._online.discard(node_id)
             self._condition.notify_all()
 
     def wait_for_nodes(self, count: int, timeout: float) -> list[int]:

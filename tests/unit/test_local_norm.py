@@ -10,19 +10,24 @@ from coordinator.recorder import LOCAL_PREFIX, WEIGHTS_SEGMENT, RoundObserver, R
 pytestmark = pytest.mark.unit
 
 
+KEYS = frozenset({"block0.1.running_mean"})
+
+
 def _recorder() -> RoundRecorder:
-    keys = frozenset({"block0.1.running_mean"})
-    return RoundRecorder(None, "run", None, RoundObserver(), local_keys=keys)  # type: ignore[arg-type]
+    recorder = RoundRecorder(None, "run", None, RoundObserver())  # type: ignore[arg-type]
+    recorder.keep_local(KEYS)
+    return recorder
 
 
 def test_a_device_gets_its_own_copy_of_local_tensors_and_the_global_rest() -> None:
     recorder = _recorder()
     mine = np.full(3, 7.0, dtype=np.float32)
-    recorder.resume_local(
+    recorder.keep_local(
+        KEYS,
         {
             WEIGHTS_SEGMENT: {"block0.1.running_mean": np.zeros(3, dtype=np.float32)},
             LOCAL_PREFIX + "pi-01": {"block0.1.running_mean": mine},
-        }
+        },
     )
     assert set(recorder.local) == {"pi-01"}
     weights = {
