@@ -60,6 +60,18 @@ if ! command -v mosquitto >/dev/null 2>&1 && [ ! -x /usr/sbin/mosquitto ]; then
     fi
 fi
 
+# The production broker's client-id plugin (deploy/mosquitto/build-plugin.sh) is built by the
+# security tests: they need a C compiler and mosquitto's plugin headers.
+if [ ! -f /usr/include/mosquitto_plugin.h ] || ! command -v cc >/dev/null 2>&1; then
+    if [ "$(id -u)" -eq 0 ]; then
+        echo "services: installing gcc and mosquitto's plugin headers (mosquitto-dev)" >&2
+        apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive \
+            apt-get install -y -qq gcc mosquitto-dev libmosquitto-dev >/dev/null
+    else
+        echo "services: mosquitto-dev is missing and cannot be installed without root" >&2
+    fi
+fi
+
 if [ -z "${EDGESPLIT_TEST_POSTGRES_URL:-}" ]; then
     if _pg_ready 127.0.0.1 5432; then
         export EDGESPLIT_TEST_POSTGRES_URL="postgresql+psycopg://postgres@127.0.0.1:5432/test"

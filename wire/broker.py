@@ -63,7 +63,10 @@ class Broker:
         extra_config: str = "",
         persistence: bool = False,
         anonymous: bool = True,
+        config: str | None = None,
     ) -> None:
+        """``config``, when given, is the whole configuration, used as it is (it must listen on
+        127.0.0.1 at ``port``); otherwise one is generated."""
         executable = shutil.which("mosquitto") or (
             "/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None
         )
@@ -75,13 +78,20 @@ class Broker:
         persistence_dir = self._dir if persistence else None
         self.config_path = self._dir / "mosquitto.conf"
         self.config_path.write_text(
-            broker_config(self.port, extra_config, persistence_dir, anonymous)
+            config
+            if config is not None
+            else broker_config(self.port, extra_config, persistence_dir, anonymous)
         )
         self._process: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
         return f"mqtt://127.0.0.1:{self.port}"
+
+    @property
+    def directory(self) -> Path:
+        """The broker's private folder (its configuration, persistence), removed on exit."""
+        return self._dir
 
     def start(self, timeout: float = 10.0) -> Broker:
         with socket.socket() as probe:

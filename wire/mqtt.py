@@ -28,7 +28,7 @@ from paho.mqtt.properties import Properties
 from wire.errors import TransportError
 from wire.transport import Handler, Transport, Will, _Mailbox, matches, split_shared
 
-__all__ = ["MqttConfig", "MqttTransport", "redact_url"]
+__all__ = ["MqttConfig", "MqttTransport", "account_client_id", "redact_url"]
 
 _UNCLAIMED_BYTES = 256 * 1024 * 1024
 
@@ -53,6 +53,18 @@ def _password_from_env() -> str | None:
             return handle.readline().rstrip("\r\n") or None
     except OSError as error:
         raise ValueError(f"{PASSWORD_FILE_ENV}: cannot read {path}: {error.strerror}") from error
+
+
+def account_client_id(username: str | None, client_id: str) -> str:
+    """The MQTT client id for ``client_id`` under ``username``: ``<account>:<id>``.
+
+    The production broker's plugin (deploy/mosquitto/clientid_bind.c) accepts only client ids
+    that are the account's name or start with it and ``:``, so no account can connect with
+    another's id and drop its connection (MQTT's session takeover). Account names cannot hold
+    ``:`` (mosquitto's password file separates with it)."""
+    if username is None or client_id == username or client_id.startswith(f"{username}:"):
+        return client_id
+    return f"{username}:{client_id}"
 
 
 def redact_url(url: str) -> str:
@@ -126,7 +138,9 @@ class MqttTransport(Transport):
         self, config: MqttConfig, client_id: str | None = None, will: Will | None = None
     ) -> None:
         self.config = config
-        self.client_id = client_id or f"edgesplit-{uuid.uuid4().hex[:12]}"
+        self.client_id = account_client_id(
+            config.username, client_id or f"edgesplit-{uuid.uuid4().hex[:12]}"
+        )
         self.max_payload = config.max_payload
         self._handlers: dict[str, tuple[int, Handler]] = {}  # filter -> (subscription id, ...)
         self._next_id = 1

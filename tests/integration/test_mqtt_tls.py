@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import shutil
-import subprocess
 import time
 import uuid
 from pathlib import Path
 
 import pytest
 
+from tests.fixtures.certs import certificates
 from wire.broker import Broker, free_port
 from wire.errors import TransportError
 from wire.mqtt import MqttConfig, MqttTransport
@@ -17,68 +17,12 @@ from wire.mqtt import MqttConfig, MqttTransport
 pytestmark = pytest.mark.integration
 
 
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
-def _certificates(directory: Path, name: str) -> None:
-    """A CA and a server certificate for 127.0.0.1 signed by it."""
-    _openssl(
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-keyout",
-        f"{name}-ca.key",
-        "-out",
-        f"{name}-ca.crt",
-        "-days",
-        "1",
-        "-subj",
-        f"/CN={name}-ca",
-        cwd=directory,
-    )
-    _openssl(
-        "req",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-keyout",
-        f"{name}.key",
-        "-out",
-        f"{name}.csr",
-        "-subj",
-        "/CN=127.0.0.1",
-        cwd=directory,
-    )
-    (directory / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
-    _openssl(
-        "x509",
-        "-req",
-        "-in",
-        f"{name}.csr",
-        "-CA",
-        f"{name}-ca.crt",
-        "-CAkey",
-        f"{name}-ca.key",
-        "-CAcreateserial",
-        "-out",
-        f"{name}.crt",
-        "-days",
-        "1",
-        "-extfile",
-        "san.ext",
-        cwd=directory,
-    )
-
-
 @pytest.fixture
 def tls_broker(tmp_path: Path) -> tuple[Broker, int, Path]:
     if shutil.which("openssl") is None:
         pytest.skip("openssl is not installed")
-    _certificates(tmp_path, "server")
-    _certificates(tmp_path, "other")
+    certificates(tmp_path, "server")
+    certificates(tmp_path, "other")
     port = free_port()
     extra = (
         f"listener {port} 127.0.0.1\ncafile {tmp_path / 'server-ca.crt'}\n"
