@@ -57,6 +57,10 @@ class Deployment:
     deadline: str = "60s"
     local_epochs: int = 1
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    # A broker with accounts: the URL each account connects with (no password inside) and the
+    # environment that gives it its password (EDGESPLIT_BROKER_PASSWORD_FILE).
+    url_for: Callable[[str], str] | None = None
+    env_for: Callable[[str], dict[str, str]] | None = None
 
     def __post_init__(self) -> None:
         self.data, self.test_data = split_data(self.directory)
@@ -81,10 +85,16 @@ class Deployment:
             )
         )
 
+    def broker_for(self, account: str) -> str:
+        """The broker URL ``account`` (a device name, ``gpu`` or ``coordinator``) uses."""
+        return self.url_for(account) if self.url_for else self.broker_url
+
     def _start(self, name: str, *args: str) -> subprocess.Popen[bytes]:
         # run in the test's directory: a PostgreSQL store keeps checkpoints under ./checkpoints
         path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
         env = {**os.environ, **RUNTIME_ENV, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": path}
+        if self.env_for is not None:
+            env.update(self.env_for(_account(name)))
         log = (self.directory / f"{name}.log").open("ab")
         process = subprocess.Popen(
             [sys.executable, "-m", "edgesplit", *args],
@@ -98,7 +108,14 @@ class Deployment:
 
     def start_gpu(self) -> None:
         self._start(
-            "gpu-a", "gpu-server", "--id", "gpu-a", "--broker", self.broker_url, "--flops", "1e9"
+            "gpu-a",
+            "gpu-server",
+            "--id",
+            "gpu-a",
+            "--broker",
+            self.broker_for("gpu"),
+            "--flops",
+            "1e9",
         )
 
     def start_edge(self, name: str) -> None:
@@ -109,7 +126,7 @@ class Deployment:
             "--id",
             name,
             "--broker",
-            self.broker_url,
+            self.broker_for(name),
             "--data",
             f"npz:{self.data[index]}",
             "--memory",
@@ -127,7 +144,7 @@ class Deployment:
             "--db",
             self.db,
             "--broker",
-            self.broker_url,
+            self.broker_for("coordinator"),
         )
 
     def start_all(self) -> subprocess.Popen[bytes]:
@@ -183,6 +200,11 @@ class Deployment:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait(5)
+
+
+def _account(process: str) -> str:
+    """The broker account of a deployment's process: GPU servers share ``gpu``."""
+    return "gpu" if process.startswith("gpu") else process
 
 
 def committed(status: dict[str, Any], number: int) -> bool:
