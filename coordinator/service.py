@@ -54,10 +54,9 @@ from split_models.zoo import SplittableModel
 from storage.base import RunStore
 from storage.errors import NotFoundError
 from storage.records import Event
-from wire import topics
 from wire.flower import TransportGrid, array_record, numpy_arrays
 from wire.roles import Announcement
-from wire.session import new_session
+from wire.session import SessionGuard, new_session
 from wire.transport import Transport
 
 __all__ = [
@@ -165,7 +164,7 @@ class Coordinator:
         config, store = self.config, self.store
         self._create_or_check()
         # Before any message: devices still inside a round of a crashed predecessor give it up.
-        self.transport.publish(topics.coordinator(config.run_id), self.session.encode(), True)
+        SessionGuard(self.transport, config.run_id, self.session).start()
         resumed = store.resume(config.run_id)
         done = 0 if resumed is None else resumed.round.number
         if done >= config.training.rounds:

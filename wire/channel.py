@@ -33,6 +33,7 @@ DEFAULT_CHUNK_BYTES = 32 * 1024 * 1024  # below the broker's max_packet_size (80
 _WINDOW = 1 << 16
 _FRAME_HEADROOM = 512  # chunk frame header (~150 bytes) with room to spare
 _MIN_CHUNK = 1024
+_SOURCES = 1024  # senders whose incomplete messages a receiver keeps apart
 
 
 @dataclass
@@ -102,7 +103,10 @@ class Channel:
         self.stats = ChannelStats()
         self._counters: dict[str, itertools.count[int]] = {}
         self._seen: dict[tuple[str, str, str], _Seen] = {}
-        self._reassembler = Reassembler(max_message_bytes, reassembly_timeout)
+        self._reassembly_timeout = reassembly_timeout
+        # one reassembler per topic (per sender, under the ACL): what one sender leaves
+        # incomplete cannot crowd out another's chunked messages
+        self._reassemblers: collections.OrderedDict[str, Reassembler] = collections.OrderedDict()
         self._lock = threading.Lock()
 
     def send(
@@ -169,7 +173,7 @@ class Channel:
         def receive(topic: str, payload: bytes) -> None:
             whole: bytes | None = None
             try:
-                whole = self._reassemble(payload)
+                whole = self._reassemble(topic, payload)
                 envelope = None if whole is None else self._accept(whole, expect, kinds)
             except WireError as error:
                 self.stats.rejected[error.reason] += 1
@@ -183,12 +187,19 @@ class Channel:
 
         self.transport.subscribe(topic_filter, receive)
 
-    def _reassemble(self, payload: bytes) -> bytes | None:
+    def _reassemble(self, topic: str, payload: bytes) -> bytes | None:
         """The whole message: ``payload`` itself, or once its last chunk came (else None)."""
         if not is_chunk(payload):
             return payload
         with self._lock:
-            return self._reassembler.feed(payload)
+            reassembler = self._reassemblers.get(topic)
+            if reassembler is None:
+                reassembler = Reassembler(self.max_message_bytes, self._reassembly_timeout)
+                self._reassemblers[topic] = reassembler
+                while len(self._reassemblers) > _SOURCES:  # the least recently heard goes
+                    self._reassemblers.popitem(last=False)
+            self._reassemblers.move_to_end(topic)
+            return reassembler.feed(payload)
 
     def _accept(
         self, payload: bytes, expect: Mapping[str, TensorSpec] | None, kinds: frozenset[str] | None

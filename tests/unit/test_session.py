@@ -15,7 +15,7 @@ from split_models.zoo import build_model
 from wire import topics
 from wire.channel import Channel
 from wire.flow import CreditGate
-from wire.session import RoundAbandoned, SessionWatch, new_session
+from wire.session import RoundAbandoned, SessionGuard, SessionWatch, new_session
 from wire.transport import InProcessHub, InProcessTransport
 
 pytestmark = pytest.mark.unit
@@ -45,34 +45,70 @@ def test_session_ids_order_by_start_time() -> None:
     assert len({new_session(lambda: 5) for _ in range(20)}) > 1  # random tail
 
 
-def test_only_a_newer_session_replaces_a_task() -> None:
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_latest_announcement_is_the_session_even_with_a_lower_id() -> None:
     hub = InProcessHub()
+    clock = _Clock()
     old, new = new_session(lambda: 100), new_session(lambda: 200)
     _announce(hub, old)
-    watch = _watch(hub)  # the retained announcement arrives on subscribing
-    _until(lambda: watch.replaced("run", new_session(lambda: 50)))
-    assert watch.replaced("run", new_session(lambda: 50))
+    watch = SessionWatch(InProcessTransport(hub, "device"), grace=3.0, clock=clock)
+    watch.watch("run")  # the retained announcement arrives on subscribing
+    _until(lambda: watch.replaced("run", new))
     assert not watch.replaced("run", old)
-    assert not watch.replaced("run", new)  # a task that overtook its announcement
     assert not watch.replaced("run", None)  # work without a session is never abandoned
-    assert not watch.replaced("other-run", old)
+    assert not watch.replaced("other-run", new)
+    # a task of `new` overtook its announcement: it waits for it, up to the grace
+    clock.now += 1.0
+    question = watch.follow("run", new)
+    clock.now += 2.0
+    assert not question()
+    clock.now += 1.5
+    assert question()  # `new` never announced itself: another process's work
     _announce(hub, new)
-    _until(lambda: watch.replaced("run", old))
-    assert watch.replaced("run", old) and not watch.replaced("run", new)
-    _announce(hub, new_session(lambda: 150))  # an older id arriving late changes nothing
-    time.sleep(0.1)
-    assert not watch.replaced("run", new)
+    _until(lambda: not watch.replaced("run", new))
+    assert watch.replaced("run", old)
+    # a restarted coordinator whose clock went back announces a lower id: it is followed
+    clock.now += 1.0
+    task_of_new = watch.follow("run", new)
+    clock.now += 0.1
+    lower = new_session(lambda: 50)
+    _announce(hub, lower)
+    _until(task_of_new)  # announced during the round: at once, no grace
+    assert task_of_new() and not watch.replaced("run", lower)
+
+
+def test_a_coordinator_announces_its_session_again_over_a_forgery() -> None:
+    hub = InProcessHub()
+    mine = new_session()
+    guard = SessionGuard(InProcessTransport(hub, "coordinator"), "run", mine)
+    guard.start()
+    watch = _watch(hub)
+    _until(lambda: watch.replaced("run", "f" * 16 + "-00000000"))
+    forged = "f" * 16 + "-deadbeef"  # the largest id there is: it used to hold devices for good
+    _announce(hub, forged)
+    _until(lambda: guard.foreign == [forged])
+    assert guard.foreign == [forged]
+    _until(lambda: not watch.replaced("run", mine))
+    assert not watch.replaced("run", mine) and watch.replaced("run", forged)
 
 
 @pytest.mark.parametrize("payload", [b"not-a-session", b"\xff" * 30, b"0" * 1000, b""])
 def test_bad_announcements_are_dropped(payload: bytes, caplog: pytest.LogCaptureFixture) -> None:
     hub = InProcessHub()
     watch = _watch(hub)
+    good = new_session(lambda: 300)
     _announce(hub, payload)
-    _announce(hub, new_session(lambda: 300))  # delivered in order, after the bad one
+    _announce(hub, good)  # delivered in order, after the bad one
     _until(lambda: watch.replaced("run", new_session(lambda: 1)))
     assert watch.replaced("run", new_session(lambda: 1))
-    assert not watch.replaced("run", new_session(lambda: 300 + 1))
+    assert not watch.replaced("run", good)
     if payload:
         assert "dropped a bad coordinator session" in caplog.text
 
