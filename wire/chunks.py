@@ -94,7 +94,7 @@ class Reassembler:
             raise WireError("framing", "chunk header longer than the frame")
         try:
             header = json.loads(data[start : start + length])
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        except (ValueError, RecursionError) as error:  # as in wire.codec._header
             raise WireError("header", f"chunk header is not JSON: {error}") from error
         fields = {"id": str, "index": int, "count": int, "total": int, "sha256": str}
         if not isinstance(header, dict) or any(

@@ -176,7 +176,9 @@ def _header(data: bytes, limit: int) -> tuple[dict[str, Any], int]:
         raise WireError("framing", f"header length {length} does not fit the message")
     try:
         header = json.loads(data[start : start + length])
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+    # ValueError: bad UTF-8 or JSON, or an integer of over 4,300 digits; RecursionError:
+    # arrays or objects nested deeper than the interpreter's recursion limit
+    except (ValueError, RecursionError) as error:
         raise WireError("header", f"header is not valid JSON: {error}") from error
     return header, start + length
 

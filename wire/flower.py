@@ -210,9 +210,14 @@ class TransportGrid(Grid):
             return
         with self._condition:
             if state == "online" and number.isdigit():
-                if int(number) != node_id:  # the id is the name's, whatever a node says
+                # the id is the name's, whatever a node says (compared as text: int() of a
+                # 5,000-digit number raises)
+                if number != str(node_id):
                     log.warning(
-                        "ignored %r announcing node %s: its node id is %s", name, number, node_id
+                        "ignored %r announcing node %.24s: its node id is %s",
+                        name,
+                        number,
+                        node_id,
                     )
                     return
                 self._names[node_id] = name

@@ -51,7 +51,7 @@ def _loads(payload: bytes | str, what: str) -> dict[str, Any]:
         raise WireError("size", f"{what} of {len(payload)} bytes exceeds {MAX_CONTROL_BYTES}")
     try:
         data = json.loads(payload)
-    except (ValueError, UnicodeDecodeError) as error:
+    except (ValueError, RecursionError) as error:  # as in wire.codec._header
         raise WireError("json", f"{what} is not valid JSON: {error}") from error
     if not isinstance(data, dict):
         raise WireError("json", f"{what} must be a JSON object")
