@@ -19,6 +19,10 @@ applied in one of three ways:
   Byzantine ones, Bulyan ``4f + 3``; a trimmed mean of fewer than ``1 / beta`` replicas trims
   nothing) is aggregated by the coordinate-wise median instead, and the strategy says so in
   ``notes`` (the coordinator records each note as a run event).
+
+Before any of these, the norm bound of :mod:`coordinator.bounds` clips an update far larger
+than its group's (``norm_bound``, an option of every strategy; each clip is named in
+``clips``), and the runner has capped each edge's weight (``examples_bound``).
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from flwr.serverapp.strategy import (
     MultiKrum,
 )
 
+from coordinator.bounds import EXAMPLES_BOUND, NORM_BOUND, clip_update, norm_limit, update_norm
 from split_models.errors import ConfigError
 from wire.flower import array_record, numpy_arrays
 
@@ -73,6 +78,8 @@ _PER_GROUP: dict[str, type[FedAvg]] = {
 }
 STRATEGIES = (*_MEAN, *_SERVER_STEP, *_PER_GROUP)
 WEIGHT_KEY = "num-examples"
+_MIN_WEIGHT = 1e-9
+_BOUNDS = {"norm_bound": NORM_BOUND, "examples_bound": EXAMPLES_BOUND}  # edgesplit's options
 
 
 def split_weighted_mean(
@@ -131,8 +138,9 @@ def _weight(message: Message) -> float:
 def _reply_like(template: Message, arrays: Mapping[str, np.ndarray]) -> Message:
     """A reply with ``template``'s metadata and weight and the given arrays (only the weight
     of the metrics: Flower refuses replies whose metric keys differ, as an edge's and a GPU
-    server's do)."""
-    metrics = MetricRecord({WEIGHT_KEY: _weight(template)})
+    server's do). A weight of 0 counts as :data:`_MIN_WEIGHT`: Flower's rules divide by the sum
+    of the weights."""
+    metrics = MetricRecord({WEIGHT_KEY: max(_weight(template), _MIN_WEIGHT)})
     content = RecordDict({"arrays": array_record(arrays), "metrics": metrics})
     reply = Message(content=content, reply_to=template)
     reply.metadata.__dict__["_src_node_id"] = template.metadata.src_node_id
@@ -145,7 +153,10 @@ def _split_aware(base: type[FedAvg], mode: str) -> type[FedAvg]:
 
         _current: dict[str, np.ndarray] | None = None
         notes: list[str] = []  # noqa: RUF012 (replaced per round): groups aggregated otherwise
+        clips: list[tuple[str, str]] = []  # noqa: RUF012 (per round): (device, why) clipped
         node_names: dict[int, str] = {}  # noqa: RUF012 (set by the runner): for the notes
+        trusted_nodes: frozenset[int] = frozenset()  # set by the runner: the GPU servers
+        norm_bound, examples_bound = NORM_BOUND, EXAMPLES_BOUND  # options of build_strategy
 
         def _robust(
             self, server_round: int, replies: list[Message], group: list[dict[str, np.ndarray]]
@@ -170,9 +181,8 @@ def _split_aware(base: type[FedAvg], mode: str) -> type[FedAvg]:
             valid = [m for m in replies if not m.has_error()]
             if not valid or self._current is None:
                 return super().aggregate_train(server_round, valid)  # type: ignore[no-any-return]
-            replicas = [numpy_arrays(m, key=None) for m in valid]
-            metrics = self.train_metrics_aggr_fn([m.content for m in valid], WEIGHT_KEY)
-            self.notes = []
+            self.notes, self.clips = [], []
+            replicas, metrics = _bound_updates(self, valid), _train_metrics(self, valid)
             if mode == "per_group":
                 merged = {k: np.array(v, copy=True) for k, v in self._current.items()}
                 for indices, keys in key_groups(replicas).items():
@@ -187,6 +197,41 @@ def _split_aware(base: type[FedAvg], mode: str) -> type[FedAvg]:
 
     SplitAware.__name__ = SplitAware.__qualname__ = f"SplitAware{base.__name__}"
     return SplitAware
+
+
+def _bound_updates(strategy: Any, replies: list[Message]) -> list[dict[str, np.ndarray]]:
+    """The replicas ``replies`` hold, with every update whose norm is above
+    ``strategy.norm_bound`` times the median of its group (the replicas holding the same
+    tensors) clipped onto that bound (the norm bound of :mod:`coordinator.bounds`), each named
+    in ``strategy.clips``; trusted replicas (the GPU servers) count towards the median but are
+    never clipped."""
+    replicas = [numpy_arrays(m, key=None) for m in replies]
+    start, bounded = strategy._current, [dict(r) for r in replicas]
+    for indices, keys in key_groups(replicas).items():
+        group = [{k: replicas[i][k] for k in keys} for i in indices]
+        norms = [update_norm(g, start) for g in group]
+        limit = norm_limit(norms, strategy.norm_bound)
+        for i, tensors, norm in zip(indices, group, norms, strict=True):
+            node = replies[i].metadata.src_node_id
+            if limit is None or norm <= limit or node in strategy.trusted_nodes:
+                continue
+            bounded[i].update(clip_update(tensors, start, limit / norm))
+            device = strategy.node_names.get(node, f"node {node}")
+            why = (
+                f"{device}'s update of {_describe(tensors)} has norm {norm:.4g}, above "
+                f"{strategy.norm_bound:g} x the median {limit / strategy.norm_bound:.4g} of the "
+                f"{len(group)} replicas holding them; clipped to {limit:.4g} (norm bound)"
+            )
+            strategy.clips.append((device, why))
+    return bounded
+
+
+def _train_metrics(strategy: Any, replies: list[Message]) -> MetricRecord:
+    """The replies' metrics weighted by their examples (none when every weight is 0: an edge
+    capped to what the GPU servers trained may have none)."""
+    if sum(_weight(m) for m in replies) <= 0:
+        return MetricRecord()
+    return strategy.train_metrics_aggr_fn([m.content for m in replies], WEIGHT_KEY)  # type: ignore[no-any-return]
 
 
 def _median_if_too_few(
@@ -268,10 +313,26 @@ _DEFAULTS: dict[str, dict[str, Any]] = {"fedadagrad": {"eta": 0.01}, "fedadam": 
 def _build_strategy(name: str, options: dict[str, Any]) -> FedAvg:
     key = name.lower()
     options = _DEFAULTS.get(key, {}) | options
+    bounds = {option: _bound(name, option, options.pop(option, d)) for option, d in _BOUNDS.items()}
     for mode, table in (("mean", _MEAN), ("server_step", _SERVER_STEP), ("per_group", _PER_GROUP)):
         if key in table:
             try:
-                return _split_aware(table[key], mode)(**options)
+                strategy = _split_aware(table[key], mode)(**options)
             except (TypeError, ValueError) as error:  # an unknown option, or a bad value
                 raise ConfigError(f"strategy {name!r}: bad option: {error}") from error
+            strategy.__dict__.update(bounds)
+            return strategy
     raise ConfigError(f"strategy.name: unknown {name!r}; use one of {list(STRATEGIES)}")
+
+
+def _bound(name: str, option: str, value: object) -> float:
+    """``norm_bound`` or ``examples_bound``: 0 (off) or a factor of at least 1."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not (value == 0 or 1 <= value < float("inf"))
+    ):
+        raise ConfigError(
+            f"strategy {name!r}: {option}: expected 0 (off) or a number >= 1, got {value!r}"
+        )
+    return float(value)

@@ -125,13 +125,20 @@ class RoundRecorder:
         with flower_quiet():  # Flower logs each aggregation at INFO
             arrays, _ = self.strategy.aggregate_train(number, replies)
         for note in getattr(self.strategy, "notes", ()):  # groups a robust rule could not take
-            log.warning("round %d: %s", number, note)
-            self.store.add_event(self.run_id, Event("aggregation", note, round=number))
+            self.event(number, "aggregation", note)
+        for device, why in getattr(self.strategy, "clips", ()):  # updates the norm bound clipped
+            self.event(number, "update-clipped", why, device)
         if arrays is None:
             return None
         if self.local_keys:
             self._pending = self._trained_local(replies, devices)
         return {k: v.numpy() for k, v in arrays.items()}
+
+    def event(self, number: int, kind: str, detail: str, device: str | None = None) -> None:
+        """Something round ``number``'s aggregation did that the operator should know of (a
+        group a rule could not take, a claim capped, an update clipped): logged and stored."""
+        log.warning("round %d: %s", number, detail)
+        self.store.add_event(self.run_id, Event(kind, detail, device=device, round=number))
 
     def _trained_local(
         self, replies: list[Message], devices: Sequence[str]

@@ -16,7 +16,7 @@ import math
 import random
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -24,12 +24,13 @@ from flwr.app import ConfigRecord, Message
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
-from coordinator.aggregation import flower_quiet
+from coordinator.aggregation import WEIGHT_KEY, flower_quiet
+from coordinator.bounds import EXAMPLES_BOUND, cap_examples, trained_examples
 from coordinator.errors import CoordinatorError
 from coordinator.guard import divergence, non_finite_tensors
 from coordinator.recorder import Outcome, RoundRecorder
 from storage.records import DeviceResult, RoundRecord
-from wire.flower import TransportGrid, array_record, numpy_arrays
+from wire.flower import TRAINED_RECORD, TransportGrid, array_record, numpy_arrays
 
 __all__ = ["EdgeView", "RoundRunner", "RoundWork", "Sampled", "shortfall"]
 
@@ -200,7 +201,11 @@ class RoundRunner:
         self.strategy.node_names = {  # type: ignore[attr-defined]
             m.metadata.dst_node_id: d for d, m in work.messages.items()
         }
+        self.strategy.trusted_nodes = frozenset(  # type: ignore[attr-defined]
+            work.messages[d].metadata.dst_node_id for d in work.servers if d in work.messages
+        )
         ok = sorted(outcome.ok)
+        _bound_examples(self.recorder, self.strategy, number, (work, replies, outcome))
         merged = self.recorder.aggregate(number, [replies[d] for d in ok], ok)
         if merged is None:
             return None, "the strategy aggregated nothing"
@@ -326,6 +331,40 @@ class RoundRunner:
             "federated_loss": float(metrics["loss"]),  # type: ignore[arg-type]
             "federated_examples": examples,
         }
+
+
+def _bound_examples(
+    recorder: RoundRecorder,
+    strategy: FedAvg,
+    number: int,
+    attempt: tuple[RoundWork, dict[str, Message], Outcome],
+) -> None:
+    """Before aggregation: each reply is stamped with the node it answers (never what it says),
+    and each edge's claimed examples (its weight) capped at what the GPU servers trained of it,
+    else by its peers' claims (:func:`coordinator.bounds.cap_examples`), with an event."""
+    work, replies, outcome = attempt
+    for device in outcome.ok:
+        node = work.messages[device].metadata.dst_node_id
+        replies[device].metadata.__dict__["_src_node_id"] = node
+    records = [
+        replies[d].content.config_records.get(TRAINED_RECORD)
+        for d in outcome.ok
+        if d in work.servers
+    ]
+    counts = trained_examples(records) if work.servers else None
+    if isinstance(counts, str):  # a trusted server, but something unusable
+        recorder.event(number, "examples-capped", f"{counts}; peer-median used")
+    trained = counts if isinstance(counts, dict) else None
+    claims = {d: _examples(replies[d]) for d in outcome.ok if d not in work.servers}
+    factor = float(getattr(strategy, "examples_bound", EXAMPLES_BOUND))
+    capped = {c.device: c for c in cap_examples(claims, trained, factor)}
+    for cap in capped.values():
+        replies[cap.device].content.metric_records["metrics"][WEIGHT_KEY] = cap.allowed
+        recorder.event(number, "examples-capped", str(cap), cap.device)
+    outcome.results = [
+        replace(r, examples=int(capped[r.device].allowed)) if r.device in capped else r
+        for r in outcome.results
+    ]
 
 
 def _malformed_evaluation(reply: Message) -> str | None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Collection
+from typing import Any
 
 from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
@@ -24,7 +25,14 @@ from split_models.errors import ConfigError
 from split_models.sections import task_sections
 from wire.channel import Channel
 from wire.errors import WireError
-from wire.flower import array_record, attempt_of, numpy_arrays, proximal_mu_of, round_of
+from wire.flower import (
+    TRAINED_RECORD,
+    array_record,
+    attempt_of,
+    numpy_arrays,
+    proximal_mu_of,
+    round_of,
+)
 from wire.roles import Announcement, Task, go_online
 from wire.session import RoundAbandoned, SessionWatch
 from wire.transport import Transport
@@ -142,6 +150,7 @@ class GpuAgent:
         if late:
             log.warning("round %d: %s not finished before the deadline", number, late)
         arrays = back.state()
+        trained: dict[str, Any] = back.round_senders()
         metrics = MetricRecord(
             {
                 "num-examples": examples,
@@ -156,6 +165,8 @@ class GpuAgent:
                 "arrays": array_record(arrays),
                 "metrics": metrics,
                 "report": ConfigRecord({"finished": ",".join(finished), "late": ",".join(late)}),
+                # what the coordinator bounds each edge's claimed examples by
+                TRAINED_RECORD: ConfigRecord(trained),
             }
         )
         return Message(content, reply_to=message)

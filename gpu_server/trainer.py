@@ -82,6 +82,7 @@ class BackTrainer:
         self.stream.on_complete = None if self.chain is None else self.chain.done
         self.stats = BackStats(rejected=self.stream.stats.rejected)
         self._round_examples, self._round_losses = 0, list[float]()
+        self._round_senders: collections.Counter[str] = collections.Counter()
 
     @property
     def granter(self) -> CreditGranter:
@@ -114,6 +115,7 @@ class BackTrainer:
                 load_segment_state(self.segment, weights)
                 self.segment.reset_optimizer(proximal_mu)
             self._round_examples, self._round_losses = 0, []
+            self._round_senders = collections.Counter()
             if self.chain is not None:  # a retried round counts its batches afresh
                 self.chain.begin(round_number)
 
@@ -131,6 +133,12 @@ class BackTrainer:
         with self.stream.exclusive():
             losses = list(self._round_losses)
             return self._round_examples, float(np.mean(losses)) if losses else float("nan")
+
+    def round_senders(self) -> dict[str, int]:
+        """The examples trained in the current round per sender (an edge, or the piece before
+        this one in a chain), over every local epoch; refused batches count not."""
+        with self.stream.exclusive():
+            return dict(self._round_senders)
 
     @property
     def finished(self) -> set[str]:
@@ -158,6 +166,7 @@ class BackTrainer:
         self.stats.losses.append(loss)
         self.stats.per_device[sender] += examples
         self._round_examples += examples
+        self._round_senders[sender] += examples
         self._round_losses.append(loss)
 
     def _return_gradient(self, envelope: Envelope, result: StepResult) -> None:

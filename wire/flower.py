@@ -33,6 +33,7 @@ from wire.errors import WireError
 from wire.transport import Transport, Will
 
 __all__ = [
+    "TRAINED_RECORD",
     "FlowerNode",
     "TransportGrid",
     "array_record",
@@ -47,6 +48,8 @@ log = logging.getLogger(__name__)
 CHUNK_BYTES = 32 * 1024 * 1024
 MAX_MESSAGE_BYTES = 1024 * 1024 * 1024
 _NODES = f"{topics.PREFIX}/presence"  # a device's presence is its node's
+# A GPU server's train reply: examples it trained this round, by sender (name -> count)
+TRAINED_RECORD = "trained"
 
 
 def array_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:

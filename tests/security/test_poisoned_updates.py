@@ -1,0 +1,107 @@
+"""A compromised edge lies in its train reply and does not dominate the round: real simulated
+rounds (the deployment's agents in-process) where one edge claims 10^9 examples or sends its
+update scaled 1000 times, against a clean run with the same seed."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from flwr.app import Message
+
+from coordinator.errors import CoordinatorError
+from edge_client.agent import EdgeAgent
+from simulation.config import parse_sim_config
+from simulation.simulator import simulate
+from storage import open_store
+from wire.flower import array_record, numpy_arrays
+
+pytestmark = pytest.mark.integration
+pytest.importorskip("sklearn")
+
+LIAR = "client-001"
+# Four clients of one profile: one cut, so the edges' tensors form one group of four replicas.
+FLEET = {
+    "rounds": 2,
+    "clients": 4,
+    "devices": [{"profile": "pi", "share": 1.0, "memory": "8MiB", "flops": 2e9}],
+    "measure_memory": False,
+    "workers": 1,  # reproducible: a clean run and a capped lie give the same weights
+}
+
+
+def _lie(claim: int | None = None, scale: float = 1.0) -> Callable[..., Message]:
+    """EdgeAgent._train where LIAR claims ``claim`` examples and scales its update."""
+    honest = EdgeAgent._train
+
+    def train(agent: EdgeAgent, message: Message, *args: Any) -> Message:
+        reply = honest(agent, message, *args)
+        if agent.device != LIAR or reply.has_error():
+            return reply
+        if claim is not None:
+            reply.content.metric_records["metrics"]["num-examples"] = claim
+        start, trained = numpy_arrays(message), numpy_arrays(reply, key=None)
+        reply.content["arrays"] = array_record(
+            {
+                k: (start[k] + scale * (v - start[k])).astype(v.dtype) if v.dtype.kind == "f" else v
+                for k, v in trained.items()
+            }
+        )
+        return reply
+
+    return train
+
+
+def _simulate(tmp_path: Path, tag: str, **fields: Any) -> dict[str, Any]:
+    config = parse_sim_config({**FLEET, **fields})
+    summary = simulate(config, tmp_path / tag, run_id=tag)
+    with open_store(f"sqlite:///{tmp_path / tag / 'runs.db'}") as store:
+        state = store.resume(tag)
+        assert state is not None
+        results = {
+            (r.number, d.device): d.examples for r in store.list_rounds(tag) for d in r.results
+        }
+        events = [(e.kind, e.device, e.detail) for e in store.events(tag)]
+    return summary | {"weights": state.weights["global"], "events": events, "results": results}
+
+
+def _distance(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
+    """``||a - b|| / ||b||`` over every tensor."""
+    delta = sum(float(np.sum((a[k].astype(np.float64) - b[k]) ** 2)) for k in b)
+    return float(np.sqrt(delta / sum(float(np.sum(b[k].astype(np.float64) ** 2)) for k in b)))
+
+
+def test_a_claim_of_a_billion_examples_is_capped_at_what_the_gpu_server_trained(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clean = _simulate(tmp_path, "clean")
+    monkeypatch.setattr(EdgeAgent, "_train", _lie(claim=10**9))
+    lied = _simulate(tmp_path, "lied")
+    capped = [e for e in lied["events"] if e[0] == "examples-capped"]
+    assert [device for _, device, _ in capped] == [LIAR, LIAR], lied["events"]  # each round
+    honest = clean["results"][(1, LIAR)]
+    assert f"claimed 1000000000 examples; weighted by {honest} (server-count" in capped[0][2]
+    assert lied["results"][(1, LIAR)] == honest, "the round records what was allowed"
+    assert not [e for e in clean["events"] if e[0] in ("examples-capped", "update-clipped")]
+    # weighted by what it really trained, the liar's weights are averaged as a clean run's
+    assert _distance(lied["weights"], clean["weights"]) < 1e-6
+
+
+def test_a_hugely_scaled_update_is_clipped_and_the_run_still_trains(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clean = _simulate(tmp_path, "clean")
+    monkeypatch.setattr(EdgeAgent, "_train", _lie(scale=1000.0))
+    boosted = _simulate(tmp_path, "boosted")
+    clipped = [e for e in boosted["events"] if e[0] == "update-clipped"]
+    assert [device for _, device, _ in clipped] == [LIAR, LIAR], boosted["events"]
+    assert "above 10 x the median" in clipped[0][2] and "of the 4 replicas" in clipped[0][2]
+    assert not [e for e in boosted["events"] if e[0] == "round-failed"], boosted["events"]
+    assert boosted["final_accuracy"] > clean["final_accuracy"] - 0.05, (boosted, clean)
+    assert _distance(boosted["weights"], clean["weights"]) < 0.3
+    # without the bound the same update blows the round up: the guard refuses it every time
+    with pytest.raises(CoordinatorError, match="round 1 failed 3 times"):
+        _simulate(tmp_path, "unbounded", strategy={"name": "fedavg", "norm_bound": 0})
