@@ -117,8 +117,12 @@ class RoundRunner:
         min_edges: int = 1,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
+        on_attempt: Callable[[int, int], None] | None = None,
     ) -> None:
+        """``on_attempt(round, attempt)``: told before a try's messages go out (the
+        coordinator announces it, so devices still at an earlier try give that up)."""
         self.grid, self.strategy, self.recorder = grid, strategy, recorder
+        self.on_attempt = on_attempt or (lambda _number, _attempt: None)
         self.seed, self.deadline, self.attempts, self.min_edges = (
             seed,
             deadline,
@@ -169,6 +173,7 @@ class RoundRunner:
                 continue
             for message in work.messages.values():  # devices tell a retry's credits apart
                 message.content.config_records["config"]["attempt"] = attempt
+            self.on_attempt(number, attempt)
             observer.round_started(number, list(work.messages))
             replies = self.collect(work.messages, self.deadline)
             outcome = self.outcome(work.messages, replies, started)

@@ -164,7 +164,9 @@ class Coordinator:
         config, store = self.config, self.store
         self._create_or_check()
         # Before any message: devices still inside a round of a crashed predecessor give it up.
-        SessionGuard(self.transport, config.run_id, self.session).start()
+        guard = SessionGuard(self.transport, config.run_id, self.session)
+        guard.start()
+        self.runner.on_attempt = guard.attempt
         resumed = store.resume(config.run_id)
         done = 0 if resumed is None else resumed.round.number
         if done >= config.training.rounds:

@@ -253,7 +253,8 @@ class EdgeAgent:
         task = job.task
         self.check(task, job.model)
         try:
-            return self._train(message, job, self.sessions.follow(task.run, task.session))
+            work = (round_of(message), job.attempt)
+            return self._train(message, job, self.sessions.follow(task.run, task.session, work))
         except RoundAbandoned as abandoned:
             log.warning("%s", abandoned)
             return Message(Error(code=2, reason=str(abandoned)), reply_to=message)

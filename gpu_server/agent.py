@@ -137,7 +137,7 @@ class GpuAgent:
         weights = numpy_arrays(message)
         number = round_of(message)
         peers = [s for s in task.servers if s != self.device]
-        cancelled = self.sessions.follow(task.run, task.session)
+        cancelled = self.sessions.follow(task.run, task.session, (number, options[1]))
         back.begin_round(number, task.edges, weights, peers, *options)
         wait = server_wait_seconds(sections[1].round_deadline_seconds)
         examples, loss = back.wait_round(task.edges, wait, cancelled)

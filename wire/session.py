@@ -26,7 +26,14 @@ from collections.abc import Callable
 from wire import topics
 from wire.transport import Transport
 
-__all__ = ["GRACE_SECONDS", "RoundAbandoned", "SessionGuard", "SessionWatch", "new_session"]
+__all__ = [
+    "GRACE_SECONDS",
+    "RoundAbandoned",
+    "SessionGuard",
+    "SessionWatch",
+    "new_session",
+    "parse_announcement",
+]
 
 log = logging.getLogger(__name__)
 _SESSION = re.compile(r"^[0-9a-f]{16}-[0-9a-f]{8}$")
@@ -59,7 +66,8 @@ class SessionWatch:
     ) -> None:
         self._transport = transport
         self._grace, self._clock = grace, clock
-        self._latest: dict[str, tuple[str, float]] = {}  # run -> (session, when it arrived)
+        # run -> (session, its newest (round, attempt), when the session arrived)
+        self._latest: dict[str, tuple[str, tuple[int, int], float]] = {}
         self._watched: set[str] = set()
         self._lock = threading.Lock()
 
@@ -74,58 +82,97 @@ class SessionWatch:
         )
 
     def _on_session(self, run: str, payload: bytes) -> None:
-        text = payload.decode("ascii", errors="replace")
-        if not _SESSION.match(text):
+        announced = parse_announcement(payload)
+        if announced is None:
             if payload:  # an empty payload clears a retained message
                 log.warning("dropped a bad coordinator session for run %s: %.80r", run, payload)
             return
+        session, work = announced
         with self._lock:
-            if self._latest.get(run, ("", 0.0))[0] != text:
-                self._latest[run] = (text, self._clock())
+            latest = self._latest.get(run)
+            if latest is None or latest[0] != session:
+                self._latest[run] = (session, work, self._clock())
+            elif work > latest[1]:
+                self._latest[run] = (session, work, latest[2])
 
-    def follow(self, run: str, session: str | None) -> Callable[[], bool]:
-        """Watch ``run`` and return the question a device waiting in a round of ``session``
-        asks: has another session replaced it?"""
+    def follow(
+        self, run: str, session: str | None, work: tuple[int, int] | None = None
+    ) -> Callable[[], bool]:
+        """Watch ``run`` and return the question a device doing ``work`` (round, attempt) of
+        ``session`` asks while it waits: has another session, or a later round or attempt of
+        this one, replaced it?"""
         self.watch(run)
         started = self._clock()
-        return lambda: self.replaced(run, session, started)
+        return lambda: self.replaced(run, session, started, work)
 
-    def replaced(self, run: str, session: str | None, since: float | None = None) -> bool:
+    def replaced(
+        self,
+        run: str,
+        session: str | None,
+        since: float | None = None,
+        work: tuple[int, int] | None = None,
+    ) -> bool:
         """Whether ``run``'s announced session is another than ``session``: announced after
         ``since`` (the task's start), or announced before it and still not ``session`` after
-        the grace. Work without a session is never taken for abandoned."""
+        the grace; or, for ``work`` (round, attempt), whether ``session`` has since announced a
+        later round or attempt (a retry cancels the earlier attempt on every device). Work
+        without a session is never taken for abandoned."""
         if session is None:
             return False
         with self._lock:
-            latest, arrived = self._latest.get(run, (None, 0.0))
-        if latest is None or latest == session:
+            latest = self._latest.get(run)
+        if latest is None:
             return False
+        announced, newest, arrived = latest
+        if announced == session:
+            return work is not None and newest > work
         if since is None:
             return True
         return arrived > since or self._clock() - since > self._grace
 
 
+def parse_announcement(payload: bytes) -> tuple[str, tuple[int, int]] | None:
+    """``<session>`` or ``<session> <round> <attempt>`` (None when neither)."""
+    parts = payload.decode("ascii", errors="replace").split(" ")
+    if not _SESSION.match(parts[0]) or len(parts) not in (1, 3):
+        return None
+    if len(parts) == 1:
+        return parts[0], (0, 0)
+    if not all(p.isdigit() and len(p) <= 9 for p in parts[1:]):
+        return None
+    return parts[0], (int(parts[1]), int(parts[2]))
+
+
 class SessionGuard:
-    """The coordinator's side: announce ``session`` for ``run`` (retained) and announce it again
-    whenever another id appears on the topic, with a warning naming it (at most once a
-    second), so a forged or stale retained id cannot hold the devices."""
+    """The coordinator's side: announce ``session`` for ``run`` (retained), then each round's
+    attempt as it starts (:meth:`attempt`), and announce again whenever another payload appears
+    on the topic, with a warning naming it (at most once a second), so a forged or stale
+    retained id cannot hold the devices."""
 
     def __init__(self, transport: Transport, run: str, session: str) -> None:
         self._transport, self._run, self.session = transport, run, session
+        self._payload = session.encode()
         self._last_repair = 0.0
-        self.foreign: list[str] = []  # the other ids seen, for tests and status
+        self.foreign: list[str] = []  # the other payloads seen, for tests and status
 
     def start(self) -> None:
         self._announce()
         self._transport.subscribe(topics.coordinator(self._run), self._on_session)
 
+    def attempt(self, round_number: int, attempt: int) -> None:
+        """Round ``round_number``'s try ``attempt`` starts: devices still at an earlier round
+        or try of this session give it up."""
+        self._payload = f"{self.session} {round_number} {attempt}".encode()
+        self._announce()
+
     def _announce(self) -> None:
-        self._transport.publish(topics.coordinator(self._run), self.session.encode(), True)
+        self._transport.publish(topics.coordinator(self._run), self._payload, True)
 
     def _on_session(self, _topic: str, payload: bytes) -> None:
-        if payload == self.session.encode():
-            return
-        seen = payload[:40].decode("ascii", errors="replace")
+        announced = parse_announcement(payload)
+        if payload == self._payload or (announced is not None and announced[0] == self.session):
+            return  # ours (an earlier attempt's echo may arrive after a later announcement)
+        seen = payload[:60].decode("ascii", errors="replace")
         self.foreign.append(seen)
         now = time.monotonic()
         if now - self._last_repair < 1.0:
@@ -133,10 +180,9 @@ class SessionGuard:
         self._last_repair = now
         log.warning(
             "run %s: session topic holds %r, not this coordinator's %s (another coordinator "
-            "process for the run, or a forgery); announcing %s again",
+            "process for the run, or a forgery); announcing it again",
             self._run,
             seen,
-            self.session,
             self.session,
         )
         self._announce()

@@ -153,3 +153,36 @@ def test_an_edge_gives_up_only_a_round_of_a_replaced_coordinator(replaced: bool)
     with pytest.raises(expected[0], match=expected[1]):
         trainer.train_round(3, cancelled=lambda: watch.replaced("run", mine))
     assert time.monotonic() - started < 30.0  # long before the 60 s timeout
+
+
+def test_a_later_attempt_or_round_cancels_the_earlier_one_on_a_device() -> None:
+    hub = InProcessHub()
+    mine = new_session()
+    guard = SessionGuard(InProcessTransport(hub, "coordinator"), "run", mine)
+    guard.start()
+    guard.attempt(3, 1)
+    watch = _watch(hub)
+    _until(lambda: watch.replaced("run", mine, work=(2, 1)))
+    first_try = watch.follow("run", mine, (3, 1))
+    assert not first_try() and watch.replaced("run", mine, work=(2, 5))
+    guard.attempt(3, 2)  # the coordinator retries round 3
+    _until(first_try)
+    assert first_try()
+    assert not watch.follow("run", mine, (3, 2))()
+    guard.attempt(4, 1)
+    _until(lambda: watch.replaced("run", mine, work=(3, 2)))
+    assert watch.replaced("run", mine, work=(3, 2)) and not watch.replaced("run", mine, work=(4, 1))
+    assert guard.foreign == []  # its own announcements are not taken for forgeries
+
+
+@pytest.mark.parametrize(
+    "payload", [b"0123456789abcdef-01234567 3", b"0123456789abcdef-01234567 a b", b"x 1 2"]
+)
+def test_a_malformed_attempt_announcement_is_dropped(payload: bytes) -> None:
+    from wire.session import parse_announcement
+
+    assert parse_announcement(payload) is None
+    assert parse_announcement(b"0123456789abcdef-01234567 3 2") == (
+        "0123456789abcdef-01234567",
+        (3, 2),
+    )
