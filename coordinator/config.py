@@ -195,6 +195,7 @@ TRAINING_KEYS = (
     "strategy",
     "seed",
     "server_clip_norm",
+    "max_activation",
     "norm",
 )
 

@@ -98,6 +98,7 @@ class GpuAgent:
                 forward=task.forward,
                 encoding=training.compression,
                 ordered=training.deterministic,
+                max_activation=training.max_activation,
             )
             self._backs[task.run] = (key, trainer)
         return self._backs[task.run][1]

@@ -36,13 +36,16 @@ class BackStage:
         local_loss: str = "linear",
         optimizer: OptimizerConfig | None = None,
         device: str = "cpu",
+        max_activation: float = MAX_ACTIVATION,
     ) -> None:
+        """``max_activation``: the largest magnitude an incoming activation may hold."""
         if not 0 < start < end <= model.num_blocks:
             raise ValueError(
                 f"blocks: a GPU server holds [start, end) with 0 < start < end <= "
                 f"{model.num_blocks}, got [{start}, {end}); a server never holds block 0"
             )
         self.model, self.start, self.end = model, start, end
+        self.max_activation = max_activation
         self.device = torch.device(device)
         # the last piece gets the task loss, any other a local-loss head
         self.segment = Segment.from_model(model, start, end, local_loss, optimizer=optimizer)
@@ -80,11 +83,11 @@ class BackStage:
                     f"tensor {name!r} holds {tensor.shape[0]} rows, 'x' {x.shape[0]}",
                 )
         largest = float(np.max(np.abs(x))) if x.size else 0.0
-        if largest > MAX_ACTIVATION:  # finite, but enough to overflow the back to NaN
+        if largest > self.max_activation:  # finite, but enough to overflow the back to NaN
             raise WireError(
                 "range",
                 f"tensor 'x' holds a value of magnitude {largest:.3g}, above the "
-                f"{MAX_ACTIVATION:.0e} an activation may have",
+                f"{self.max_activation:.3g} an activation may have (max_activation)",
             )
         if x.shape[0] == 0:  # a loss over zero items is NaN and would poison the round's
             raise WireError(  # mean loss

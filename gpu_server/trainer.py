@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gpu_server.chain import ChainLink
-from gpu_server.stage import BackStage
+from gpu_server.stage import MAX_ACTIVATION, BackStage
 from split_models.activations import activation_arrays
 from split_models.segment import OptimizerConfig, StepResult
 from split_models.weights import load_segment_state, segment_state
@@ -62,6 +62,7 @@ class BackTrainer:
         forward: str | None = None,
         encoding: str = "fp32",
         ordered: bool = False,
+        max_activation: float = MAX_ACTIVATION,
     ) -> None:
         """``end`` below the model's last block makes this a piece of a chain: it trains with
         a ``local_loss`` head and passes its output on to the stream ``forward`` (at
@@ -74,7 +75,7 @@ class BackTrainer:
                 f"{'needs' if end < model.num_blocks else 'takes no'} stream to pass its "
                 f"output on to (got {forward!r}); only a piece before the last block has one"
             )
-        self.stage = BackStage(model, start, end, local_loss, optimizer, device)
+        self.stage = BackStage(model, start, end, local_loss, optimizer, device, max_activation)
         self.model, self.start, self.end, self.forward = model, start, end, forward
         self.segment = self.stage.segment
         self.chain = None if forward is None else ChainLink(channel, run, forward, end, encoding)

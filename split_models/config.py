@@ -483,6 +483,9 @@ class TrainingConfig:
     # averaged); its gradient norm spikes there, and without the clip SGD momentum 0.9 at lr
     # 0.05 diverges within 5 rounds (docs/benchmarks.md, "Stable split training").
     server_clip_norm: float | None = setting(1.0, above=0, what="a positive number (or null: off)")
+    # The GPU servers refuse an activation batch holding a value of larger magnitude: finite
+    # values near float32's limit pass the wire's checks but overflow the back to NaN.
+    max_activation: float = setting(1e8, above=0, what="a positive number")
 
     def server_optimizer(self) -> OptimizerConfig:
         """The optimizer of a GPU server's piece: ``optimizer`` with the servers' clip."""

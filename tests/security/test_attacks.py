@@ -228,3 +228,22 @@ def test_attack5_one_senders_incomplete_chunks_do_not_block_anothers_stream() ->
     _until(lambda: got)
     assert got == ["pi-01"]
     assert receiver.stats.rejected["oversize"] > 0  # pi-03 hit its own bound, no one else's
+
+
+def test_attack4_the_activation_bound_is_the_runs_setting() -> None:
+    """``max_activation`` (RUN.yaml) reaches the GPU stage: a tighter bound refuses more."""
+    from gpu_server.stage import BackStage
+    from split_models.config import TrainingConfig
+    from split_models.zoo import build_model
+    from wire.codec import Envelope
+    from wire.errors import WireError
+
+    assert TrainingConfig(rounds=1).max_activation == 1e8
+    model = build_model("mlp", (1, 8, 8), 10, seed=0)
+    spec = BackStage(model, 1, model.num_blocks).cut_specs[1][0]
+    batch = {"x": np.full((4, *spec.shape[1:]), 500.0, np.float32), "y": np.zeros(4, np.int64)}
+    envelope = Envelope("activations", "r", "pi-01", 0, 1, {"cut": 1}, batch)
+    BackStage(model, 1, model.num_blocks).train(envelope)  # 500 is fine by default
+    tight = BackStage(model, 1, model.num_blocks, max_activation=100.0)
+    with pytest.raises(WireError, match="magnitude 500, above the 100"):
+        tight.train(envelope)

@@ -90,6 +90,7 @@ def test_minimal_config_gets_defaults_and_named_edges() -> None:
         ({"optimizer": {"name": "sgd", "lr": -1}}, r"optimizer.lr"),
         ({"optimizer": {"name": "sgd", "lr": 1, "clip_norm": -1}}, r"optimizer.clip_norm"),
         ({"server_clip_norm": 0}, r"server_clip_norm: expected a positive number"),
+        ({"max_activation": 0}, r"max_activation: expected a positive number"),
         ({"deterministic": "yes"}, r"deterministic: expected true or false"),
         (
             {"strategy": {"name": "fedtrimmedavg", "beta": 0.6}},
