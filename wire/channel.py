@@ -102,7 +102,7 @@ class Channel:
         self.epoch = uuid.uuid4().hex[:16]
         self.stats = ChannelStats()
         self._counters: dict[str, itertools.count[int]] = {}
-        self._seen: dict[tuple[str, str, str], _Seen] = {}
+        self._seen: dict[tuple[str, str, str, str], _Seen] = {}
         self._reassembly_timeout = reassembly_timeout
         # one reassembler per topic (per sender, under the ACL): what one sender leaves
         # incomplete cannot crowd out another's chunked messages
@@ -174,7 +174,7 @@ class Channel:
             whole: bytes | None = None
             try:
                 whole = self._reassemble(topic, payload)
-                envelope = None if whole is None else self._accept(whole, expect, kinds)
+                envelope = None if whole is None else self._accept(topic, whole, expect, kinds)
             except WireError as error:
                 self.stats.rejected[error.reason] += 1
                 log.warning("rejected message on %s: %s", topic, error)
@@ -202,7 +202,11 @@ class Channel:
             return reassembler.feed(payload)
 
     def _accept(
-        self, payload: bytes, expect: Mapping[str, TensorSpec] | None, kinds: frozenset[str] | None
+        self,
+        topic: str,
+        payload: bytes,
+        expect: Mapping[str, TensorSpec] | None,
+        kinds: frozenset[str] | None,
     ) -> Envelope | None:
         envelope = decode(payload, expect, self.max_message_bytes)
         if kinds is not None and envelope.kind not in kinds:
@@ -210,7 +214,9 @@ class Channel:
         epoch = envelope.meta.get("epoch")
         if not isinstance(epoch, str):
             raise WireError("header", "meta.epoch is missing")
-        key = (envelope.sender, epoch, envelope.kind)
+        # by topic too: an envelope's sender is what the payload says, the topic is the
+        # account's (ACL), so a forged sender cannot mark another's batches as seen
+        key = (topic, envelope.sender, epoch, envelope.kind)
         with self._lock:
             first = self._seen.setdefault(key, _Seen()).first_time(envelope.seq)
             if not first:

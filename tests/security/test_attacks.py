@@ -247,3 +247,29 @@ def test_attack4_the_activation_bound_is_the_runs_setting() -> None:
     tight = BackStage(model, 1, model.num_blocks, max_activation=100.0)
     with pytest.raises(WireError, match="magnitude 500, above the 100"):
         tight.train(envelope)
+
+
+def test_attack4_a_forged_envelope_sender_cannot_mark_anothers_batches_seen() -> None:
+    """Channels de-duplicate per topic: pi-03 replaying pi-01's header (sender, epoch,
+    sequence number) on its own topic does not make pi-01's real batch a duplicate."""
+    from dataclasses import replace
+
+    from wire.codec import Envelope, encode
+    from wire.transport import InProcessHub
+
+    hub = InProcessHub()
+    receiver = Channel(hub.connect("gpu"), "gpu-a")
+    got: list[str] = []
+    receiver.listen(
+        topics.activations_filter("run-1", "seg-1"), lambda topic, _e: got.append(topic)
+    )
+    batch = {"x": np.ones((2, 3), np.float32), "y": np.zeros(2, np.int64)}
+    real = Envelope("activations", "run-1", "pi-01", 0, 1, {"epoch": "e" * 16}, batch)
+    forged = replace(real, tensors={"x": np.zeros((2, 3), np.float32), "y": batch["y"]})
+    hub.connect("pi-03").publish(topics.activations("run-1", "seg-1", "pi-03"), encode(forged))
+    hub.connect("pi-01").publish(topics.activations("run-1", "seg-1", "pi-01"), encode(real))
+    _until(lambda: len(got) == 2)
+    assert sorted(got) == [
+        topics.activations("run-1", "seg-1", "pi-01"),
+        topics.activations("run-1", "seg-1", "pi-03"),
+    ]
