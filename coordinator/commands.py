@@ -112,8 +112,10 @@ def coordinator_command(args: argparse.Namespace) -> int:
 
     configure_logging(args.verbose)
     config = load_run_config(args.config)
-    store = open_store(args.db)
-    transport = MqttTransport(MqttConfig.from_url(args.broker), f"coordinator-{config.run_id}")
+    store = open_store(args.db, password=args.db_password)
+    transport = MqttTransport(
+        MqttConfig.from_url(args.broker, args.broker_password), f"coordinator-{config.run_id}"
+    )
     try:
         ran = Coordinator(
             config,

@@ -15,13 +15,13 @@ from wire.mqtt import redact_url
 __all__ = ["db_upgrade_command", "export_command", "status_command"]
 
 
-def _open_existing(url: str) -> RunStore:
+def _open_existing(url: str, password: str | None) -> RunStore:
     url = normalise_url(url)
     if url.startswith("sqlite:///"):
         path = Path(url.removeprefix("sqlite:///"))
         if not path.exists():
             raise ConfigError(f"--db: no database at {path}; check the path or run a job first")
-    return open_store(url)
+    return open_store(url, password=password)
 
 
 def _cell(value: Any) -> str:
@@ -58,7 +58,7 @@ _ROUND_COLUMNS = [
 
 def status_command(args: argparse.Namespace) -> int:
     """List runs, or one run's rounds with their metrics."""
-    with _open_existing(args.db) as store:
+    with _open_existing(args.db, args.db_password) as store:
         if args.run is None:
             _print_runs(runs_overview(store), args.json)
             return 0
@@ -91,7 +91,7 @@ def _print_runs(runs: list[dict[str, Any]], as_json: bool) -> None:
 
 def db_upgrade_command(args: argparse.Namespace) -> int:
     """Create or migrate the database at ``--db`` to the current schema."""
-    with open_store(normalise_url(args.db)) as store:
+    with open_store(normalise_url(args.db), password=args.db_password) as store:
         runs = len(store.list_runs())
     print(f"database {redact_url(args.db)} is at the current schema ({runs} runs)")
     return 0
@@ -110,7 +110,7 @@ def export_command(args: argparse.Namespace) -> int:
     """Export a run's model (and device segments) to ONNX and check each file."""
     from coordinator.export import TOLERANCE, export_run
 
-    with _open_existing(args.db) as store:
+    with _open_existing(args.db, args.db_password) as store:
         run = args.run or _only_run(store)
         results = export_run(store, run, Path(args.out), args.round, args.per_device)
     for result in results:

@@ -30,7 +30,7 @@ def edge_command(args: argparse.Namespace) -> int:
         uplink=parse_bandwidth(args.uplink, "--uplink"),
     )
     data = load_dataset(args.data)
-    config = MqttConfig.from_url(args.broker, fresh_session=True)
+    config = MqttConfig.from_url(args.broker, args.broker_password, fresh_session=True)
     node = node_id_for(args.id)
     control = MqttTransport(config, f"{args.id}-control", will=node_will(node, args.id))
     stream = MqttTransport(config, f"{args.id}-stream")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
@@ -141,7 +142,36 @@ def _broker_parser(commands: argparse._SubParsersAction) -> None:  # type: ignor
     broker.add_argument("--port", type=int, default=1883, help="default: %(default)s")
 
 
-_BROKER_HELP = "MQTT broker URL, mqtt://[user:pass@]host:port or mqtts://... (TLS)"
+_BROKER_HELP = (
+    "MQTT broker URL, mqtt://[ACCOUNT@]host:port or mqtts://...?ca=FILE (TLS); the account's "
+    "password from --broker-password-file, EDGESPLIT_BROKER_PASSWORD or "
+    "EDGESPLIT_BROKER_PASSWORD_FILE, never on the command line"
+)
+
+
+def _broker_password_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--broker-password-file",
+        metavar="PATH",
+        help="file whose first line is the broker account's password (mode 0600)",
+    )
+
+
+def _db_flags(parser: argparse.ArgumentParser, default: str | None = None) -> None:
+    """``--db`` and the file with its password (PostgreSQL URLs that name only the user)."""
+    parser.add_argument(
+        "--db",
+        required=default is None,
+        default=default,
+        help="database URL or SQLite file, e.g. runs.db or postgresql+psycopg://USER@host/db"
+        + (" (default: %(default)s)" if default else ""),
+    )
+    parser.add_argument(
+        "--db-password-file",
+        metavar="PATH",
+        help="file whose first line is the database password (else EDGESPLIT_DB_PASSWORD or "
+        "EDGESPLIT_DB_PASSWORD_FILE)",
+    )
 
 
 def _coordinator_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -153,12 +183,11 @@ def _coordinator_parser(commands: argparse._SubParsersAction) -> None:  # type: 
         "the declared devices, plan, train every round and commit it to the store.",
     )
     coordinator.add_argument("--config", required=True, help="run configuration (RUN.yaml)")
-    coordinator.add_argument(
-        "--db", default="edgesplit.db", help="database URL or SQLite file (default: %(default)s)"
-    )
+    _db_flags(coordinator, default="edgesplit.db")
     coordinator.add_argument(
         "--broker", default="mqtt://127.0.0.1:1883", help=f"{broker_help} (default: %(default)s)"
     )
+    _broker_password_flag(coordinator)
     coordinator.add_argument(
         "--max-attempts", type=int, default=3, help="tries per round (default: %(default)s)"
     )
@@ -194,6 +223,7 @@ def _role_parsers(commands: argparse._SubParsersAction) -> None:  # type: ignore
     )
     edge.add_argument("--id", required=True, help="device name (stable across restarts)")
     edge.add_argument("--broker", default="mqtt://127.0.0.1:1883", help=broker_help)
+    _broker_password_flag(edge)
     edge.add_argument("--data", required=True, help="local training data, e.g. npz:PATH")
     edge.add_argument(
         "--memory", default="512MiB", help="memory for training (default: %(default)s)"
@@ -210,6 +240,7 @@ def _role_parsers(commands: argparse._SubParsersAction) -> None:  # type: ignore
     )
     gpu.add_argument("--id", required=True, help="server name (stable across restarts)")
     gpu.add_argument("--broker", default="mqtt://127.0.0.1:1883", help=broker_help)
+    _broker_password_flag(gpu)
     gpu.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     gpu.add_argument("--memory", default="80GiB", help="memory for training (default: %(default)s)")
     gpu.add_argument("--flops", default="1e13", help="sustained FLOP/s (default: %(default)s)")
@@ -238,6 +269,7 @@ def _simulate_parser(commands: argparse._SubParsersAction) -> None:  # type: ign
         default="none",
         help="none (in-process, default), embedded (a private mosquitto) or mqtt://host:port",
     )
+    _broker_password_flag(sim)
     sim.add_argument(
         "--rounds", type=int, help=f"default: the config's, else {defaults.training.rounds}"
     )
@@ -293,7 +325,7 @@ def _export_parser(commands: argparse._SubParsersAction) -> None:  # type: ignor
         description="Write the model of a committed round as ONNX with a dynamic batch, run "
         "each file through onnxruntime against torch, and fail above 1e-4.",
     )
-    export.add_argument("--db", required=True, help="database URL or SQLite file")
+    _db_flags(export)
     export.add_argument("--run", help="run id (default: the store's only run)")
     export.add_argument("--round", type=int, help="round to export (default: the last committed)")
     export.add_argument("--out", required=True, help="output directory")
@@ -310,17 +342,13 @@ def _store_parsers(commands: argparse._SubParsersAction) -> None:  # type: ignor
         help="list runs, or one run's rounds and metrics",
         description="Show runs stored in a database (SQLite file or PostgreSQL URL).",
     )
-    status.add_argument(
-        "--db",
-        required=True,
-        help="database URL or SQLite file, e.g. runs.db or postgresql+psycopg://...",
-    )
+    _db_flags(status)
     status.add_argument("--run", help="show this run's rounds")
     status.add_argument("--json", action="store_true", help="print JSON")
     database = commands.add_parser("db", help="database maintenance")
     actions = database.add_subparsers(dest="action", required=True, metavar="ACTION")
     upgrade = actions.add_parser("upgrade", help="create or migrate the schema to the latest")
-    upgrade.add_argument("--db", required=True, help="database URL or SQLite file")
+    _db_flags(upgrade)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -367,6 +395,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "broker":
             return _run_broker(args.port)
+        _read_passwords(args)
         module, _, function = _COMMANDS[args.command].partition(":")
         command: Callable[[argparse.Namespace], int] = getattr(
             importlib.import_module(module), function
@@ -375,6 +404,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (SplitError, StoreError, TransportError) as error:
         print(f"edgesplit {args.command}: error: {error}", file=sys.stderr)
         return EXIT_USAGE
+
+
+def _read_passwords(args: argparse.Namespace) -> None:
+    """Give the command its broker and database passwords (``args.broker_password``,
+    ``args.db_password``: None where the URL needs none) and refuse a malformed broker URL by
+    name, its password masked."""
+    from edgesplit.passwords import broker_password, db_password
+    from split_models.errors import ConfigError
+
+    if hasattr(args, "broker"):
+        args.broker_password = broker_password(args.broker, args.broker_password_file, os.environ)
+        if args.broker not in ("none", "embedded"):
+            from wire.mqtt import MqttConfig
+
+            try:
+                MqttConfig.from_url(args.broker, password=args.broker_password)
+            except ValueError as error:
+                raise ConfigError(f"--broker: {error}") from None
+    if hasattr(args, "db"):
+        args.db_password = db_password(args.db, args.db_password_file, os.environ)
 
 
 def _run_broker(port: int) -> int:

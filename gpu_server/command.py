@@ -33,7 +33,7 @@ def gpu_server_command(args: argparse.Namespace) -> int:
         flops=parse_flops(args.flops, "--flops"),
         accelerator=args.device,
     )
-    config = MqttConfig.from_url(args.broker, fresh_session=True)
+    config = MqttConfig.from_url(args.broker, args.broker_password, fresh_session=True)
     node = node_id_for(args.id)
     control = MqttTransport(config, f"{args.id}-control", will=node_will(node, args.id))
     # The activation stream is a shared subscription: a server that goes away must leave the

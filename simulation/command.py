@@ -46,10 +46,14 @@ def simulate_command(args: argparse.Namespace) -> int:
     out = Path(args.out)
     title = f"{config.method}: {config.fleet.clients} clients, {config.model.name}"
     if args.quiet or config.method == "centralized":
-        summary = simulate(config, out, broker=args.broker, observer=RoundObserver())
+        summary = simulate(
+            config, out, args.broker, observer=RoundObserver(), password=args.broker_password
+        )
     else:
         with RoundProgress(config.training.rounds, title) as progress:
-            summary = simulate(config, out, broker=args.broker, observer=progress)
+            summary = simulate(
+                config, out, args.broker, observer=progress, password=args.broker_password
+            )
     _print_summary(summary, out)
     return 0
 

@@ -201,9 +201,11 @@ def simulate(
     broker: str = "none",
     run_id: str | None = None,
     observer: RoundObserver | None = None,
+    password: str | None = None,
 ) -> dict[str, Any]:
     """Run the simulation; write its outputs into ``out`` and return the summary.
-    ``observer`` (a progress display) hears about every round."""
+    ``observer`` (a progress display) hears about every round; ``password`` is the account's
+    when ``broker`` names one without its password."""
     started = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     train, test = _data(config)
@@ -224,7 +226,7 @@ def simulate(
     names = client_names(config.fleet.clients)
     data = {name: train.subset(rows) for name, rows in zip(names, parts, strict=True)}
     trained, plan, rows, clients, batched = _split_learning(
-        config, run, data, out, broker, observer
+        config, run, data, out, (broker, password), observer
     )
     training = sum(r["wall_seconds"] or 0.0 for r in rows)
     summary = {
@@ -249,13 +251,14 @@ def _split_learning(
     run: RunConfig,
     data: dict[str, Dataset],
     out: Path,
-    broker: str,
+    broker: tuple[str, str | None],
     observer: RoundObserver | None,
 ) -> tuple[float, Plan | None, list[dict[str, Any]], list[dict[str, Any]], Any]:
-    """Train ``run`` on the simulated fleet (its store in ``out``); return when training
-    ended, the stored plan, the round and client rows, and the batched slots' counts."""
+    """Train ``run`` on the simulated fleet (its store in ``out``, ``broker`` its URL and
+    password); return when training ended, the stored plan, the round and client rows, and
+    the batched slots' counts."""
     profiles = config.fleet.client_profiles()
-    connect, closer = _transports(broker)
+    connect, closer = _transports(*broker)
     fleet = None
     try:
         gpu = Announcement("gpu-sim", "gpu", config.gpu.memory, config.gpu.flops)
@@ -319,7 +322,7 @@ def _baseline(
     }
 
 
-def _transports(broker: str) -> tuple[Any, Any]:
+def _transports(broker: str, password: str | None) -> tuple[Any, Any]:
     if broker == "none":
         hub = InProcessHub()
         return (lambda name, will=None: hub.connect(name, will)), (lambda: None)
@@ -331,7 +334,7 @@ def _transports(broker: str) -> tuple[Any, Any]:
     made: list[MqttTransport] = []
 
     def connect(name: str, will: Will | None = None) -> Transport:
-        config = MqttConfig.from_url(url, session_expiry=0, clean_start=True)
+        config = MqttConfig.from_url(url, password, session_expiry=0, clean_start=True)
         made.append(MqttTransport(config, f"{name}-{uuid.uuid4().hex[:6]}", will))
         return made[-1]
 

@@ -2,7 +2,8 @@
 
 ``open_store(url)`` picks the backend: ``memory://`` (in-process, nothing persisted), a SQLite
 file (``sqlite:///runs.db`` or a plain path, the default) or PostgreSQL
-(``postgresql+psycopg://user@host/db``). Checkpoint tensors are safetensors files in a
+(``postgresql+psycopg://user@host/db``, the password given apart so that it is in no URL that
+is printed or passed on a command line). Checkpoint tensors are safetensors files in a
 content-addressed directory next to the database unless ``checkpoint_dir`` says otherwise.
 """
 
@@ -58,11 +59,14 @@ def _default_checkpoint_dir(url: str) -> Path:
     return Path("checkpoints")
 
 
-def open_store(url: str, checkpoint_dir: str | Path | None = None) -> RunStore:
-    """Open (and migrate) the store at ``url``."""
+def open_store(
+    url: str, checkpoint_dir: str | Path | None = None, password: str | None = None
+) -> RunStore:
+    """Open (and migrate) the store at ``url``; ``password`` is the database user's when the
+    URL holds none (ignored for SQLite and memory)."""
     if url in ("memory://", "memory"):
         return InMemoryRunStore()
     from storage.sql import SqlRunStore
 
     url = normalise_url(url)
-    return SqlRunStore(url, checkpoint_dir or _default_checkpoint_dir(url))
+    return SqlRunStore(url, checkpoint_dir or _default_checkpoint_dir(url), password=password)

@@ -10,13 +10,13 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Engine, create_engine, event, func, select
-from sqlalchemy.engine import make_url
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import ArgumentError, IntegrityError, NoSuchModuleError, OperationalError
 from sqlalchemy.orm import Session, selectinload, sessionmaker
 
 from storage.base import RunStore, validate_result
 from storage.checkpoints import CheckpointFiles
-from storage.errors import NotFoundError, StateError
+from storage.errors import NotFoundError, StateError, StoreError
 from storage.records import (
     CheckpointRef,
     DeviceRecord,
@@ -51,12 +51,32 @@ def _utc(value: datetime | None) -> datetime | None:
     return value.replace(tzinfo=UTC)
 
 
-def create_store_engine(url: str) -> Engine:
+def _shown(url: str | URL) -> str:
+    """``url`` as messages show it: the password masked, or only the scheme of a URL that does
+    not parse."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except (ArgumentError, ValueError):
+        return f"{str(url).partition('://')[0]}://... (not a valid URL)"
+
+
+def _opening(url: str, error: Exception) -> StoreError:
+    """A one-line store error for a database that cannot be opened; the password masked."""
+    if isinstance(error, OperationalError):
+        reason = str(error.orig or error).strip().splitlines()[0]
+        return StoreError(f"cannot open the database at {_shown(url)}: {reason}")
+    return StoreError(f"--db {_shown(url)}: {error}")
+
+
+def create_store_engine(url: str, password: str | None = None) -> Engine:
     """An engine with the settings the store relies on (SQLite: WAL, foreign keys, busy
-    timeout, BEGIN IMMEDIATE so writers queue instead of failing with 'database is locked')."""
+    timeout, BEGIN IMMEDIATE so writers queue instead of failing with 'database is locked');
+    ``password`` is the database user's when ``url`` holds none."""
     parsed = make_url(url)
     if parsed.get_backend_name() != "sqlite":
-        return create_engine(url, pool_pre_ping=True)
+        if password is not None and parsed.password is None:
+            parsed = parsed.set(password=password)
+        return create_engine(parsed, pool_pre_ping=True)
     database = parsed.database
     if database and database != ":memory:" and not os.path.exists(database):
         # the run store holds the run's config and history: its owner's alone (0600; SQLite
@@ -141,13 +161,22 @@ def _round(row: RoundRow) -> RoundRecord:
 class SqlRunStore(RunStore):
     """Rows in SQL, checkpoint tensors in content-addressed safetensors files."""
 
-    def __init__(self, url: str, checkpoint_dir: str | Path, migrate: bool = True) -> None:
-        self.url = url
-        self.engine = create_store_engine(url)
-        if migrate:
-            from storage.migrate import upgrade
+    def __init__(
+        self,
+        url: str,
+        checkpoint_dir: str | Path,
+        migrate: bool = True,
+        password: str | None = None,
+    ) -> None:
+        self.url = url  # as given: no password that was given apart
+        try:
+            self.engine = create_store_engine(url, password)
+            if migrate:
+                from storage.migrate import upgrade
 
-            upgrade(self.engine)
+                upgrade(self.engine)
+        except (ArgumentError, NoSuchModuleError, OperationalError, ValueError) as error:
+            raise _opening(url, error) from None
         self.files = CheckpointFiles(checkpoint_dir)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
 

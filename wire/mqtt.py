@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import ssl
 import threading
 import time
@@ -35,26 +34,6 @@ _UNCLAIMED_BYTES = 256 * 1024 * 1024
 log = logging.getLogger(__name__)
 
 
-PASSWORD_ENV = "EDGESPLIT_BROKER_PASSWORD"
-PASSWORD_FILE_ENV = "EDGESPLIT_BROKER_PASSWORD_FILE"
-
-
-def _password_from_env() -> str | None:
-    """The broker password when the URL has none: ``$EDGESPLIT_BROKER_PASSWORD``, or the
-    first line of the file ``$EDGESPLIT_BROKER_PASSWORD_FILE`` (so it is in no argv, unit file
-    or process list)."""
-    if os.environ.get(PASSWORD_ENV):
-        return os.environ[PASSWORD_ENV]
-    path = os.environ.get(PASSWORD_FILE_ENV)
-    if not path:
-        return None
-    try:
-        with open(path, encoding="utf-8") as handle:
-            return handle.readline().rstrip("\r\n") or None
-    except OSError as error:
-        raise ValueError(f"{PASSWORD_FILE_ENV}: cannot read {path}: {error.strerror}") from error
-
-
 def account_client_id(username: str | None, client_id: str) -> str:
     """The MQTT client id for ``client_id`` under ``username``: ``<account>:<id>``.
 
@@ -68,14 +47,14 @@ def account_client_id(username: str | None, client_id: str) -> str:
 
 
 def redact_url(url: str) -> str:
-    """``url`` with its password replaced by ``***`` (for logs and messages)."""
+    """``url`` with its password replaced by ``***`` (for logs and messages); the rest as
+    written, even a malformed port."""
     parsed = urlparse(url)
     if parsed.password is None:
         return url
-    user = parsed.username or ""
-    host = parsed.hostname or ""
-    port = f":{parsed.port}" if parsed.port else ""
-    return parsed._replace(netloc=f"{user}:***@{host}{port}").geturl()
+    user = parsed.netloc.rpartition("@")[0].partition(":")[0]
+    host = parsed.netloc.rpartition("@")[2]
+    return parsed._replace(netloc=f"{user}:***@{host}").geturl()
 
 
 @dataclass(frozen=True)
@@ -104,7 +83,10 @@ class MqttConfig:
     max_queued: int = 64
 
     @classmethod
-    def from_url(cls, url: str, **overrides: Any) -> MqttConfig:
+    def from_url(cls, url: str, password: str | None = None, **overrides: Any) -> MqttConfig:
+        """The config of broker ``url``; ``password`` is the account's when the URL names the
+        account but holds no password (the CLI reads it from a file or the environment, so
+        that it is in no argv)."""
         parsed = urlparse(url)
         if parsed.scheme not in ("mqtt", "mqtts"):
             raise ValueError(
@@ -112,14 +94,18 @@ class MqttConfig:
             )
         query = {k: v[-1] for k, v in parse_qs(parsed.query).items()}
         tls = parsed.scheme == "mqtts"
+        try:
+            port = parsed.port
+        except ValueError as error:
+            raise ValueError(f"broker URL {redact_url(url)!r}: {error}") from None
         parsed_config = cls(
             host=parsed.hostname or "127.0.0.1",
-            port=parsed.port or (8883 if tls else 1883),
+            port=port or (8883 if tls else 1883),
             username=unquote(parsed.username) if parsed.username else None,
             password=(
                 unquote(parsed.password)
                 if parsed.password
-                else _password_from_env()
+                else password
                 if parsed.username
                 else None
             ),

@@ -89,24 +89,3 @@ def test_passwords_never_reach_a_log_line_or_an_error() -> None:
     with pytest.raises(ValueError) as error:
         MqttConfig.from_url("tcp://pi-01:s3cret@broker:1883")
     assert "s3cret" not in str(error.value) and "***" in str(error.value)
-
-
-def test_the_broker_password_can_come_from_the_environment_or_a_file(
-    tmp_path: object, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from pathlib import Path
-
-    from wire.mqtt import MqttConfig
-
-    monkeypatch.delenv("EDGESPLIT_BROKER_PASSWORD", raising=False)
-    secret = Path(str(tmp_path)) / "password"
-    secret.write_text("s3cret\n")
-    monkeypatch.setenv("EDGESPLIT_BROKER_PASSWORD_FILE", str(secret))
-    assert MqttConfig.from_url("mqtts://pi-01@broker:8883").password == "s3cret"
-    monkeypatch.setenv("EDGESPLIT_BROKER_PASSWORD", "other")
-    assert MqttConfig.from_url("mqtts://pi-01@broker:8883").password == "other"
-    assert MqttConfig.from_url("mqtts://pi-01:inline@broker:8883").password == "inline"
-    monkeypatch.delenv("EDGESPLIT_BROKER_PASSWORD")
-    monkeypatch.setenv("EDGESPLIT_BROKER_PASSWORD_FILE", str(secret) + ".missing")
-    with pytest.raises(ValueError, match="cannot read"):
-        MqttConfig.from_url("mqtts://pi-01@broker:8883")
