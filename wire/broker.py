@@ -77,6 +77,7 @@ class Broker:
         self._dir = Path(tempfile.mkdtemp(prefix="edgesplit-broker-"))
         persistence_dir = self._dir if persistence else None
         self.config_path = self._dir / "mosquitto.conf"
+        self.log_path = self._dir / "mosquitto.log"
         self.config_path.write_text(
             config
             if config is not None
@@ -105,15 +106,19 @@ class Broker:
                     f"port {self.port} on 127.0.0.1 is in use ({error.strerror}); choose "
                     "another with --port or stop what listens there"
                 ) from error
-        self._process = subprocess.Popen(
-            [self.executable, "-c", str(self.config_path)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-        )
+        # mosquitto logs every connection to stderr: into a file, as an unread pipe fills
+        # after 64 KiB and the broker then blocks on its next log line (a device reconnecting
+        # a few hundred times froze every client)
+        with self.log_path.open("ab") as log:
+            self._process = subprocess.Popen(
+                [self.executable, "-c", str(self.config_path)],
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+            )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
-                output = self._process.stderr.read().decode() if self._process.stderr else ""
+                output = self.log_path.read_text(errors="replace")[-4000:]
                 raise TransportError(f"mosquitto exited at start: {output.strip()}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
