@@ -56,6 +56,8 @@ class Deployment:
     rounds: int = 3
     deadline: str = "60s"
     local_epochs: int = 1
+    # the GPU server trains the edges' batches in name order: two runs of one seed compare
+    deterministic: bool = False
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     # A broker with accounts: the URL each account connects with (no password inside) and the
     # environment that gives it its password (EDGESPLIT_BROKER_PASSWORD_FILE).
@@ -81,6 +83,7 @@ class Deployment:
                     "compression": "fp16",
                     "round_deadline": self.deadline,
                     "seed": 0,
+                    "deterministic": self.deterministic,
                 }
             )
         )
