@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["CheckpointError", "NotFoundError", "StateError", "StoreError"]
+__all__ = ["CheckpointError", "NotFoundError", "StateError", "StoreError", "UnreachableError"]
 
 
 class StoreError(Exception):
@@ -22,3 +22,7 @@ class StateError(StoreError):
 
 class CheckpointError(StoreError):
     """A checkpoint file is missing, truncated or does not match its recorded hash."""
+
+
+class UnreachableError(StoreError):
+    """The database server cannot be reached (down, wrong host or port, refused login)."""

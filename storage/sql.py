@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session, selectinload, sessionmaker
 
 from storage.base import RunStore, validate_result
 from storage.checkpoints import CheckpointFiles
-from storage.errors import NotFoundError, StateError, StoreError
+from storage.errors import NotFoundError, StateError, StoreError, UnreachableError
 from storage.records import (
     CheckpointRef,
     DeviceRecord,
@@ -64,7 +64,10 @@ def _opening(url: str, error: Exception) -> StoreError:
     """A one-line store error for a database that cannot be opened; the password masked."""
     if isinstance(error, OperationalError):
         reason = str(error.orig or error).strip().splitlines()[0]
-        return StoreError(f"cannot open the database at {_shown(url)}: {reason}")
+        message = f"cannot open the database at {_shown(url)}: {reason}"
+        if not str(url).startswith("sqlite"):  # a server: down, wrong address, login refused
+            return UnreachableError(f"{message}; is the database server running and reachable?")
+        return StoreError(message)
     return StoreError(f"--db {_shown(url)}: {error}")
 
 

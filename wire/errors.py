@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["TransportError", "WireError"]
+__all__ = ["TransportError", "UnreachableError", "WireError"]
 
 
 class WireError(ValueError):
@@ -16,3 +16,7 @@ class WireError(ValueError):
 
 class TransportError(RuntimeError):
     """The transport cannot do what was asked (not connected, payload too large...)."""
+
+
+class UnreachableError(TransportError):
+    """The MQTT broker cannot be reached (not running, wrong host or port, firewall)."""

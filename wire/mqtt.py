@@ -24,7 +24,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from wire.errors import TransportError
+from wire.errors import TransportError, UnreachableError
 from wire.transport import Handler, Transport, Will, _Mailbox, matches, split_shared
 
 __all__ = ["MqttConfig", "MqttTransport", "account_client_id", "redact_url"]
@@ -186,13 +186,13 @@ class MqttTransport(Transport):
                 properties=properties,
             )
         except (OSError, ValueError) as error:
-            raise TransportError(
+            raise UnreachableError(
                 f"cannot reach the MQTT broker at {self.config.host}:{self.config.port}: {error}"
             ) from error
         self._client.loop_start()
         if not self._connected.wait(self.config.connect_timeout):
             self._client.loop_stop()
-            raise TransportError(
+            raise UnreachableError(
                 f"no connection to the MQTT broker at {self.config.host}:{self.config.port} "
                 f"within {self.config.connect_timeout:.0f} s; is it running? "
                 "(`edgesplit broker` starts one for development)"
