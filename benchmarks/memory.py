@@ -33,6 +33,7 @@ import torch  # noqa: E402
 
 from split_models import ModelProfile, estimate_segment_memory, format_bytes  # noqa: E402
 from split_models.config import ModelConfig, config_to_dict, parse_config  # noqa: E402
+from split_models.isolated import profile_in_fresh_process  # noqa: E402
 from split_models.measure import run_measuring_child  # noqa: E402
 
 # model, input shape, segments (the cuts of a three-part split)
@@ -93,29 +94,11 @@ def measure(
 def fresh_profile(
     model: str, shape: tuple[int, ...], batch: int, options: dict[str, object] | None = None
 ) -> ModelProfile:
-    """Profile in a new process, as the coordinator does: kernels that an earlier profile in
-    the same process generated would hide this model's one-time kernel setup."""
-    extra = []
-    for key, value in (options or {}).items():
-        extra += [f"--{key.replace('_', '-')}", str(value)]
-    done = run_measuring_child(
-        [
-            "edgesplit",
-            "profile",
-            "--model",
-            model,
-            "--input-shape",
-            ",".join(map(str, shape)),
-            "--batch-size",
-            str(batch),
-            "--local-loss",
-            "linear",
-            "--json",
-            *extra,
-        ]
-    )
-    done.check_returncode()
-    return ModelProfile.from_dict(json.loads(done.stdout))
+    """Profile in a new process, as the coordinator does (cold kernel setup per block
+    included): kernels that an earlier profile in the same process generated would hide this
+    model's one-time kernel setup."""
+    section = json.loads(_section(model, shape, options or {}))
+    return profile_in_fresh_process(parse_config(ModelConfig, section, "case"), ("linear",), batch)
 
 
 def main() -> int:

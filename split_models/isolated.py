@@ -67,8 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int)
     args = parser.parse_args(argv)
     try:
-        model = parse_config(ModelConfig, json.loads(args.model), "model").build(seed=0)
-        profile = profile_model(model, args.local_loss or ("linear",), args.batch_size)
+        config = parse_config(ModelConfig, json.loads(args.model), "model")
+        profile = profile_model(
+            config.build(seed=0), args.local_loss or ("linear",), args.batch_size, config
+        )
     except (SplitError, ValueError) as error:
         print(f"{type(error).__name__}: {error}", file=sys.stderr)
         return _ERROR_EXIT

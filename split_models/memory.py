@@ -8,7 +8,8 @@ memory that lives through the whole step:
   the largest parameter (Adam's step);
 - input: the batch and its int64 labels;
 - kernel setup: what the first step at this batch size leaves resident (generated kernels,
-  primitive caches), measured per block;
+  primitive caches, the library code pages they run), measured per block in order and cold
+  (see ``_Chain.add``);
 - bookkeeping: a constant 96 KiB for the step's autograd graph and Python objects;
 
 and the step's own peak, the largest of its phases:
@@ -106,28 +107,33 @@ class _Chain:
         self.last: BlockProfile | None = None
         self.params = self.buffers = self.largest_param = 0
         self.saved = 0  # bytes for the whole batch, including parts that do not scale
-        self.setup = 0
+        self.setup = 0  # max over k of cold setup(k) + in-order setups of the blocks after k
         self.relative_peak = -(2**62)  # max over k of saved(< k) + pass(k) - params(<= k)
 
     def _extend(self, block: BlockProfile) -> tuple[int, int, int]:
         """Saved, training-pass and kernel-setup bytes (whole batch) of ``block`` after the
-        chain."""
+        chain; the setup is the chain's with ``block`` added."""
         batch = self.batch
         saved = block.saved_bytes
         if self.last is None:
             per_sample, fixed = block.first_backward_bytes, block.first_backward_fixed_bytes
-            setup = block.first_kernel_setup_bytes
+            setup, cold = block.first_kernel_setup_bytes, block.first_cold_kernel_setup_bytes
         else:
             per_sample, fixed = block.backward_bytes, block.backward_fixed_bytes
-            setup = block.kernel_setup_bytes
+            setup, cold = block.kernel_setup_bytes, block.cold_kernel_setup_bytes
             if block.saves_input and not self.last.saves_output:
                 saved += block.input_bytes
         saved_total = batch * saved + block.saved_fixed_bytes
-        return saved_total, saved_total + batch * per_sample + fixed, setup
+        # Setup is what the blocks' first passes need between them (kernels, caches, library
+        # code pages), shared where blocks run the same kernels. In order, a block's setup
+        # leaves out what any earlier block of the model made; cold, it counts what it shares
+        # with the segment's other blocks. Their union is at least a block's cold setup plus
+        # what each later block of the segment added in order (disjoint from it).
+        return saved_total, saved_total + batch * per_sample + fixed, max(self.setup + setup, cold)
 
     def add(self, block: BlockProfile) -> None:
         saved, training_pass, setup = self._extend(block)
-        self.setup += setup
+        self.setup = setup
         self.first = self.first or block
         self.params += block.param_bytes
         self.buffers += block.buffer_bytes
@@ -143,8 +149,7 @@ class _Chain:
         params, buffers, largest_param = self.params, self.buffers, self.largest_param
         saved, relative_peak, tail, setup = self.saved, self.relative_peak, self.last, self.setup
         if head is not None:
-            head_saved, head_pass, head_setup = self._extend(head)
-            setup += head_setup
+            head_saved, head_pass, setup = self._extend(head)
             params, buffers = params + head.param_bytes, buffers + head.buffer_bytes
             largest_param = max(largest_param, head.largest_param_bytes)
             relative_peak = max(relative_peak, saved + head_pass - params)

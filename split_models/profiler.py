@@ -10,23 +10,27 @@ The working set of backward (gradient buffers, kernel workspaces) depends on the
 is measured too: on Linux the block runs forward and backward alone at two batch sizes while the
 process's resident high-water mark is tracked, and the per-sample slope is kept. The first pass at
 a new batch size also leaves kernels and caches resident (oneDNN generates code per shape); that
-is measured as the growth of the exact resident size over that pass. Where none of this can be
-measured, three times the largest activation stands in for the working set.
+is measured as the growth of the exact resident size over that pass, in order (after the blocks
+before it) and cold (each block in a fresh process of its own, ``split_models.cold_setup``).
+Where none of this can be measured, three times the largest activation stands in for the
+working set.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from split_models.activations import Activation, nbytes, primary, side
+from split_models.cold_setup import cold_setups
 from split_models.heads import LOCAL_LOSSES, make_head
 from split_models.measure import (
     PeakMeter,
@@ -37,7 +41,16 @@ from split_models.measure import (
 )
 from split_models.zoo import SplittableModel, example_input
 
-__all__ = ["BlockProfile", "ModelProfile", "profile_model", "profile_module"]
+if TYPE_CHECKING:
+    from split_models.config import ModelConfig
+
+__all__ = [
+    "BlockProfile",
+    "ModelProfile",
+    "first_pass_setups",
+    "profile_model",
+    "profile_module",
+]
 
 _PROBE_BATCHES = (2, 4)
 _WORKING_SET_BATCH = 8
@@ -70,6 +83,9 @@ class BlockProfile:
     first_backward_fixed_bytes: int = 0
     kernel_setup_bytes: int = 0  # left resident by the first pass at the profiled batch size
     first_kernel_setup_bytes: int = 0  # the same when the input needs no gradient
+    # The same two measured in a fresh process with no other block run before (0: not measured)
+    cold_kernel_setup_bytes: int = 0
+    first_cold_kernel_setup_bytes: int = 0
     summary: str = ""
 
     @classmethod
@@ -361,6 +377,33 @@ def _training_pass(
     return max(0, slope - saved_bytes), max(0, at[target] - slope * target), setup
 
 
+def first_pass_setups(
+    model: SplittableModel, index: int, batch_size: int | None
+) -> tuple[int, int]:
+    """The kernel setup of block ``index`` of ``model`` as :func:`_training_pass` measures it,
+    without and with an input gradient (the second includes the first); in a fresh process that
+    only built the model, it is the block's cold setup. ``(0, 0)`` where resident sizes cannot
+    be measured."""
+    if not (peak_supported() and release_freed_memory()):
+        return 0, 0
+    values = model.cut_values()
+    block, side_in = model.blocks[index], _side_tensors(model)[index]
+    shape = model.input_shape if index == 0 else tuple(primary(values[index - 1]).shape[1:])
+    out_shape = tuple(primary(values[index]).shape[1:])
+    ids = model.options.input_range if index == 0 else None
+    target = batch_size or _probe_batches(shape, out_shape, batch_size)[1]
+    setups = []
+    block.train()
+    for input_grad in (False, True) if ids is None else (False,):
+        if not input_grad and not any(p.requires_grad for p in block.parameters()):
+            setups.append(0)
+            continue
+        passes = _Pass(block, shape, out_shape, input_grad, ids, side_in)
+        passes.peak(_WARM_UP_BATCH)
+        setups.append(passes.setup(target))
+    return setups[0], sum(setups)
+
+
 def _summary(module: nn.Module) -> str:
     leaves = [type(m).__name__ for m in module.modules() if not list(m.children())]
     return "+".join(leaves) if len(leaves) <= 4 else f"{type(module).__name__}({len(leaves)})"
@@ -444,15 +487,31 @@ def profile_model(
     model: SplittableModel,
     local_losses: Iterable[str] = LOCAL_LOSSES,
     batch_size: int | None = None,
+    config: ModelConfig | None = None,
 ) -> ModelProfile:
     """Profile every block of ``model`` and every local-loss head at every cut, for training
-    at ``batch_size`` (any batch when ``None``, less precisely)."""
+    at ``batch_size`` (any batch when ``None``, less precisely). With ``config``, the section
+    ``model`` was built from, each block's cold kernel setup is measured too, in a fresh process
+    that builds the model (about two seconds per distinct block, two at a time): what a segment
+    starting mid-model pays on its device."""
     blocks: list[BlockProfile] = []
     shape = model.input_shape
     ids = model.options.input_range
+    keys = []
     for block, crossing in zip(model.blocks, _side_tensors(model), strict=True):
         blocks.append(profile_module(block, shape, batch_size, ids, crossing))
+        keys.append(repr((repr(block), shape, [tuple(t.shape) for t in crossing])))
         shape, ids = blocks[-1].output_shape, None
+    if config is not None and peak_supported():
+        from split_models.config import config_to_dict
+
+        section = json.dumps(config_to_dict(config))
+        blocks = [
+            replace(profile, first_cold_kernel_setup_bytes=first, cold_kernel_setup_bytes=whole)
+            for profile, (first, whole) in zip(
+                blocks, cold_setups(section, keys, batch_size), strict=True
+            )
+        ]
     heads: dict[str, tuple[BlockProfile, ...]] = {}
     for kind in local_losses:
         at_cut = [

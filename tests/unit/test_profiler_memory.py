@@ -139,6 +139,35 @@ def test_a_segment_start_counts_the_kernels_of_a_pass_without_an_input_gradient(
     assert estimate_segment_memory(profile, 4, 6, 16, "sgd").kernel_setup == 5000 + 600_000
 
 
+def test_a_segment_pays_the_cold_setup_that_blocks_before_it_hid(
+    cnn_profile: ModelProfile,
+) -> None:
+    # In order, a block's setup leaves out what earlier blocks of the model made; cold (a fresh
+    # process) it counts what it shares with the segment's other blocks. The segment's setup is
+    # the largest cold setup of a block plus what each later block added in order.
+    def with_setups(block: BlockProfile, in_order: int, cold: int) -> BlockProfile:
+        return replace(
+            block,
+            first_kernel_setup_bytes=in_order,
+            kernel_setup_bytes=in_order,
+            first_cold_kernel_setup_bytes=cold,
+            cold_kernel_setup_bytes=cold,
+        )
+
+    setups = [(100, 100), (10, 900), (20, 300), (30, 40), (0, 0), (0, 0)]
+    blocks = tuple(with_setups(b, *s) for b, s in zip(cnn_profile.blocks, setups, strict=True))
+    heads = {
+        kind: tuple(replace(head, kernel_setup_bytes=0) for head in profiles)
+        for kind, profiles in cnn_profile.heads.items()
+    }
+    profile = replace(cnn_profile, blocks=blocks, heads=heads)
+    assert estimate_segment_memory(profile, 0, 4, 16, "sgd").kernel_setup == 900 + 20 + 30
+    assert estimate_segment_memory(profile, 2, 4, 16, "sgd").kernel_setup == 300 + 30
+    assert estimate_segment_memory(profile, 3, 4, 16, "sgd").kernel_setup == 40
+    unmeasured = replace(profile, blocks=tuple(with_setups(b, 100, 0) for b in blocks))
+    assert estimate_segment_memory(unmeasured, 0, 3, 16, "sgd").kernel_setup == 300
+
+
 def test_the_last_segment_needs_no_profile_of_the_configured_local_head() -> None:
     # the back ends in the task loss: a model profiled only for mlp heads still estimates it
     profile = profile_model(build_model("mlp", (1, 8, 8), 10), local_losses=("mlp",))
