@@ -25,7 +25,8 @@ _POLL = 0.1
 
 
 class DeviceRegistry:
-    """Announcements heard on ``capabilities/+`` and the grid's online Flower nodes."""
+    """Announcements heard on ``capabilities/+`` (edges) and ``servers/+`` (GPU servers), and
+    the grid's online Flower nodes."""
 
     def __init__(
         self,
@@ -38,6 +39,7 @@ class DeviceRegistry:
         self._announcements: dict[str, Announcement] = {}
         self._lock = threading.Lock()
         transport.subscribe(f"{topics.PREFIX}/capabilities/+", self._on_announcement)
+        transport.subscribe(f"{topics.PREFIX}/servers/+", self._on_announcement)
 
     def _on_announcement(self, topic: str, payload: bytes) -> None:
         if not payload:
@@ -53,6 +55,15 @@ class DeviceRegistry:
                 "ignored an announcement of %r on the capabilities topic of %r",
                 announcement.device,
                 named,
+            )
+            return
+        if topic != topics.announcement(named, announcement.role):  # the ACL binds the role
+            log.warning(
+                "ignored %r announcing the role %r on %s: a GPU server announces on %s",
+                named,
+                announcement.role,
+                topic,
+                topics.servers(named),
             )
             return
         with self._lock:

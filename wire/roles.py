@@ -4,8 +4,9 @@ round asks of it.
 - A device's Flower node id is derived from its name (:func:`node_id_for`), so a restarted agent
   keeps its identity and a restarted coordinator recognises it.
 - An agent announces itself with a retained :class:`Announcement` on
-  ``edgesplit/v1/capabilities/<device>``; its Flower node presence (retained ``online``, last
-  will ``offline``) tells whether it is alive.
+  ``edgesplit/v1/capabilities/<device>`` (an edge) or ``edgesplit/v1/servers/<device>`` (a GPU
+  server, a topic only the servers' account may write); its Flower node presence (retained
+  ``online``, last will ``offline``) tells whether it is alive.
 - Every ``train`` (and ``query``) message carries a :class:`Task` as JSON in its config record:
   the run's model and training sections, the blocks the device trains and its streams. Agents
   keep no assignment state of their own; a restarted agent is ready for the next round it is
@@ -24,7 +25,8 @@ from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from wire.errors import WireError
-from wire.topics import capabilities, check_name
+from wire.topics import announcement as announcement_topic
+from wire.topics import check_name
 from wire.transport import Transport
 
 if TYPE_CHECKING:
@@ -288,7 +290,8 @@ def go_online(announcement: Announcement, control: Transport, app: ClientApp) ->
     node = FlowerNode(control, announcement.node_id, app, name=announcement.device)
 
     def announce() -> None:
-        control.publish(capabilities(announcement.device), announcement.to_json(), retain=True)
+        topic = announcement_topic(announcement.device, announcement.role)
+        control.publish(topic, announcement.to_json(), retain=True)
 
     announce()
     control.on_reconnect(announce)

@@ -11,6 +11,7 @@ __all__ = [
     "PREFIX",
     "activations",
     "activations_filter",
+    "announcement",
     "capabilities",
     "check_name",
     "coordinator",
@@ -23,6 +24,7 @@ __all__ = [
     "gradients",
     "presence",
     "processed",
+    "servers",
     "shared",
 ]
 
@@ -44,7 +46,20 @@ def presence(device: str) -> str:
 
 
 def capabilities(device: str) -> str:
+    """An edge's retained announcement (its account alone writes it: ACL ``%u``)."""
     return f"{PREFIX}/capabilities/{check_name(device, 'device')}"
+
+
+def servers(device: str) -> str:
+    """A GPU server's retained announcement: apart from the edges' so that the ACL lets only
+    the GPU servers' account announce the role (an edge announcing ``gpu`` on its own topic
+    is not taken for a server)."""
+    return f"{PREFIX}/servers/{check_name(device, 'device')}"
+
+
+def announcement(device: str, role: str) -> str:
+    """Where a device of ``role`` (``edge`` or ``gpu``) announces itself."""
+    return servers(device) if role == "gpu" else capabilities(device)
 
 
 def run_topic(run: str, kind: str, target: str | None = None) -> str:

@@ -30,6 +30,7 @@ __all__ = ["OWN_KINDS", "TOPIC_KINDS", "Fuzz", "FuzzGenerator"]
 TOPIC_KINDS = (
     "presence",
     "capabilities",
+    "servers",
     "act",
     "done",
     "processed",
@@ -135,6 +136,8 @@ class FuzzGenerator:
             return topics.presence(name)
         if kind == "capabilities":
             return topics.capabilities(name)
+        if kind == "servers":
+            return topics.servers(name)
         if kind == "act":
             return topics.activations(run, rng.choice((self.segment, "seg-1", "x")), name)
         if kind in ("done", "processed", "credit"):

@@ -273,3 +273,24 @@ def test_attack4_a_forged_envelope_sender_cannot_mark_anothers_batches_seen() ->
         topics.activations("run-1", "seg-1", "pi-01"),
         topics.activations("run-1", "seg-1", "pi-03"),
     ]
+
+
+def test_attack1_a_device_cannot_pass_itself_off_as_a_gpu_server(accounts: _Accounts) -> None:
+    """GPU servers announce on ``servers/<id>``, which only the servers' account may write;
+    an edge account announcing the role on its own topic is not taken for a server."""
+    coordinator = accounts("coordinator", "coordinator-test")
+    grid = TransportGrid(coordinator)
+    registry = DeviceRegistry(coordinator, grid)
+    accounts.node("mallory")  # online as a Flower node, as any device may be
+    mallory = accounts("mallory", "mallory-caps")
+    claim = Announcement("mallory", "gpu", 1 << 40, 1e15)
+    mallory.publish(topics.capabilities("mallory"), claim.to_json(), True)
+    mallory.publish(topics.servers("mallory"), claim.to_json(), True)
+    _refused(mallory, 1)
+    gpu = accounts("gpu", "gpu-a-control")
+    FlowerNode(gpu, node_id_for("gpu-a"), app, name="gpu-a")
+    gpu.publish(topics.servers("gpu-a"), Announcement("gpu-a", "gpu", 1 << 33, 1e9).to_json(), True)
+    _until(lambda: registry.online("gpu"))
+    time.sleep(0.3)
+    assert list(registry.online("gpu")) == ["gpu-a"]
+    assert "mallory" not in registry.online()
