@@ -51,9 +51,11 @@ from wire.flow import CreditGranter
 __all__ = ["StreamServer", "StreamStats"]
 
 log = logging.getLogger(__name__)
-_MAX_PARKED = 64  # batches of a round this server has not begun yet
-_MAX_EARLY = 1024  # done / processed messages of rounds not begun yet
-_MAX_REJECTIONS = 4096  # rejections counted in one round
+# Bounds on what the server keeps for rounds it has not begun or batches it rejected, per
+# sender (the topic's device: one account cannot fill what the others need) and in all.
+_MAX_PARKED, _PARKED_PER_SENDER = 1024, 32  # batches of a round this server has not begun yet
+_MAX_EARLY, _EARLY_PER_SENDER = 4096, 8  # done / processed messages of rounds not begun yet
+_MAX_REJECTIONS, _REJECTIONS_PER_SENDER = 65536, 1024  # rejections counted per round
 _POLL = 0.1
 
 
@@ -136,7 +138,9 @@ class StreamServer:
         self._ledger = RoundLedger(0, (), self.name)
         self._parked: list[_Parked] = []
         self._early: dict[tuple[str, int, str], Any] = {}  # (what, round, who) -> value
+        self._early_by: collections.Counter[str] = collections.Counter()  # entries per who
         self._rejections: set[tuple[int, str, str, int]] = set()  # (round, sender, epoch, seq)
+        self._rejections_by: collections.Counter[str] = collections.Counter()  # per sender
         control = frozenset({"round_control"})
         self._filters = (
             topics.run_topic(run, "done") + "/+",
@@ -178,6 +182,7 @@ class StreamServer:
             # rejections parked for this round or a later one keep their keys: a redelivered
             # copy must not count twice
             self._rejections = {k for k in self._rejections if k[0] >= number}
+            self._rejections_by = collections.Counter(k[1] for k in self._rejections)
             self._apply_early(number)
             ready = [p for p in self._parked if p.number == number]
             self._parked = [p for p in self._parked if p.number > number]
@@ -239,7 +244,7 @@ class StreamServer:
             return
         with self._lock:
             number = self._ledger.number
-            if envelope.round > number and len(self._parked) < _MAX_PARKED:
+            if envelope.round > number and self._may_park(sender):
                 self._parked.append(_Parked(envelope.round, sender, envelope))
                 return  # handled (and its credit returned) when the round begins here
             if envelope.round == number and sender not in self._ledger.senders:
@@ -318,11 +323,15 @@ class StreamServer:
             seen = (number, sender, str(key[0]), key[1])
             if number < current or seen in self._rejections:
                 return
-            if len(self._rejections) >= _MAX_REJECTIONS:
+            if (
+                len(self._rejections) >= _MAX_REJECTIONS
+                or self._rejections_by[sender] >= _REJECTIONS_PER_SENDER
+            ):
                 return
             self._rejections.add(seen)
+            self._rejections_by[sender] += 1
             if number > current:
-                if len(self._parked) < _MAX_PARKED:
+                if self._may_park(sender):
                     self._parked.append(_Parked(number, sender, None))
                 return
             handled = self._admit(sender, None)
@@ -371,9 +380,19 @@ class StreamServer:
         self._settle()
 
     def _remember(self, key: tuple[str, int, str], value: Any) -> None:
-        """What a peer or sender said of a round not begun here yet (bounded)."""
-        if key in self._early or len(self._early) < _MAX_EARLY:
+        """What a peer or sender said of a round not begun here yet (bounded, per sender)."""
+        if key in self._early:
             self._early[key] = value
+        elif len(self._early) < _MAX_EARLY and self._early_by[key[2]] < _EARLY_PER_SENDER:
+            self._early[key] = value
+            self._early_by[key[2]] += 1
+
+    def _may_park(self, sender: str) -> bool:
+        """Whether another batch of ``sender`` may wait for a round not begun here: a few per
+        sender (a peer server may begin a round first), so one device parking batches for
+        far rounds cannot crowd out the others'."""
+        mine = sum(1 for p in self._parked if p.sender == sender)
+        return len(self._parked) < _MAX_PARKED and mine < _PARKED_PER_SENDER
 
     def _apply_early(self, number: int) -> None:
         for (what, round_number, who), value in self._early.items():
@@ -384,6 +403,7 @@ class StreamServer:
             else:
                 self._ledger.peer_counts(who, value)
         self._early = {k: v for k, v in self._early.items() if k[1] > number}
+        self._early_by = collections.Counter(k[2] for k in self._early)
 
     def _after_count(self, sender: str) -> None:
         """Peers learn the new count once ``sender`` has said what it sent (before that,

@@ -208,3 +208,36 @@ def test_a_retried_rounds_credits_are_kept_apart_from_the_first_attempts() -> No
     credit(1, 1, 1)
     credit(1, 0, 5)  # not an attempt: ignored
     assert gate.available == 2
+
+
+def test_one_device_cannot_fill_what_the_server_keeps_for_rounds_not_begun() -> None:
+    """Batches, rejections and done counts for far rounds are bounded per sender: mallory's
+    flood leaves room for pi-01's batch and done count that arrive before round 2 begins."""
+    server, gate, handled, hub = _server()
+    mallory = hub.connect("mallory")
+    junk = np.ones((2, 4), np.float32)
+    for seq in range(200):
+        mallory.publish(
+            topics.activations(RUN, "seg-0", "mallory"), _raw(seq, 10**6 + seq, junk, "mallory")
+        )
+        mallory.publish(
+            topics.activations(RUN, "seg-0", "mallory"),
+            _raw(10_000 + seq, 10**6 + seq, np.full((2, 4), np.nan, np.float32), "mallory"),
+        )
+        Channel(mallory, "mallory").send(
+            topics.done(RUN, "mallory"),
+            "round_control",
+            RUN,
+            round=10**6 + seq,
+            meta={"batches": 1},
+        )
+    raw = hub.connect("raw")
+    raw.publish(topics.activations(RUN, "seg-0", EDGE), _raw(0, 2, junk))  # before round 2
+    Channel(hub.connect("done"), EDGE).send(
+        topics.done(RUN, EDGE), "round_control", RUN, round=2, meta={"batches": 1}
+    )
+    time.sleep(0.3)
+    gate.start_round(2)
+    server.begin_round(2, [EDGE])
+    assert server.wait_round(5.0), "pi-01's parked batch and done count were kept"
+    assert [e.sender for e in handled] == [EDGE]
