@@ -112,7 +112,8 @@ def coordinator_command(args: argparse.Namespace) -> int:
 
     configure_logging(args.verbose)
     config = load_run_config(args.config)
-    store = open_store(args.db, password=args.db_password)
+    store = open_store(args.db, args.checkpoints, password=args.db_password)
+    store.check_can_commit()  # a PostgreSQL store told no checkpoint folder stops here
     transport = MqttTransport(
         MqttConfig.from_url(args.broker, args.broker_password), f"coordinator-{config.run_id}"
     )

@@ -12,16 +12,19 @@ from storage import RunStore, normalise_url, open_store
 from storage.report import run_status, runs_overview
 from wire.mqtt import redact_url
 
-__all__ = ["db_upgrade_command", "export_command", "status_command"]
+__all__ = ["db_upgrade_command", "export_command", "open_existing", "status_command"]
 
 
-def _open_existing(url: str, password: str | None) -> RunStore:
+def open_existing(
+    url: str, password: str | None, checkpoints: str | None = None, readonly: bool = False
+) -> RunStore:
+    """An existing store; ``readonly`` (status, export, db check) writes nothing to it."""
     url = normalise_url(url)
     if url.startswith("sqlite:///"):
         path = Path(url.removeprefix("sqlite:///"))
         if not path.exists():
             raise ConfigError(f"--db: no database at {path}; check the path or run a job first")
-    return open_store(url, password=password)
+    return open_store(url, checkpoints, password=password, readonly=readonly)
 
 
 def _cell(value: Any) -> str:
@@ -42,7 +45,15 @@ def _table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     return "\n".join(lines)
 
 
-_RUN_COLUMNS = ["run_id", "status", "rounds_committed", "rounds_planned", "accuracy", "updated_at"]
+_RUN_COLUMNS = [
+    "run_id",
+    "status",
+    "rounds_committed",
+    "rounds_planned",
+    "accuracy",
+    "checkpoint",
+    "updated_at",
+]
 _ROUND_COLUMNS = [
     "round",
     "state",
@@ -58,7 +69,7 @@ _ROUND_COLUMNS = [
 
 def status_command(args: argparse.Namespace) -> int:
     """List runs, or one run's rounds with their metrics."""
-    with _open_existing(args.db, args.db_password) as store:
+    with open_existing(args.db, args.db_password, args.checkpoints, readonly=True) as store:
         if args.run is None:
             _print_runs(runs_overview(store), args.json)
             return 0
@@ -75,6 +86,12 @@ def status_command(args: argparse.Namespace) -> int:
         f"run {status['run_id']}: {status['status']}, current round "
         f"{_cell(status['current_round'])}, plan version {status['plan_version']}"
     )
+    if status["checkpoint"]:
+        print(
+            f"checkpoint of round {status['current_round']} is unusable: {status['checkpoint']}; "
+            "`edgesplit db check` lists the usable rounds, a restarted coordinator resumes from "
+            "the last of them"
+        )
     if status["rounds"]:
         print(_table(status["rounds"], _ROUND_COLUMNS))
     return 0
@@ -91,7 +108,7 @@ def _print_runs(runs: list[dict[str, Any]], as_json: bool) -> None:
 
 def db_upgrade_command(args: argparse.Namespace) -> int:
     """Create or migrate the database at ``--db`` to the current schema."""
-    with open_store(normalise_url(args.db), password=args.db_password) as store:
+    with open_store(normalise_url(args.db), args.checkpoints, password=args.db_password) as store:
         runs = len(store.list_runs())
     print(f"database {redact_url(args.db)} is at the current schema ({runs} runs)")
     return 0
@@ -110,7 +127,7 @@ def export_command(args: argparse.Namespace) -> int:
     """Export a run's model (and device segments) to ONNX and check each file."""
     from coordinator.export import TOLERANCE, export_run
 
-    with _open_existing(args.db, args.db_password) as store:
+    with open_existing(args.db, args.db_password, args.checkpoints, readonly=True) as store:
         run = args.run or _only_run(store)
         results = export_run(store, run, Path(args.out), args.round, args.per_device)
     for result in results:

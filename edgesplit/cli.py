@@ -172,6 +172,12 @@ def _db_flags(parser: argparse.ArgumentParser, default: str | None = None) -> No
         help="file whose first line is the database password (else EDGESPLIT_DB_PASSWORD or "
         "EDGESPLIT_DB_PASSWORD_FILE)",
     )
+    parser.add_argument(
+        "--checkpoints",
+        metavar="DIR",
+        help="checkpoint folder (default: the one the database records, else DB.checkpoints/ "
+        "beside a SQLite file; required once for PostgreSQL, which then records it)",
+    )
 
 
 def _coordinator_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -349,6 +355,20 @@ def _store_parsers(commands: argparse._SubParsersAction) -> None:  # type: ignor
     actions = database.add_subparsers(dest="action", required=True, metavar="ACTION")
     upgrade = actions.add_parser("upgrade", help="create or migrate the schema to the latest")
     _db_flags(upgrade)
+    check = actions.add_parser(
+        "check", help="verify every checkpoint's hash and say which rounds are usable"
+    )
+    _db_flags(check)
+    gc = actions.add_parser("gc", help="delete orphaned checkpoint files and abandoned .tmp files")
+    _db_flags(gc)
+    gc.add_argument(
+        "--min-age",
+        type=float,
+        default=3600.0,
+        metavar="SECONDS",
+        help="spare files younger than this: a running coordinator's commit may own them "
+        "(default: %(default)s; 0 when no coordinator uses the store)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -379,7 +399,7 @@ _COMMANDS = {
     "gpu-server": "gpu_server.command:gpu_server_command",
     "export": "coordinator.store_commands:export_command",
     "status": "coordinator.store_commands:status_command",
-    "db": "coordinator.store_commands:db_upgrade_command",
+    "db": "coordinator.db_commands:db_command",
 }
 
 

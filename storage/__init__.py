@@ -4,7 +4,9 @@
 file (``sqlite:///runs.db`` or a plain path, the default) or PostgreSQL
 (``postgresql+psycopg://user@host/db``, the password given apart so that it is in no URL that
 is printed or passed on a command line). Checkpoint tensors are safetensors files in a
-content-addressed directory next to the database unless ``checkpoint_dir`` says otherwise.
+content-addressed directory: beside a SQLite file unless ``checkpoint_dir`` says otherwise; a
+PostgreSQL store is told once and records the folder (:mod:`storage.location`). ``readonly``
+opens write nothing: no migration, no pragma that writes, no garbage collection.
 """
 
 from __future__ import annotations
@@ -12,7 +14,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from storage.base import RunStore
-from storage.errors import CheckpointError, NotFoundError, StateError, StoreError
+from storage.errors import (
+    CheckpointError,
+    CheckpointWriteError,
+    NotFoundError,
+    StateError,
+    StoreError,
+)
 from storage.memory import InMemoryRunStore
 from storage.records import (
     CheckpointRef,
@@ -28,6 +36,7 @@ from storage.records import (
 __all__ = [
     "CheckpointError",
     "CheckpointRef",
+    "CheckpointWriteError",
     "DeviceRecord",
     "DeviceResult",
     "Event",
@@ -52,21 +61,16 @@ def normalise_url(url: str) -> str:
     return f"sqlite:///{Path(url).expanduser().resolve()}"
 
 
-def _default_checkpoint_dir(url: str) -> Path:
-    if url.startswith("sqlite:///") and url != "sqlite:///:memory:":
-        database = Path(url.removeprefix("sqlite:///"))
-        return database.with_name(database.name + ".checkpoints")
-    return Path("checkpoints")
-
-
 def open_store(
-    url: str, checkpoint_dir: str | Path | None = None, password: str | None = None
+    url: str,
+    checkpoint_dir: str | Path | None = None,
+    password: str | None = None,
+    readonly: bool = False,
 ) -> RunStore:
-    """Open (and migrate) the store at ``url``; ``password`` is the database user's when the
-    URL holds none (ignored for SQLite and memory)."""
+    """Open (and, unless ``readonly``, migrate) the store at ``url``; ``password`` is the
+    database user's when the URL holds none (ignored for SQLite and memory)."""
     if url in ("memory://", "memory"):
         return InMemoryRunStore()
     from storage.sql import SqlRunStore
 
-    url = normalise_url(url)
-    return SqlRunStore(url, checkpoint_dir or _default_checkpoint_dir(url), password=password)
+    return SqlRunStore(normalise_url(url), checkpoint_dir, password=password, readonly=readonly)

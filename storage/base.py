@@ -7,7 +7,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from storage.errors import StateError
+from storage.errors import CheckpointError, StateError
 from storage.records import (
     DEVICE_STATUSES,
     ROUND_STATES,
@@ -138,9 +138,44 @@ class RunStore(abc.ABC):
         round does not exist, ``StateError`` if it is not committed)."""
 
     def resume(self, run_id: str) -> ResumeState | None:
-        """The last committed round with its weights and optimizer states, or None."""
-        current = self.get_run(run_id).current_round
-        return None if current is None else self.checkpoint(run_id, current)
+        """The last committed round whose checkpoint verifies, with its weights and optimizer
+        states, or None before the first commit. Rounds after it (their checkpoints corrupt or
+        missing) are reopened, to be trained again, and a ``checkpoint-corrupt`` event says
+        why; a run none of whose rounds verifies raises :class:`CheckpointError`."""
+        if self.get_run(run_id).current_round is None:
+            return None
+        committed = [r.number for r in self.list_rounds(run_id) if r.state == "committed"]
+        problems: list[str] = []
+        for number in reversed(committed):
+            try:
+                state = self.checkpoint(run_id, number)
+            except CheckpointError as error:
+                problems.append(f"round {number}: {error}")
+                continue
+            if problems:
+                detail = f"{'; '.join(problems)}; resuming from round {number}"
+                self._rewind(run_id, number, Event("checkpoint-corrupt", detail))
+                state = replace(state, run=self.get_run(run_id))
+            return state
+        raise CheckpointError(
+            f"run {run_id!r}: no committed round has a usable checkpoint "
+            f"({'; '.join(problems[:2])}); check the checkpoint folder (--checkpoints), "
+            "or train a new run_id"
+        )
+
+    @abc.abstractmethod
+    def _rewind(self, run_id: str, number: int | None, event: Event) -> None:
+        """Make ``number`` the run's current round again: later rounds reopened without their
+        checkpoints, results or metrics, and ``event`` recorded, in one step."""
+
+    def round_problem(self, run_id: str, number: int, deep: bool = True) -> str | None:
+        """Why round ``number``'s checkpoint cannot be used, or None when it verifies
+        (``deep=False``: only that its files exist with their sizes, where files are kept)."""
+        try:
+            self.checkpoint(run_id, number)
+        except (CheckpointError, StateError) as error:
+            return str(error)
+        return None
 
     # ---------------------------------------------------------------- metrics and events
     @abc.abstractmethod
@@ -163,6 +198,10 @@ class RunStore(abc.ABC):
     @abc.abstractmethod
     def collect_garbage(self, older_than_seconds: float = 3600.0) -> int:
         """Delete checkpoint files that no committed round refers to; return how many."""
+
+    def check_can_commit(self) -> None:  # noqa: B027 - nothing to check in memory
+        """Raise :class:`StoreError` now, before any training, if :meth:`commit_round` could
+        not store a checkpoint (opened read-only, or no checkpoint folder known)."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections and files."""

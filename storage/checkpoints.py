@@ -3,8 +3,11 @@ refers to them, verified against their SHA-256 when read. No pickle anywhere."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
+import re
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,13 +15,17 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load, save
 
-from storage.errors import CheckpointError
+from storage.errors import CheckpointError, CheckpointWriteError
 from storage.records import Tensors
 
-__all__ = ["CheckpointFiles"]
+__all__ = ["CheckpointFiles", "temporary_owner_gone"]
 
 _SUFFIX = ".safetensors"
 _TEMP_SUFFIX = ".tmp"
+# A temporary file is named '<sha>.safetensors.<host>-<pid>.tmp': a later open on the same
+# host collects it at once when that process is gone, others only once it is old.
+_HOST = re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname())[:64] or "host"
+_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 def _fsync_directory(path: Path) -> None:
@@ -29,36 +36,87 @@ def _fsync_directory(path: Path) -> None:
         os.close(descriptor)
 
 
-class CheckpointFiles:
-    """A directory of ``<sha[:2]>/<sha>.safetensors`` files."""
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
 
-    def __init__(self, root: str | Path) -> None:
+
+def temporary_owner_gone(name: str, host: str = _HOST) -> bool:
+    """Whether the temporary file ``name`` was left by a process of ``host`` that has ended
+    (False when it names another host or no owner: only its age can tell then)."""
+    owner = name.removesuffix(_TEMP_SUFFIX).rpartition(".")[2]
+    owner_host, _, pid = owner.rpartition("-")
+    return owner_host == host and pid.isdigit() and not _pid_alive(int(pid))
+
+
+def _write_failure(error: OSError, digest: str, root: Path) -> CheckpointWriteError:
+    """One line for a checkpoint that could not be written (the run can be restarted)."""
+    if error.errno in _FULL:
+        reason = "no space left on device"
+    else:
+        reason = (error.strerror or str(error)).lower()
+    return CheckpointWriteError(
+        f"{reason} writing checkpoint {digest[:12]} in {root}; the round was not committed: "
+        "free space (or fix the folder) and run the same command again"
+    )
+
+
+class CheckpointFiles:
+    """A directory of ``<sha[:2]>/<sha>.safetensors`` files; ``readonly`` never creates,
+    touches or deletes anything."""
+
+    def __init__(self, root: str | Path, readonly: bool = False) -> None:
         self.root = Path(root)
-        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)  # the owner's alone
+        self.readonly = readonly
+        if not readonly:
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)  # the owner's alone
 
     def path(self, sha256: str) -> Path:
         return self.root / sha256[:2] / f"{sha256}{_SUFFIX}"
 
     def put(self, tensors: Tensors) -> tuple[str, int]:
-        """Store ``tensors`` durably; return (sha256, size). Storing equal content is a no-op."""
+        """Store ``tensors`` durably; return (sha256, size). Storing equal content refreshes
+        the file's time (so that garbage collection spares it) and writes nothing. A failed
+        write leaves no file behind and raises :class:`CheckpointWriteError`."""
+        if self.readonly:
+            raise CheckpointWriteError(f"the checkpoint folder {self.root} was opened read-only")
         # Not ``np.ascontiguousarray``: it turns a 0-d array (BatchNorm's num_batches_tracked)
         # into shape (1,).
         arrays = {name: np.require(array, requirements="C") for name, array in tensors.items()}
         payload = save(arrays, metadata={"format": "edgesplit-checkpoint-1"})
         digest = hashlib.sha256(payload).hexdigest()
         target = self.path(digest)
-        if target.exists() and target.stat().st_size == len(payload):
-            return digest, len(payload)
-        target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        temporary = target.with_name(f"{target.name}.{os.getpid()}{_TEMP_SUFFIX}")
-        descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(descriptor, "wb") as handle:
-            handle.write(payload)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, target)
-        _fsync_directory(target.parent)
+        try:
+            if target.exists() and target.stat().st_size == len(payload):
+                os.utime(target)
+                return digest, len(payload)
+            self._write(target, payload)
+        except OSError as error:
+            raise _write_failure(error, digest, self.root) from None
         return digest, len(payload)
+
+    @staticmethod
+    def _write(target: Path, payload: bytes) -> None:
+        """Temporary file, fsync, rename, directory fsync; the temporary file removed on
+        any failure."""
+        target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        temporary = target.with_name(f"{target.name}.{_HOST}-{os.getpid()}{_TEMP_SUFFIX}")
+        try:
+            descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(descriptor, "wb") as handle:
+                handle.write(payload)
+                handle.flush()
+                os.fsync(handle.fileno())
+            os.replace(temporary, target)
+        except BaseException:
+            temporary.unlink(missing_ok=True)
+            raise
+        _fsync_directory(target.parent)
 
     def get(self, sha256: str, size_bytes: int | None = None) -> dict[str, np.ndarray]:
         """Read and verify a file; raise :class:`CheckpointError` if missing or corrupt."""
@@ -82,7 +140,7 @@ class CheckpointFiles:
             return f"checkpoint file {sha256[:12]} is missing"
         if path.stat().st_size != size_bytes:
             return f"checkpoint file {sha256[:12]} has the wrong size"
-        if deep and hashlib.sha256(path.read_bytes()).hexdigest() != sha256:
+        if deep and _file_sha256(path) != sha256:
             return f"checkpoint file {sha256[:12]} does not match its hash"
         return None
 
@@ -92,16 +150,38 @@ class CheckpointFiles:
             yield path.name.removesuffix(_SUFFIX), path
 
     def collect_garbage(self, referenced: set[str], older_than_seconds: float) -> int:
-        """Delete files no row refers to and abandoned temporary files older than the age."""
+        """Delete files no row refers to and abandoned temporary files older than the age, and
+        at once the temporary files of this host's processes that have ended."""
+        if self.readonly:
+            return 0
         cutoff = time.time() - older_than_seconds
         removed = 0
         candidates = [p for sha, p in self.stored() if sha not in referenced]
-        candidates += list(self.root.glob(f"??/*{_TEMP_SUFFIX}"))
+        for temporary in self.root.glob(f"??/*{_TEMP_SUFFIX}"):
+            if temporary_owner_gone(temporary.name):
+                removed += _unlink(temporary)
+            else:
+                candidates.append(temporary)
         for path in candidates:
             try:
                 if path.stat().st_mtime <= cutoff:
-                    path.unlink()
-                    removed += 1
+                    removed += _unlink(path)
             except FileNotFoundError:
                 continue
         return removed
+
+
+def _unlink(path: Path) -> int:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return 0
+    return 1
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while block := handle.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-__all__ = ["CheckpointError", "NotFoundError", "StateError", "StoreError", "UnreachableError"]
+__all__ = [
+    "CheckpointError",
+    "CheckpointWriteError",
+    "NotFoundError",
+    "StateError",
+    "StoreError",
+    "UnreachableError",
+]
 
 
 class StoreError(Exception):
@@ -26,3 +33,8 @@ class CheckpointError(StoreError):
 
 class UnreachableError(StoreError):
     """The database server cannot be reached (down, wrong host or port, refused login)."""
+
+
+class CheckpointWriteError(StoreError):
+    """A checkpoint could not be written (no space, an I/O error): nothing was committed, no
+    partial file is left, and the same command can run again once the cause is fixed."""

@@ -204,5 +204,16 @@ class InMemoryRunStore(RunStore):
                     problems.append(f"run {run.run_id!r}: current round has no checkpoint")
             return problems
 
+    def _rewind(self, run_id: str, number: int | None, event: Event) -> None:
+        with self._lock:
+            for key, record in list(self._rounds.items()):
+                if key[0] == run_id and key[1] > (number or 0):
+                    self._rounds[key] = replace(record, state="open", committed_at=None, results=())
+                    self._weights.pop(key, None)
+            points = self._metrics.get(run_id, [])
+            self._metrics[run_id] = [p for p in points if (p.round or 0) <= (number or 0)]
+            self._update_run(run_id, current_round=number)
+            self.add_event(run_id, event)
+
     def collect_garbage(self, older_than_seconds: float = 3600.0) -> int:
         return 0

@@ -1,16 +1,37 @@
-"""Alembic migrations, run programmatically: ``upgrade(engine)`` brings a database to head."""
+"""Alembic migrations, run programmatically: ``upgrade(engine)`` brings a database to head.
+
+Opens check the revision first and run alembic only when the database is behind, one at a
+time: alembic's context is one global per process (two threads at once failed with
+``KeyError: 'script'``), and across processes SQLite's write lock (``BEGIN IMMEDIATE``) or a
+PostgreSQL advisory lock (in ``migrations/env.py``) serialises them.
+"""
 
 from __future__ import annotations
 
+import functools
+import threading
 from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Engine
+from alembic.script import ScriptDirectory
+from sqlalchemy import Connection, Engine, inspect, text
 
-__all__ = ["MIGRATIONS", "alembic_config", "upgrade"]
+__all__ = [
+    "MIGRATIONS",
+    "READABLE",
+    "alembic_config",
+    "current_revision",
+    "ensure_current",
+    "head",
+    "upgrade",
+]
 
 MIGRATIONS = Path(__file__).resolve().parent / "migrations"
+# Revisions a read-only open reads as they are: what came after them only added tables that a
+# read does without (0002: store_settings).
+READABLE = frozenset({"0001", "0002"})
+_LOCK = threading.Lock()
 
 
 def alembic_config(engine: Engine) -> Config:
@@ -20,6 +41,31 @@ def alembic_config(engine: Engine) -> Config:
     return config
 
 
+@functools.cache
+def head() -> str:
+    """The newest revision this edgesplit knows."""
+    current = ScriptDirectory(str(MIGRATIONS)).get_current_head()
+    if current is None:
+        raise AssertionError(f"no migrations in {MIGRATIONS}")
+    return current
+
+
+def current_revision(connection: Connection) -> str | None:
+    """The database's revision, or None when it has no schema yet."""
+    if not inspect(connection).has_table("alembic_version"):
+        return None
+    return connection.execute(text("SELECT version_num FROM alembic_version")).scalar()
+
+
 def upgrade(engine: Engine, revision: str = "head") -> None:
     """Apply all migrations up to ``revision`` (idempotent)."""
-    command.upgrade(alembic_config(engine), revision)
+    with _LOCK:
+        command.upgrade(alembic_config(engine), revision)
+
+
+def ensure_current(engine: Engine) -> None:
+    """Migrate the database unless it is at head already (then nothing is written)."""
+    with engine.connect() as connection:
+        current = current_revision(connection)
+    if current != head():
+        upgrade(engine)

@@ -10,7 +10,7 @@ from split_models.errors import ConfigError
 from storage.base import RunStore
 from storage.records import RoundRecord, RunRecord
 
-__all__ = ["round_summary", "run_status", "runs_overview"]
+__all__ = ["check_run", "round_summary", "run_status", "runs_overview", "spans"]
 
 
 def round_summary(record: RoundRecord, servers: Collection[str] = ()) -> dict[str, Any]:
@@ -63,7 +63,15 @@ def run_status(store: RunStore, run_id: str) -> dict[str, Any]:
         "created_at": run.created_at.isoformat(),
         "updated_at": run.updated_at.isoformat(),
         "rounds": [round_summary(r, _servers(run)) for r in store.list_rounds(run_id)],
+        "checkpoint": _latest_problem(store, run, deep=True),
     }
+
+
+def _latest_problem(store: RunStore, run: RunRecord, deep: bool) -> str | None:
+    """Why the run's latest committed round cannot be resumed from, or None."""
+    if run.current_round is None:
+        return None
+    return store.round_problem(run.run_id, run.current_round, deep=deep)
 
 
 def _servers(run: RunRecord) -> set[str]:
@@ -81,7 +89,7 @@ def _rounds_planned(run: RunRecord) -> int | None:
         return None
 
 
-def _overview(run: RunRecord, rounds: list[RoundRecord]) -> dict[str, Any]:
+def _overview(run: RunRecord, rounds: list[RoundRecord], problem: str | None) -> dict[str, Any]:
     committed = [r for r in rounds if r.state == "committed"]
     last = committed[-1] if committed else None
     return {
@@ -91,9 +99,40 @@ def _overview(run: RunRecord, rounds: list[RoundRecord]) -> dict[str, Any]:
         "rounds_planned": _rounds_planned(run),
         "accuracy": last.evaluation.get("accuracy") if last else None,
         "updated_at": run.updated_at.isoformat(),
+        "checkpoint": "ok" if problem is None else "BAD",
+        "checkpoint_problem": problem,
     }
 
 
 def runs_overview(store: RunStore) -> list[dict[str, Any]]:
-    """Every run, one line each."""
-    return [_overview(run, store.list_rounds(run.run_id)) for run in store.list_runs()]
+    """Every run, one line each; the latest round's checkpoint files checked for presence and
+    size only (``status --run`` and ``db check`` verify their hashes)."""
+    return [
+        _overview(run, store.list_rounds(run.run_id), _latest_problem(store, run, deep=False))
+        for run in store.list_runs()
+    ]
+
+
+def check_run(store: RunStore, run_id: str) -> dict[str, Any]:
+    """Every committed round's checkpoint verified against its hash: which rounds are usable,
+    which not and why, and the round a coordinator would resume from."""
+    committed = [r.number for r in store.list_rounds(run_id) if r.state == "committed"]
+    problems = {n: store.round_problem(run_id, n) for n in committed}
+    usable = [n for n in committed if problems[n] is None]
+    return {
+        "run_id": run_id,
+        "usable": usable,
+        "unusable": {n: p for n, p in problems.items() if p is not None},
+        "resumes_from": usable[-1] if usable else None,
+    }
+
+
+def spans(numbers: list[int]) -> str:
+    """``[1, 2, 3, 5]`` as ``1-3, 5``."""
+    runs: list[list[int]] = []
+    for number in sorted(numbers):
+        if runs and number == runs[-1][-1] + 1:
+            runs[-1].append(number)
+        else:
+            runs.append([number])
+    return ", ".join(f"{r[0]}" if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs) or "none"

@@ -29,6 +29,7 @@ __all__ = [
     "MetricRow",
     "RoundRow",
     "RunRow",
+    "StoreSettingRow",
 ]
 
 _NAMING = {
@@ -144,3 +145,12 @@ class EventRow(Base):
     device: Mapped[str | None] = mapped_column(String(128))
     round: Mapped[int | None] = mapped_column(Integer)
     at: Mapped[datetime]
+
+
+class StoreSettingRow(Base):
+    """Settings of the store itself, e.g. ``checkpoint_root``: where its checkpoint files are,
+    so that every command that opens the database finds them."""
+
+    __tablename__ = "store_settings"
+    key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[str] = mapped_column(Text)

@@ -2,21 +2,27 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event, func, select
-from sqlalchemy.engine import URL, make_url
-from sqlalchemy.exc import ArgumentError, IntegrityError, NoSuchModuleError, OperationalError
+from sqlalchemy import delete, func, inspect, select
+from sqlalchemy.exc import (
+    ArgumentError,
+    IntegrityError,
+    InternalError,
+    NoSuchModuleError,
+    OperationalError,
+    ProgrammingError,
+)
 from sqlalchemy.orm import Session, selectinload, sessionmaker
 
 from storage.base import RunStore, validate_result
 from storage.checkpoints import CheckpointFiles
-from storage.errors import NotFoundError, StateError, StoreError, UnreachableError
+from storage.engine import create_store_engine, opening_error, shown_url
+from storage.errors import NotFoundError, StateError, StoreError
+from storage.location import choose_root, default_root, unknown_root_error
 from storage.records import (
     CheckpointRef,
     DeviceRecord,
@@ -29,6 +35,7 @@ from storage.records import (
     Tensors,
     utcnow,
 )
+from storage.rows import device_record, round_record, run_record, utc
 from storage.schema import (
     CheckpointRow,
     DeviceResultRow,
@@ -37,128 +44,14 @@ from storage.schema import (
     MetricRow,
     RoundRow,
     RunRow,
+    StoreSettingRow,
 )
 
 __all__ = ["SqlRunStore", "create_store_engine"]
 
-_SQLITE_BUSY_MS = 30_000
 
-
-def _utc(value: datetime | None) -> datetime | None:
-    """SQLite returns naive datetimes; every stored time is UTC."""
-    if value is None or value.tzinfo is not None:
-        return value
-    return value.replace(tzinfo=UTC)
-
-
-def _shown(url: str | URL) -> str:
-    """``url`` as messages show it: the password masked, or only the scheme of a URL that does
-    not parse."""
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except (ArgumentError, ValueError):
-        return f"{str(url).partition('://')[0]}://... (not a valid URL)"
-
-
-def _opening(url: str, error: Exception) -> StoreError:
-    """A one-line store error for a database that cannot be opened; the password masked."""
-    if isinstance(error, OperationalError):
-        reason = str(error.orig or error).strip().splitlines()[0]
-        message = f"cannot open the database at {_shown(url)}: {reason}"
-        if not str(url).startswith("sqlite"):  # a server: down, wrong address, login refused
-            return UnreachableError(f"{message}; is the database server running and reachable?")
-        return StoreError(message)
-    return StoreError(f"--db {_shown(url)}: {error}")
-
-
-def create_store_engine(url: str, password: str | None = None) -> Engine:
-    """An engine with the settings the store relies on (SQLite: WAL, foreign keys, busy
-    timeout, BEGIN IMMEDIATE so writers queue instead of failing with 'database is locked');
-    ``password`` is the database user's when ``url`` holds none."""
-    parsed = make_url(url)
-    if parsed.get_backend_name() != "sqlite":
-        if password is not None and parsed.password is None:
-            parsed = parsed.set(password=password)
-        return create_engine(parsed, pool_pre_ping=True)
-    database = parsed.database
-    if database and database != ":memory:" and not os.path.exists(database):
-        # the run store holds the run's config and history: its owner's alone (0600; SQLite
-        # gives its -wal and -shm files the same mode)
-        os.makedirs(os.path.dirname(os.path.abspath(database)), exist_ok=True)
-        os.close(os.open(database, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-    engine = create_engine(url, connect_args={"timeout": _SQLITE_BUSY_MS / 1000})
-
-    @event.listens_for(engine, "connect")
-    def _configure(dbapi_connection: Any, _record: Any) -> None:
-        dbapi_connection.isolation_level = None  # transactions are begun explicitly below
-        cursor = dbapi_connection.cursor()
-        cursor.execute("PRAGMA journal_mode=WAL")
-        cursor.execute("PRAGMA foreign_keys=ON")
-        cursor.execute(f"PRAGMA busy_timeout={_SQLITE_BUSY_MS}")
-        cursor.execute("PRAGMA synchronous=FULL")
-        cursor.close()
-
-    @event.listens_for(engine, "begin")
-    def _begin(connection: Any) -> None:
-        connection.exec_driver_sql("BEGIN IMMEDIATE")
-
-    return engine
-
-
-def _device(row: DeviceRow) -> DeviceRecord:
-    return DeviceRecord(
-        row.name,
-        row.kind,
-        row.memory_bytes,
-        row.flops,
-        row.uplink_bytes,
-        row.credentials_ref,
-        row.status,
-        _utc(row.last_seen),
-    )
-
-
-def _run(row: RunRow) -> RunRecord:
-    return RunRecord(
-        row.id,
-        dict(row.config),
-        row.status,
-        row.seed,
-        _utc(row.created_at) or utcnow(),
-        _utc(row.updated_at) or utcnow(),
-        row.plan,
-        row.plan_version,
-        row.current_round,
-    )
-
-
-def _result(row: DeviceResultRow) -> DeviceResult:
-    return DeviceResult(
-        row.device,
-        row.examples,
-        row.loss,
-        row.accuracy,
-        row.bytes_sent,
-        row.bytes_received,
-        row.wall_seconds,
-        row.peak_memory_bytes,
-        row.failure,
-    )
-
-
-def _round(row: RoundRow) -> RoundRecord:
-    results = tuple(sorted((_result(r) for r in row.results), key=lambda r: r.device))
-    return RoundRecord(
-        row.run_id,
-        row.number,
-        row.state,
-        tuple(row.participants),
-        results,
-        dict(row.metrics),
-        dict(row.evaluation),
-        _utc(row.opened_at),
-        _utc(row.committed_at),
-    )
+_ROOT_KEY = "checkpoint_root"
+_AGE = 3600.0  # files younger than this may belong to a commit under way in another process
 
 
 class SqlRunStore(RunStore):
@@ -167,26 +60,96 @@ class SqlRunStore(RunStore):
     def __init__(
         self,
         url: str,
-        checkpoint_dir: str | Path,
+        checkpoint_dir: str | Path | None = None,
         migrate: bool = True,
         password: str | None = None,
+        readonly: bool = False,
     ) -> None:
         self.url = url  # as given: no password that was given apart
+        self.readonly = readonly
         try:
-            self.engine = create_store_engine(url, password)
-            if migrate:
-                from storage.migrate import upgrade
-
-                upgrade(self.engine)
+            self.engine = create_store_engine(url, password, readonly)
+            self._check_schema(migrate)
         except (ArgumentError, NoSuchModuleError, OperationalError, ValueError) as error:
-            raise _opening(url, error) from None
-        self.files = CheckpointFiles(checkpoint_dir)
+            raise opening_error(url, error) from None
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        self._files: CheckpointFiles | None = None
+        explicit = None if checkpoint_dir is None else Path(checkpoint_dir).absolute()
+        root = self._checkpoint_root(explicit)
+        if root is not None:
+            self._files = CheckpointFiles(root, readonly)
+        # what crashed or full-disk commits left (none at once that may be another's)
+        self.collected_on_open = 0 if readonly or root is None else self.collect_garbage(_AGE)
+
+    def _check_schema(self, migrate: bool) -> None:
+        """Migrate a writable store (only when behind: an open at head writes nothing); a
+        read-only one must be at a revision this edgesplit can read."""
+        from storage.migrate import READABLE, current_revision, ensure_current, head
+
+        if not self.readonly:
+            if migrate:
+                ensure_current(self.engine)
+            return
+        with self.engine.connect() as connection:
+            revision = current_revision(connection)
+        if revision not in READABLE:
+            raise StoreError(
+                f"the database at {shown_url(self.url)} is at schema revision {revision}, "
+                f"this edgesplit reads {head()}: upgrade it (`edgesplit db upgrade`) or use "
+                "the edgesplit that wrote it"
+            )
+
+    def _checkpoint_root(self, explicit: Path | None) -> Path | None:
+        """The checkpoint folder (see :mod:`storage.location`), recorded when first given."""
+        stored = self._setting(_ROOT_KEY)
+        recorded = None if stored is None else Path(stored)
+        chosen = choose_root(
+            explicit,
+            recorded,
+            default_root(self.url),
+            recorded is not None and recorded.is_dir(),
+            self.readonly,
+        )
+        if chosen.record and chosen.path is not None:
+            with self._session() as session:
+                session.merge(StoreSettingRow(key=_ROOT_KEY, value=str(chosen.path)))
+        return chosen.path
+
+    def _setting(self, key: str) -> str | None:
+        with self._session() as session:
+            if not inspect(session.connection()).has_table(StoreSettingRow.__tablename__):
+                return None  # a read-only open of a revision before store_settings
+            row = session.get(StoreSettingRow, key)
+            return None if row is None else row.value
+
+    @property
+    def files(self) -> CheckpointFiles:
+        """The checkpoint files; a server database that never recorded its folder has none
+        until told with ``--checkpoints``."""
+        if self._files is None:
+            raise unknown_root_error(shown_url(self.url))
+        return self._files
 
     @contextmanager
     def _session(self) -> Iterator[Session]:
-        with self._sessions.begin() as session:
-            yield session
+        try:
+            with self._sessions.begin() as session:
+                yield session
+        except (OperationalError, ProgrammingError, InternalError) as error:
+            raise self._failure(error) from None
+
+    def _failure(self, error: OperationalError | ProgrammingError | InternalError) -> StoreError:
+        """One line for a database that failed under a command (full, read-only, gone)."""
+        reason = str(error.orig or error).strip().splitlines()[0]
+        hint = ""
+        if "full" in reason or "disk i/o" in reason.lower():
+            hint = "; nothing was half-written: free space and run the same command again"
+        return StoreError(f"the database at {shown_url(self.url)} failed: {reason}{hint}")
+
+    def check_can_commit(self) -> None:
+        if self.readonly:
+            raise StoreError(f"the store at {shown_url(self.url)} was opened read-only")
+        self.files  # noqa: B018 - raises when the checkpoint folder is unknown
 
     def close(self) -> None:
         self.engine.dispose()
@@ -210,11 +173,14 @@ class SqlRunStore(RunStore):
 
     def get_device(self, name: str) -> DeviceRecord:
         with self._session() as session:
-            return _device(self._device_row(session, name))
+            return device_record(self._device_row(session, name))
 
     def list_devices(self) -> list[DeviceRecord]:
         with self._session() as session:
-            return [_device(r) for r in session.scalars(select(DeviceRow).order_by(DeviceRow.name))]
+            return [
+                device_record(r)
+                for r in session.scalars(select(DeviceRow).order_by(DeviceRow.name))
+            ]
 
     # ---------------------------------------------------------------- runs
     def _create_run(self, run_id: str, config: dict[str, Any], seed: int) -> RunRecord:
@@ -233,7 +199,7 @@ class SqlRunStore(RunStore):
                 )
                 session.add(row)
                 session.flush()
-                return _run(row)
+                return run_record(row)
         except IntegrityError as error:
             raise StateError(f"run {run_id!r} exists already") from error
 
@@ -245,11 +211,13 @@ class SqlRunStore(RunStore):
 
     def get_run(self, run_id: str) -> RunRecord:
         with self._session() as session:
-            return _run(self._run_row(session, run_id))
+            return run_record(self._run_row(session, run_id))
 
     def list_runs(self) -> list[RunRecord]:
         with self._session() as session:
-            return [_run(r) for r in session.scalars(select(RunRow).order_by(RunRow.created_at))]
+            return [
+                run_record(r) for r in session.scalars(select(RunRow).order_by(RunRow.created_at))
+            ]
 
     def _set_run_status(self, run_id: str, status: str) -> None:
         with self._session() as session:
@@ -297,7 +265,7 @@ class SqlRunStore(RunStore):
             row.metrics, row.evaluation, row.committed_at = {}, {}, None
             row.results.clear()
             session.flush()
-            return _round(row)
+            return round_record(row)
 
     def record_result(self, run_id: str, number: int, result: DeviceResult) -> None:
         self.record_results(run_id, number, [result])
@@ -372,11 +340,11 @@ class SqlRunStore(RunStore):
                 run.current_round = number
             run.updated_at = utcnow()
             session.flush()
-            return _round(row)
+            return round_record(row)
 
     def get_round(self, run_id: str, number: int) -> RoundRecord:
         with self._session() as session:
-            return _round(self._round_row(session, run_id, number))
+            return round_record(self._round_row(session, run_id, number))
 
     def list_rounds(self, run_id: str) -> list[RoundRecord]:
         with self._session() as session:
@@ -384,24 +352,24 @@ class SqlRunStore(RunStore):
             rows = session.scalars(
                 select(RoundRow).where(RoundRow.run_id == run_id).order_by(RoundRow.number)
             )
-            return [_round(r) for r in rows]
+            return [round_record(r) for r in rows]
 
     def checkpoint(self, run_id: str, number: int) -> ResumeState:
         with self._session() as session:
-            run = self._run_row(session, run_id)
+            run_row = self._run_row(session, run_id)
             row = self._round_row(session, run_id, number)
             if row.state != "committed":
                 raise StateError(f"round {number} of run {run_id!r} is not committed")
             refs = tuple(
                 CheckpointRef(c.segment, c.kind, c.sha256, c.size_bytes) for c in row.checkpoints
             )
-            record, run_record = _round(row), _run(run)
+            record, run = round_record(row), run_record(run_row)
         weights: dict[str, dict[str, Any]] = {}
         states: dict[str, dict[str, Any]] = {}
         for ref in refs:
             target = weights if ref.kind == "weights" else states
             target[ref.segment] = self.files.get(ref.sha256, ref.size_bytes)
-        return ResumeState(run_record, record, weights, states, refs)
+        return ResumeState(run, record, weights, states, refs)
 
     # ---------------------------------------------------------------- metrics and events
     def add_metrics(self, run_id: str, points: Iterable[MetricPoint]) -> None:
@@ -425,7 +393,7 @@ class SqlRunStore(RunStore):
             query = query.where(MetricRow.name == name)
         with self._session() as session:
             return [
-                MetricPoint(r.name, r.value, r.round, r.device, _utc(r.recorded_at))
+                MetricPoint(r.name, r.value, r.round, r.device, utc(r.recorded_at))
                 for r in session.scalars(query.order_by(MetricRow.id))
             ]
 
@@ -450,7 +418,7 @@ class SqlRunStore(RunStore):
             query = query.where(EventRow.run_id == run_id)
         with self._session() as session:
             return [
-                Event(r.kind, r.detail, r.device, r.round, _utc(r.at))
+                Event(r.kind, r.detail, r.device, r.round, utc(r.at))
                 for r in session.scalars(query.order_by(EventRow.id))
             ]
 
@@ -490,7 +458,36 @@ class SqlRunStore(RunStore):
                     problems.append(problem)
         return problems
 
+    def round_problem(self, run_id: str, number: int, deep: bool = True) -> str | None:
+        if self._files is None:
+            return "the checkpoint folder is unknown (give --checkpoints)"
+        with self._session() as session:
+            row = self._round_row(session, run_id, number)
+            if row.state != "committed":
+                return f"round {number} is not committed"
+            refs = [(c.sha256, c.size_bytes) for c in row.checkpoints]
+        problems = (self._files.check(sha, size, deep) for sha, size in refs)
+        return next((p for p in problems if p), None)
+
+    def _rewind(self, run_id: str, number: int | None, event: Event) -> None:
+        with self._session() as session:
+            run = self._run_row(session, run_id)
+            later = session.scalars(
+                select(RoundRow).where(RoundRow.run_id == run_id, RoundRow.number > (number or 0))
+            )
+            for row in later:
+                row.state, row.committed_at = "open", None
+                row.checkpoints.clear()
+                row.results.clear()
+            session.execute(
+                delete(MetricRow).where(MetricRow.run_id == run_id, MetricRow.round > (number or 0))
+            )
+            run.current_round, run.updated_at = number, utcnow()
+            session.add(EventRow(run_id=run_id, kind=event.kind, detail=event.detail, at=utcnow()))
+
     def collect_garbage(self, older_than_seconds: float = 3600.0) -> int:
+        if self.readonly:
+            return 0
         with self._session() as session:
             referenced = set(session.scalars(select(CheckpointRow.sha256)))
         return self.files.collect_garbage(referenced, older_than_seconds)

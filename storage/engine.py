@@ -1,0 +1,104 @@
+"""SQLAlchemy engines for the run store, writable or read-only, and one-line opening errors."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+from typing import Any
+from urllib.parse import quote
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import ArgumentError, OperationalError
+from sqlalchemy.pool import NullPool
+
+from storage.errors import StoreError, UnreachableError
+
+__all__ = ["create_store_engine", "opening_error", "shown_url"]
+
+_SQLITE_BUSY_MS = 30_000
+
+
+def shown_url(url: str | URL) -> str:
+    """``url`` as messages show it: the password masked, or only the scheme of a URL that does
+    not parse."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except (ArgumentError, ValueError):
+        return f"{str(url).partition('://')[0]}://... (not a valid URL)"
+
+
+def opening_error(url: str, error: Exception) -> StoreError:
+    """A one-line store error for a database that cannot be opened; the password masked."""
+    if isinstance(error, OperationalError):
+        reason = str(error.orig or error).strip().splitlines()[0]
+        message = f"cannot open the database at {shown_url(url)}: {reason}"
+        if not str(url).startswith("sqlite"):  # a server: down, wrong address, login refused
+            return UnreachableError(f"{message}; is the database server running and reachable?")
+        return StoreError(message)
+    return StoreError(f"--db {shown_url(url)}: {error}")
+
+
+def create_store_engine(url: str, password: str | None = None, readonly: bool = False) -> Engine:
+    """An engine with the settings the store relies on (SQLite: WAL, foreign keys, busy
+    timeout, BEGIN IMMEDIATE so writers queue instead of failing with 'database is locked');
+    ``password`` is the database user's when ``url`` holds none. ``readonly`` writes nothing:
+    SQLite opens the file with ``mode=ro`` and ``query_only``, PostgreSQL sessions are
+    read-only transactions."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite":
+        if password is not None and parsed.password is None:
+            parsed = parsed.set(password=password)
+        arguments = {"options": "-c default_transaction_read_only=on"} if readonly else {}
+        return create_engine(parsed, pool_pre_ping=True, connect_args=arguments)
+    database = parsed.database
+    if readonly:
+        if not database or database == ":memory:":
+            raise ValueError("a read-only store needs a database file")
+        engine = create_engine(
+            "sqlite://", creator=lambda: _read_only_sqlite(database), poolclass=NullPool
+        )
+    else:
+        if database and database != ":memory:" and not os.path.exists(database):
+            # the run store holds the run's config and history: its owner's alone (0600;
+            # SQLite gives its -wal and -shm files the same mode)
+            os.makedirs(os.path.dirname(os.path.abspath(database)), exist_ok=True)
+            os.close(os.open(database, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        engine = create_engine(url, connect_args={"timeout": _SQLITE_BUSY_MS / 1000})
+    _configure_sqlite(engine, readonly)
+    return engine
+
+
+def _read_only_sqlite(database: str) -> sqlite3.Connection:
+    """``mode=ro``; where that cannot open a WAL database (its folder is not writable and no
+    ``-shm`` file exists, so no writer has it open), ``immutable=1``."""
+    address = f"file:{quote(os.path.abspath(database))}"
+    try:
+        connection = sqlite3.connect(
+            f"{address}?mode=ro", uri=True, timeout=_SQLITE_BUSY_MS / 1000, check_same_thread=False
+        )
+        connection.execute("SELECT count(*) FROM sqlite_master").fetchone()
+        return connection
+    except sqlite3.OperationalError:
+        if not os.path.exists(database) or os.path.exists(f"{database}-shm"):
+            raise
+    return sqlite3.connect(f"{address}?mode=ro&immutable=1", uri=True, check_same_thread=False)
+
+
+def _configure_sqlite(engine: Engine, readonly: bool) -> None:
+    @event.listens_for(engine, "connect")
+    def _configure(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.isolation_level = None  # transactions are begun explicitly below
+        cursor = dbapi_connection.cursor()
+        if readonly:
+            cursor.execute("PRAGMA query_only=ON")  # a write raises instead of happening
+        else:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.execute("PRAGMA synchronous=FULL")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.execute(f"PRAGMA busy_timeout={_SQLITE_BUSY_MS}")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _begin(connection: Any) -> None:
+        connection.exec_driver_sql("BEGIN" if readonly else "BEGIN IMMEDIATE")
