@@ -15,6 +15,7 @@ from storage.records import DeviceRecord
 from wire import topics
 from wire.errors import WireError
 from wire.flower import TransportGrid
+from wire.logs import warn
 from wire.roles import Announcement
 from wire.transport import Transport
 
@@ -47,7 +48,7 @@ class DeviceRegistry:
         try:
             announcement = Announcement.parse(payload)
         except WireError as error:
-            log.warning("ignored a bad device announcement: %s", error)
+            warn(log, topic, "ignored a bad device announcement on %s: %s", topic, error)
             return
         named = topic.rsplit("/", 1)[1]
         if announcement.device != named:  # a device speaks for itself only (ACL: %u)

@@ -24,6 +24,7 @@ import numpy as np
 from wire.chunks import Reassembler, is_chunk, split
 from wire.codec import MAX_MESSAGE_BYTES, Envelope, TensorSpec, decode, encode, read_header
 from wire.errors import WireError
+from wire.logs import warn
 from wire.transport import Transport
 
 __all__ = ["Channel", "ChannelStats", "Rejection"]
@@ -177,7 +178,7 @@ class Channel:
                 envelope = None if whole is None else self._accept(topic, whole, expect, kinds)
             except WireError as error:
                 self.stats.rejected[error.reason] += 1
-                log.warning("rejected message on %s: %s", topic, error)
+                warn(log, (topic, error.reason), "rejected message on %s: %s", topic, error)
                 if on_reject is not None:
                     header = {} if whole is None else read_header(whole)
                     on_reject(Rejection(topic, error.reason, str(error), header))

@@ -30,6 +30,7 @@ from flwr.supercore.task_identity import TaskIdentity
 from wire import topics
 from wire.chunks import Reassembler, split
 from wire.errors import WireError
+from wire.logs import warn
 from wire.transport import Transport, Will
 
 __all__ = [
@@ -155,10 +156,10 @@ class _Frames:
             return message_from_proto(proto)
         except WireError as error:
             self.rejected += 1
-            log.warning("rejected Flower frame: %s", error)
+            warn(log, (source, "frame"), "rejected Flower frame on %s: %s", source, error)
         except Exception as error:  # protobuf and Flower raise assorted types on bad input
             self.rejected += 1
-            log.warning("rejected Flower message: %s", error)
+            warn(log, (source, "message"), "rejected Flower message on %s: %s", source, error)
         return None
 
 
@@ -191,7 +192,13 @@ class TransportGrid(Grid):
         with self._condition:
             addressee = self._sent.get(reply_to)
             if addressee is None:
-                log.warning("dropped a Flower reply to unknown message %r", reply_to)
+                warn(
+                    log,
+                    (sender, "unknown"),
+                    "dropped a Flower reply of %r to unknown message %r",
+                    sender,
+                    reply_to,
+                )
                 return
             if addressee != sender:
                 log.warning(
@@ -209,7 +216,7 @@ class TransportGrid(Grid):
         try:
             node_id = node_id_of(name)
         except ValueError:
-            log.warning("ignored the presence of a node named %r", name)
+            warn(log, ("presence", name), "ignored the presence of a node named %r", name)
             return
         with self._condition:
             if state == "online" and number.isdigit():
@@ -373,7 +380,7 @@ class FlowerNode:
             if len(self._seen) > _SEEN_MESSAGES:
                 self._seen.popitem(last=False)
         if repeated:  # a redelivery or a replay: a round is not trained twice
-            log.warning("node %s dropped a repeated message %r", self.node_id, identifier)
+            warn(log, "repeated", "node %s dropped a repeated message %r", self.node_id, identifier)
             return
         try:
             reply = self.app(message, self._context)

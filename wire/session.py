@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 
 from wire import topics
+from wire.logs import warn
 from wire.transport import Transport
 
 __all__ = [
@@ -39,6 +40,7 @@ log = logging.getLogger(__name__)
 _SESSION = re.compile(r"^[0-9a-f]{16}-[0-9a-f]{8}$")
 # How long a task may wait for its own session's announcement (it can overtake it).
 GRACE_SECONDS = 3.0
+_LAST_ROUND = 999_999_999  # the largest round an announcement carries: after every real one
 
 
 class RoundAbandoned(RuntimeError):
@@ -85,7 +87,7 @@ class SessionWatch:
         announced = parse_announcement(payload)
         if announced is None:
             if payload:  # an empty payload clears a retained message
-                log.warning("dropped a bad coordinator session for run %s: %.80r", run, payload)
+                warn(log, run, "dropped a bad coordinator session for run %s: %.80r", run, payload)
             return
         session, work = announced
         with self._lock:
@@ -163,6 +165,12 @@ class SessionGuard:
         """Round ``round_number``'s try ``attempt`` starts: devices still at an earlier round
         or try of this session give it up."""
         self._payload = f"{self.session} {round_number} {attempt}".encode()
+        self._announce()
+
+    def end(self) -> None:
+        """The run stops (cancelled): every device gives up whatever it does for this session
+        at once, as it would for a later round (a resumed run announces a new session)."""
+        self._payload = f"{self.session} {_LAST_ROUND} 0".encode()
         self._announce()
 
     def _announce(self) -> None:

@@ -47,6 +47,7 @@ from wire.channel import Channel, Rejection
 from wire.codec import Envelope
 from wire.errors import WireError
 from wire.flow import CreditGranter
+from wire.logs import warn
 
 __all__ = ["StreamServer", "StreamStats"]
 
@@ -260,7 +261,13 @@ class StreamServer:
 
     def _stranger(self, sender: str, number: int) -> None:
         self.stats.rejected["sender"] += 1
-        log.warning("rejected activations from %s: not a sender of round %d", sender, number)
+        warn(
+            log,
+            (sender, "sender"),
+            "rejected activations from %s: not a sender of round %d",
+            sender,
+            number,
+        )
 
     def _admit(self, sender: str, envelope: Envelope | None) -> list[str]:
         """Handle a batch of the current round now, or (ordered) when its turn comes; the
@@ -300,7 +307,7 @@ class StreamServer:
                 self._handle(envelope)
             except WireError as error:
                 self.stats.rejected[error.reason] += 1
-                log.warning("rejected activations from %s: %s", sender, error)
+                warn(log, (sender, error.reason), "rejected activations from %s: %s", sender, error)
         if self._ledger.handled(sender):
             self.stats.handled[sender] += 1
 

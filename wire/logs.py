@@ -1,0 +1,61 @@
+"""Warnings about hostile or broken input, rate-limited: a flood of bad messages from one
+device must not flood the log (or fill a disk) as well.
+
+``warn(log, key, message, *args)`` logs at most :data:`BURST` warnings per ``key`` in a
+:data:`WINDOW`-second window; when a window with suppressed ones ends, the next warning for
+the key says how many were left out.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Hashable
+
+__all__ = ["BURST", "WINDOW", "WarningLimiter", "warn"]
+
+BURST = 5
+WINDOW = 60.0
+_MAX_KEYS = 4096
+
+
+class WarningLimiter:
+    """Per-key counts of warnings in the current window."""
+
+    def __init__(
+        self,
+        burst: int = BURST,
+        window: float = WINDOW,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.burst, self.window, self._clock = burst, window, clock
+        self._windows: dict[Hashable, tuple[float, int]] = {}  # key -> (start, count)
+        self._lock = threading.Lock()
+
+    def admit(self, key: Hashable) -> tuple[bool, int]:
+        """Whether a warning for ``key`` may be logged now, and how many of its warnings the
+        window before left out (to say so once)."""
+        now = self._clock()
+        with self._lock:
+            start, count = self._windows.get(key, (now, 0))
+            suppressed = 0
+            if now - start >= self.window:
+                suppressed = max(0, count - self.burst)
+                start, count = now, 0
+            if len(self._windows) >= _MAX_KEYS and key not in self._windows:
+                self._windows.clear()  # bounded: forgetting counts only lets a few more through
+            self._windows[key] = (start, count + 1)
+            return count < self.burst, suppressed
+
+
+_LIMITER = WarningLimiter()
+
+
+def warn(log: logging.Logger, key: Hashable, message: str, *args: object) -> None:
+    """``log.warning(message, *args)``, at most :data:`BURST` times a window for ``key``."""
+    allowed, suppressed = _LIMITER.admit((log.name, key))
+    if allowed:
+        if suppressed:
+            message += f" ({suppressed} more like it left out of the log)"
+        log.warning(message, *args)
