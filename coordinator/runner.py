@@ -130,6 +130,8 @@ class RoundRunner:
             min_edges,
         )
         self._clock, self._sleep = clock, sleep
+        # raises to stop the run (a stop request): called at each try and while collecting
+        self.stop_check: Callable[[], None] = lambda: None
 
     def sample(
         self, number: int, nodes: Sequence[int], weights: Mapping[str, np.ndarray]
@@ -163,6 +165,7 @@ class RoundRunner:
         previous = self.recorder.committed(number - 1) or self.recorder.baseline(start)
         observer = self.recorder.observer
         for attempt in range(1, self.attempts + 1):
+            self.stop_check()
             started = self._clock()
             observer.round_starting(number)
             work = prepare(number)
@@ -243,6 +246,7 @@ class RoundRunner:
             online = set(self.grid.get_node_ids())
             if waiting and not any(nodes[d] in online for d in waiting):
                 break
+            self.stop_check()
             self._sleep(_POLL)
         self.grid.abandon([i for i, d in ids.items() if d not in replies])
         return replies

@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
@@ -39,10 +40,11 @@ from coordinator.config import (
     describe_changes,
 )
 from coordinator.devices import DeviceRegistry, record_devices
-from coordinator.errors import CoordinatorError
+from coordinator.errors import CoordinatorError, RunCancelled
 from coordinator.planner import Placement, Planner
 from coordinator.recorder import WEIGHTS_SEGMENT, Evaluate, RoundObserver, RoundRecorder
 from coordinator.runner import RoundRunner, RoundWork
+from coordinator.stopping import StopWatch, mark_cancelled
 from split_models.data import Dataset, load_dataset
 from split_models.errors import ConfigError, SplitError
 from split_models.evaluation import evaluate_weights
@@ -54,6 +56,7 @@ from split_models.zoo import SplittableModel
 from storage.base import RunStore
 from storage.errors import NotFoundError
 from storage.records import Event
+from wire.errors import TransportError
 from wire.flower import TransportGrid, array_record, numpy_arrays
 from wire.roles import Announcement
 from wire.session import SessionGuard, new_session
@@ -63,6 +66,7 @@ __all__ = [
     "Coordinator",
     "CoordinatorError",
     "RoundObserver",
+    "RunCancelled",
     "evaluate_weights",
     "initial_weights",
 ]
@@ -125,6 +129,7 @@ class Coordinator:
         self.allow_config_change = allow_config_change
         self.observer = observer or RoundObserver()
         self.grid = TransportGrid(transport)
+        self._guard: SessionGuard | None = None
         self.session = new_session()  # devices drop work an earlier process asked for
         self.strategy, self.min_edges = _strategy(config)
         self.devices = DeviceRegistry(transport, self.grid)
@@ -160,11 +165,46 @@ class Coordinator:
         return self.devices.online(role)
 
     def run(self) -> int:
-        """Train the run to its configured rounds; return the number of rounds run now."""
-        config, store = self.config, self.store
+        """Train the run to its configured rounds; return the number of rounds run now.
+        Interrupted (Ctrl-C, a signal the caller turned into ``KeyboardInterrupt``) or asked to
+        stop (``edgesplit runs stop``), it marks the run ``cancelled`` and raises
+        :class:`RunCancelled`; the same call later resumes it."""
         self._create_or_check()
+        watch = StopWatch(self.store, self.config.run_id).start()
+        self.runner.stop_check = watch.check
+        try:
+            return self._train()
+        except KeyboardInterrupt as stop:
+            raise self._cancelled(stop) from None
+        finally:
+            watch.close()
+
+    def _cancelled(self, stop: KeyboardInterrupt) -> RunCancelled:
+        """Mark the run cancelled; the exception that says so."""
+        requested = isinstance(stop, RunCancelled) and stop.requested
+        signum = getattr(stop, "signum", None) or signal.SIGINT
+        why = (
+            "stop requested (edgesplit runs stop)"
+            if requested
+            else f"interrupted by {signal.Signals(signum).name}"
+        )
+        if self._guard is not None:  # devices give up the round under way at once
+            try:
+                self._guard.end()
+            except TransportError as error:
+                log.warning("could not tell the devices the run stopped: %s", error)
+        mark_cancelled(self.store, self.config.run_id, why)
+        log.info("run %s cancelled: %s", self.config.run_id, why)
+        return RunCancelled(
+            f"run {self.config.run_id} cancelled ({why}); run the same command again to resume",
+            requested,
+            None if requested else signum,
+        )
+
+    def _train(self) -> int:
+        config, store = self.config, self.store
         # Before any message: devices still inside a round of a crashed predecessor give it up.
-        guard = SessionGuard(self.transport, config.run_id, self.session)
+        guard = self._guard = SessionGuard(self.transport, config.run_id, self.session)
         guard.start()
         self.runner.on_attempt = guard.attempt
         resumed = store.resume(config.run_id)
@@ -222,6 +262,9 @@ class Coordinator:
         if run.config != config.to_dict():  # also rounds, deadline, devices: allowed
             store.set_run_config(config.run_id, config.to_dict())
         log.info("resuming run %s after round %s", config.run_id, run.current_round or 0)
+        store.add_event(
+            config.run_id, Event("resumed", f"after round {run.current_round or 0} ({run.status})")
+        )
 
     def _placement(self, resumed: bool) -> Placement:
         """The stored plan of a resumed run if it still holds, else a new plan (stored)."""

@@ -45,6 +45,7 @@ def _table(rows: list[dict[str, Any]], columns: list[str]) -> str:
     return "\n".join(lines)
 
 
+_LAST_EVENTS = 5
 _RUN_COLUMNS = [
     "run_id",
     "status",
@@ -79,6 +80,13 @@ def status_command(args: argparse.Namespace) -> int:
             status = run_status(store, args.run)
         except NotFoundError as error:
             raise ConfigError(f"--run: {error}") from error
+        # a failed or cancelled run: its last events say why (failure messages point there)
+        ended = status["status"] in ("failed", "cancelled")
+        last = store.events(args.run)[-_LAST_EVENTS:] if ended else []
+    if last:
+        from coordinator.run_commands import event_record, format_event
+
+        status["last_events"] = [event_record(e) for e in last]
     if args.json:
         print(json.dumps(status, indent=2))
         return 0
@@ -94,6 +102,9 @@ def status_command(args: argparse.Namespace) -> int:
         )
     if status["rounds"]:
         print(_table(status["rounds"], _ROUND_COLUMNS))
+    if last:
+        print(f"last events (all: edgesplit runs events {args.run}):")
+        print("\n".join(f"  {format_event(e)}" for e in last))
     return 0
 
 

@@ -10,11 +10,12 @@ import argparse
 import importlib
 import os
 import signal
-import sys
 from collections.abc import Callable, Sequence
 
 from coordinator.partitioner import PartitionConfig
 from edgesplit import __version__
+from edgesplit.exits import EXIT_OK, exit_for, signals_interrupt, wants_traceback
+from edgesplit.runs_cli import runs_parser
 from simulation.config import BASELINES, METHODS, SimConfig
 from split_models.config import TrainingConfig, default_of
 from split_models.heads import LOCAL_LOSSES
@@ -25,7 +26,6 @@ from wire.codec import ENCODINGS
 
 __all__ = ["main"]
 
-EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 # The model `plan` and `profile` measure when not told (a run's model has no default: RUN.yaml
 # must name it). Every other default below is a configuration dataclass's.
 _MODEL_SHAPE, _MODEL_CLASSES = "1,28,28", 10
@@ -369,6 +369,7 @@ def _store_parsers(commands: argparse._SubParsersAction) -> None:  # type: ignor
         help="spare files younger than this: a running coordinator's commit may own them "
         "(default: %(default)s; 0 when no coordinator uses the store)",
     )
+    runs_parser(commands, _db_flags)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -400,30 +401,31 @@ _COMMANDS = {
     "export": "coordinator.store_commands:export_command",
     "status": "coordinator.store_commands:status_command",
     "db": "coordinator.db_commands:db_command",
+    "runs": "coordinator.run_commands:runs_command",
 }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one subcommand; a failure is one line on stderr and an exit code
+    (:mod:`edgesplit.exits`). SIGTERM and SIGHUP interrupt like Ctrl-C, so a run in progress is
+    marked cancelled and every process it started is stopped."""
     args = build_parser().parse_args(argv)
     if hasattr(signal, "SIGPIPE"):  # `edgesplit status | head` ends quietly, like any Unix tool
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     configure_process()
-    from split_models.errors import SplitError
-    from storage.errors import StoreError
-    from wire.errors import TransportError
-
     try:
-        if args.command == "broker":
-            return _run_broker(args.port)
-        _read_passwords(args)
-        module, _, function = _COMMANDS[args.command].partition(":")
-        command: Callable[[argparse.Namespace], int] = getattr(
-            importlib.import_module(module), function
-        )
-        return command(args)
-    except (SplitError, StoreError, TransportError) as error:
-        print(f"edgesplit {args.command}: error: {error}", file=sys.stderr)
-        return EXIT_USAGE
+        with signals_interrupt():
+            if args.command == "broker":
+                return _run_broker(args.port)
+            _read_passwords(args)
+            module, _, function = _COMMANDS[args.command].partition(":")
+            command: Callable[[argparse.Namespace], int] = getattr(
+                importlib.import_module(module), function
+            )
+            return command(args)
+    except (Exception, KeyboardInterrupt) as error:
+        verbose = wants_traceback(os.environ, getattr(args, "verbose", False))
+        return exit_for(args.command, error, verbose)
 
 
 def _read_passwords(args: argparse.Namespace) -> None:
@@ -439,27 +441,38 @@ def _read_passwords(args: argparse.Namespace) -> None:
             from wire.mqtt import MqttConfig
 
             try:
-                MqttConfig.from_url(args.broker, password=args.broker_password)
+                mqtt = MqttConfig.from_url(args.broker, password=args.broker_password)
             except ValueError as error:
                 raise ConfigError(f"--broker: {error}") from None
+            for name, path in (
+                ("ca", mqtt.ca_file),
+                ("cert", mqtt.cert_file),
+                ("key", mqtt.key_file),
+            ):
+                if path and not os.access(path, os.R_OK):
+                    why = "no such file" if not os.path.exists(path) else "not readable"
+                    raise ConfigError(f"--broker: {name}={path}: {why}; fix the path in the URL")
     if hasattr(args, "db"):
         args.db_password = db_password(args.db, args.db_password_file, os.environ)
 
 
 def _run_broker(port: int) -> int:
+    """mosquitto in the foreground until it exits or a signal comes (SIGINT, SIGTERM, SIGHUP:
+    exit 0); it and its folder are gone on every way out."""
     from wire.broker import Broker
 
-    broker = Broker(port=port).start()
-    print(
-        f"mosquitto listening on {broker.url} (config {broker.config_path}); Ctrl-C stops it",
-        flush=True,
-    )
+    broker = Broker(port=port)
     try:
+        broker.start()
+        print(
+            f"mosquitto listening on {broker.url} (config {broker.config_path}); Ctrl-C stops it",
+            flush=True,
+        )
         return broker.wait()
     except KeyboardInterrupt:
         return EXIT_OK
     finally:
-        broker.stop()
+        broker.close()
 
 
 if __name__ == "__main__":

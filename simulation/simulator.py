@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from coordinator.config import RunConfig
+from coordinator.config import STRUCTURE_KEYS, TRAINING_KEYS, RunConfig, config_changes
 from coordinator.planner import stored_plan
 from coordinator.service import Coordinator, RoundObserver
 from edge_client.agent import EdgeAgent
@@ -216,7 +216,7 @@ def simulate(
         )
     test_path = out / "test.npz"
     np.savez(test_path, x=test.x, y=test.y)
-    run_id = run_id or f"sim-{uuid.uuid4().hex[:8]}"
+    run_id = run_id or _run_id(config, out, f"npz:{test_path}")
     run = run_config(config, run_id, f"npz:{test_path}")
     parts = _partition(config, train)
     if config.method in BASELINES:
@@ -244,6 +244,31 @@ def simulate(
     }
     write_outputs(out, summary, _plan_text(plan))
     return summary
+
+
+def _run_id(config: SimConfig, out: Path, test_data: str) -> str:
+    """The latest cancelled run in ``out`` that trains as this configuration does (rounds may
+    differ), to resume; else a new id."""
+    resumed = None
+    if config.method not in BASELINES and (out / "runs.db").exists():
+        resumed = _cancelled_run(config, out, test_data)
+    return resumed or f"sim-{uuid.uuid4().hex[:8]}"
+
+
+def _cancelled_run(config: SimConfig, out: Path, test_data: str) -> str | None:
+    with open_store(f"sqlite:///{out / 'runs.db'}") as store:
+        runs = sorted(
+            (r for r in store.list_runs() if r.status == "cancelled"),
+            key=lambda r: r.updated_at,
+            reverse=True,
+        )
+        keys = (*STRUCTURE_KEYS, *TRAINING_KEYS)
+        same = (
+            r
+            for r in runs
+            if not config_changes(r.config, run_config(config, r.run_id, test_data), keys)
+        )
+        return next((r.run_id for r in same), None)
 
 
 def _split_learning(
@@ -342,6 +367,6 @@ def _transports(broker: str, password: str | None) -> tuple[Any, Any]:
         for transport in made:
             transport.close()
         if started is not None:
-            started.stop()
+            started.close()
 
     return connect, close

@@ -114,6 +114,9 @@ class Broker:
                 [self.executable, "-c", str(self.config_path)],
                 stdout=subprocess.DEVNULL,
                 stderr=log,
+                # its own process group: a terminal's Ctrl-C reaches only its owner, which
+                # stops it and removes its folder (a broker killed first left the folder)
+                start_new_session=True,
             )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -146,6 +149,10 @@ class Broker:
         return self.start()
 
     def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop mosquitto and remove its folder (configuration, log, persistence)."""
         self.stop()
         shutil.rmtree(self._dir, ignore_errors=True)
 

@@ -122,8 +122,12 @@ class _Mailbox:
 
                 logging.getLogger(__name__).exception("handler for %s failed", topic)
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 10.0) -> None:
+        """Deliver what is queued, then end; wait up to ``timeout`` s for the handler under
+        way (closing a transport while a handler still publishes on another one fails it)."""
         self._queue.put(None)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
 
 
 class InProcessHub:

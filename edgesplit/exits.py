@@ -1,0 +1,118 @@
+"""What the ``edgesplit`` command tells the shell: one exit code per kind of failure and one
+line on stderr with the cause and the fix (``EDGESPLIT_TRACEBACK=1`` adds the traceback).
+
+| code | meaning |
+|---|---|
+| 0 | done; also a run stopped by ``edgesplit runs stop`` |
+| 1 | runtime failure: the run failed, a file could not be written, an unexpected error |
+| 2 | configuration or usage: a bad flag, config file, model, plan or run id |
+| 3 | a service is unreachable: the MQTT broker or the database server |
+| 130 | interrupted by Ctrl-C (SIGINT); 143: terminated (SIGTERM); 129: hung up (SIGHUP) |
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import traceback
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from types import FrameType
+
+__all__ = [
+    "EXIT_FAILURE",
+    "EXIT_OK",
+    "EXIT_UNREACHABLE",
+    "EXIT_USAGE",
+    "Signalled",
+    "exit_for",
+    "signals_interrupt",
+    "wants_traceback",
+]
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
+TRACEBACK_ENV = "EDGESPLIT_TRACEBACK"
+
+
+class Signalled(KeyboardInterrupt):
+    """SIGTERM or SIGHUP (or SIGINT) arrived: raised in the main thread like Ctrl-C, so
+    ``finally`` blocks and the coordinator's cancellation run."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise(signum: int, _frame: FrameType | None) -> None:
+    raise Signalled(signum)
+
+
+@contextmanager
+def signals_interrupt(
+    signums: tuple[int, ...] = tuple(
+        getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name)
+    ),
+) -> Iterator[None]:
+    """Within the block, each of ``signums`` raises :class:`Signalled` in the main thread."""
+    previous = {s: signal.signal(s, _raise) for s in signums}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _signal_code(signum: int | None) -> int:
+    return 128 + (signum or signal.SIGINT)
+
+
+def _classify(error: BaseException) -> tuple[int, str]:
+    """The exit code of ``error`` and its line's prefix."""
+    from coordinator.errors import CoordinatorError, RunCancelled
+    from split_models.errors import SplitError
+    from storage.errors import NotFoundError, StoreError
+    from storage.errors import UnreachableError as DatabaseUnreachable
+    from wire.errors import TransportError
+    from wire.errors import UnreachableError as BrokerUnreachable
+
+    if isinstance(error, RunCancelled):
+        return (EXIT_OK if error.requested else _signal_code(error.signum)), ""
+    if isinstance(error, KeyboardInterrupt):
+        return _signal_code(getattr(error, "signum", None)), "interrupted"
+    if isinstance(error, DatabaseUnreachable | BrokerUnreachable):
+        return EXIT_UNREACHABLE, "unreachable"
+    if isinstance(error, SplitError | NotFoundError):
+        return EXIT_USAGE, "error"
+    if isinstance(error, StoreError | TransportError | CoordinatorError):
+        return EXIT_FAILURE, "error"
+    if isinstance(error, OSError):
+        return EXIT_FAILURE, "error"
+    name = type(error).__name__
+    return EXIT_FAILURE, f"unexpected {name} (set {TRACEBACK_ENV}=1 for the traceback, report it)"
+
+
+def exit_for(command: str, error: BaseException, show_traceback: bool = False) -> int:
+    """Print ``error`` as one line on stderr (after its traceback with ``show_traceback``)
+    and return its exit code."""
+    code, prefix = _classify(error)
+    if show_traceback:
+        traceback.print_exception(error, file=sys.stderr)
+    line = f"edgesplit {command}: " + (f"{prefix}: " if prefix else "") + _describe(error)
+    print(line.replace("\n", " "), file=sys.stderr, flush=True)
+    return code
+
+
+def wants_traceback(environ: Mapping[str, str], verbose: bool = False) -> bool:
+    """``--verbose`` or ``EDGESPLIT_TRACEBACK=1``: print the traceback of a failure too."""
+    return verbose or environ.get(TRACEBACK_ENV, "") not in ("", "0")
+
+
+def _describe(error: BaseException) -> str:
+    if type(error) is KeyboardInterrupt:
+        return "SIGINT"
+    if isinstance(error, Signalled):
+        return signal.Signals(error.signum).name
+    if isinstance(error, OSError) and error.filename is not None:
+        fix = "check the path and its permissions, or choose another"
+        return f"cannot use {error.filename}: {error.strerror or error}; {fix}"
+    return str(error)
