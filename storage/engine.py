@@ -70,19 +70,17 @@ def create_store_engine(url: str, password: str | None = None, readonly: bool = 
 
 
 def _read_only_sqlite(database: str) -> sqlite3.Connection:
-    """``mode=ro``; where that cannot open a WAL database (its folder is not writable and no
-    ``-shm`` file exists, so no writer has it open), ``immutable=1``."""
-    address = f"file:{quote(os.path.abspath(database))}"
-    try:
-        connection = sqlite3.connect(
-            f"{address}?mode=ro", uri=True, timeout=_SQLITE_BUSY_MS / 1000, check_same_thread=False
-        )
-        connection.execute("SELECT count(*) FROM sqlite_master").fetchone()
-        return connection
-    except sqlite3.OperationalError:
-        if not os.path.exists(database) or os.path.exists(f"{database}-shm"):
-            raise
-    return sqlite3.connect(f"{address}?mode=ro&immutable=1", uri=True, check_same_thread=False)
+    """A connection that writes nothing, not even SQLite's ``-shm`` index. Without a ``-wal``
+    file no writer has the database open (the last one to close removes it) and every commit
+    is in the file: ``immutable=1`` reads it without locks or side files. With one, ``mode=ro``
+    reads the commits still in the log (creating ``-shm`` if it is missing and the folder
+    allows)."""
+    address = f"file:{quote(os.path.abspath(database))}?mode=ro"
+    if not os.path.exists(f"{database}-wal"):
+        address += "&immutable=1"
+    return sqlite3.connect(
+        address, uri=True, timeout=_SQLITE_BUSY_MS / 1000, check_same_thread=False
+    )
 
 
 def _configure_sqlite(engine: Engine, readonly: bool) -> None:

@@ -111,8 +111,13 @@ class SqlRunStore(RunStore):
             self.readonly,
         )
         if chosen.record and chosen.path is not None:
-            with self._session() as session:
-                session.merge(StoreSettingRow(key=_ROOT_KEY, value=str(chosen.path)))
+            try:
+                with self._session() as session:
+                    session.merge(StoreSettingRow(key=_ROOT_KEY, value=str(chosen.path)))
+            except IntegrityError:  # another open recorded one at the same moment
+                if self._setting(_ROOT_KEY) != str(chosen.path):
+                    message = f"--checkpoints {chosen.path}: another was just recorded"
+                    raise StoreError(message) from None
         return chosen.path
 
     def _setting(self, key: str) -> str | None:

@@ -1,0 +1,48 @@
+"""Where a store keeps its checkpoints, and the pure helpers of ``db check`` and gc."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from storage import StoreError
+from storage.checkpoints import temporary_owner_gone
+from storage.location import choose_root, default_root
+from storage.report import spans
+
+pytestmark = pytest.mark.unit
+
+DEFAULT = Path("/data/runs.db.checkpoints")
+
+
+def test_sqlite_keeps_checkpoints_beside_its_file_and_a_server_has_no_default() -> None:
+    assert default_root("sqlite:////data/runs.db") == DEFAULT
+    assert default_root("postgresql+psycopg://u@h/db") is None
+
+
+def test_an_explicit_folder_wins_and_is_recorded_unless_it_is_the_default() -> None:
+    assert choose_root(Path("/ckpt"), None, None, False).record
+    assert not choose_root(DEFAULT, None, DEFAULT, False).record
+    assert choose_root(None, Path("/ckpt"), DEFAULT, True).path == Path("/ckpt")
+    assert choose_root(None, None, None, False).path is None
+
+
+def test_a_recorded_folder_that_exists_is_not_replaced_but_a_moved_one_is() -> None:
+    with pytest.raises(StoreError, match="keeps its checkpoints in /old"):
+        choose_root(Path("/new"), Path("/old"), None, recorded_exists=True)
+    moved = choose_root(Path("/new"), Path("/old"), None, recorded_exists=False)
+    assert moved.path == Path("/new") and moved.record
+    assert choose_root(Path("/new"), Path("/old"), None, True, readonly=True).path == Path("/new")
+
+
+def test_spans_name_runs_of_rounds() -> None:
+    assert spans([5, 1, 2, 3, 7, 8]) == "1-3, 5, 7-8"
+    assert spans([]) == "none"
+
+
+def test_only_this_hosts_ended_processes_leave_collectable_temporary_files() -> None:
+    ended = 2**22 + 1  # above the default pid_max: no such process
+    assert temporary_owner_gone(f"ab.safetensors.h-{ended}.tmp", host="h")
+    assert not temporary_owner_gone(f"ab.safetensors.other-{ended}.tmp", host="h")
+    assert not temporary_owner_gone("ab.safetensors.1234.tmp", host="h")  # old naming: by age
