@@ -101,9 +101,9 @@ def request_stop(
     answered = False
     while clock() - started < wait:
         status = store.get_run(run_id).status
+        answered = answered or sum(1 for e in store.events(run_id) if e.kind == STOPPING) > answers
         if status in TERMINAL:
             return f"run {run_id} is {status}" + (" by its coordinator" if answered else "")
-        answered = answered or sum(1 for e in store.events(run_id) if e.kind == STOPPING) > answers
         if not answered and clock() - started >= answer_within:
             mark_cancelled(
                 store, run_id, f"no coordinator answered a stop request in {answer_within:g} s"

@@ -10,6 +10,7 @@ import argparse
 import importlib
 import os
 import signal
+import sys
 from collections.abc import Callable, Sequence
 
 from coordinator.partitioner import PartitionConfig
@@ -425,7 +426,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             return command(args)
     except (Exception, KeyboardInterrupt) as error:
         verbose = wants_traceback(os.environ, getattr(args, "verbose", False))
-        return exit_for(args.command, error, verbose)
+        code = exit_for(args.command, error, verbose)
+        if isinstance(error, KeyboardInterrupt):
+            # the run is cancelled and stored; a worker thread still inside torch while the
+            # interpreter finalizes aborts it (SIGABRT, 'terminate called...'): leave now
+            sys.stdout.flush()
+            os._exit(code)
+        return code
 
 
 def _read_passwords(args: argparse.Namespace) -> None:
