@@ -62,6 +62,7 @@ NORMS = ("average", "local")
 MAX_DURATION_SECONDS = 7 * 24 * 3600.0
 MAX_SAMPLE_ELEMENTS = 1 << 26  # values per sample (a 3x4096x4096 image is 50 M)
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+_EXPONENT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")  # PyYAML reads 1e8 as text
 _SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
 _ABSENT = object()
 T = TypeVar("T")
@@ -306,6 +307,8 @@ def _number(kind: str, meta: Mapping[str, Any], value: object, path: str) -> int
     low, above = meta.get("minimum"), meta.get("above")
     below, high = meta.get("below"), meta.get("maximum")
     types: type | tuple[type, ...] = int if kind == "int" else (int, float)
+    if kind != "int" and isinstance(value, str) and _EXPONENT.match(value.strip()):
+        value = float(value)
     ok = not isinstance(value, bool) and isinstance(value, types)
     number = float(value) if ok else 0.0  # type: ignore[arg-type]
     ok = (
@@ -464,11 +467,8 @@ class TrainingConfig:
     round_deadline_seconds: float = setting(
         300.0, key="round_deadline", aliases=("round_deadline_seconds",), kind="duration"
     )
-    federated_eval: float = setting(
-        0.0,
-        minimum=0,
-        below=1,
-        what="the share of each edge's data to hold out for evaluation (0: off)",
+    federated_eval: float = setting(  # the share of each edge's data held out (0: off)
+        0.0, minimum=0, below=1, what="the share of each edge's data to hold out for evaluation"
     )
     # the GPU server trains the edges' batches one edge after another, in name order, so the
     # same seed gives the same weights bit for bit (with one server; rounds take longer)
@@ -483,8 +483,7 @@ class TrainingConfig:
     # averaged); its gradient norm spikes there, and without the clip SGD momentum 0.9 at lr
     # 0.05 diverges within 5 rounds (docs/benchmarks.md, "Stable split training").
     server_clip_norm: float | None = setting(1.0, above=0, what="a positive number (or null: off)")
-    # The GPU servers refuse an activation batch holding a value of larger magnitude: finite
-    # values near float32's limit pass the wire's checks but overflow the back to NaN.
+    # GPU servers refuse activations of larger magnitude (finite, but overflowing the back)
     max_activation: float = setting(1e8, above=0, what="a positive number")
 
     def server_optimizer(self) -> OptimizerConfig:

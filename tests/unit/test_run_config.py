@@ -134,3 +134,14 @@ def test_a_nested_model_section_reads_as_the_flat_keys() -> None:
         RunConfig.parse({**base, "model": {"name": "mlp", "widht": 3}, "num_classes": 3})
     with pytest.raises(ConfigError, match="needs its name"):
         RunConfig.parse({**base, "model": {"input_shape": [1, 8, 8]}, "num_classes": 3})
+
+
+def test_numbers_in_exponent_form_parse_though_yaml_reads_them_as_text() -> None:
+    from split_models.config import TrainingConfig
+
+    data = yaml.safe_load("rounds: 2\nmax_activation: 1e6\noptimizer: {name: adam, lr: 1e-3}\n")
+    assert data["max_activation"] == "1e6"  # PyYAML's YAML 1.1: no dot, no number
+    training = TrainingConfig.parse(data)
+    assert training.max_activation == 1e6 and training.optimizer.lr == 1e-3
+    with pytest.raises(ConfigError, match="max_activation"):
+        TrainingConfig.parse({"rounds": 2, "max_activation": "1e6x"})
