@@ -93,7 +93,7 @@ class Deployment:
         return self.url_for(account) if self.url_for else self.broker_url
 
     def _start(self, name: str, *args: str) -> subprocess.Popen[bytes]:
-        # run in the test's directory: a PostgreSQL store keeps checkpoints under ./checkpoints
+        # run in the test's directory: a PostgreSQL store's checkpoints go to ./checkpoints
         path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
         env = {**os.environ, **RUNTIME_ENV, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": path}
         if self.env_for is not None:
@@ -139,6 +139,8 @@ class Deployment:
         )
 
     def start_coordinator(self) -> subprocess.Popen[bytes]:
+        # a server database is told once where its checkpoints go (it records the folder)
+        where = () if self.db.startswith("sqlite") else ("--checkpoints", "checkpoints")
         return self._start(
             "coordinator",
             "coordinator",
@@ -148,6 +150,7 @@ class Deployment:
             self.db,
             "--broker",
             self.broker_for("coordinator"),
+            *where,
         )
 
     def start_all(self) -> subprocess.Popen[bytes]:
