@@ -101,11 +101,14 @@ def build_task(
     session: str,
     segment: str = "seg-0",
     server_route: Route | None = None,
+    servers: Sequence[str] = (),
 ) -> Task:
-    """The task ``assignment``'s device gets; ``server_route`` for a GPU server's round. The
-    run's model and training sections travel as they are; the rest is the device's own."""
+    """The task ``assignment``'s device gets; ``server_route`` for a GPU server's round,
+    ``servers`` for an edge's (those serving its stream: it stops waiting for credits when
+    one goes offline). The run's model and training sections travel as they are; the rest is
+    the device's own."""
     edges: Sequence[str] = ()
-    peers: Sequence[str] = ()
+    peers: Sequence[str] = servers
     forward = None
     if server_route is not None:
         edges, peers, segment, forward = server_route

@@ -32,10 +32,11 @@ from coordinator.recorder import Outcome, RoundRecorder
 from storage.records import DeviceResult, RoundRecord
 from wire.flower import TRAINED_RECORD, TransportGrid, array_record, numpy_arrays
 
-__all__ = ["EdgeView", "RoundRunner", "RoundWork", "Sampled", "shortfall"]
+__all__ = ["EdgeView", "RoundRunner", "RoundWork", "Sampled", "retry_delay", "shortfall"]
 
 log = logging.getLogger(__name__)
 _POLL = 0.1
+RETRY_BASE_SECONDS, RETRY_CAP_SECONDS = 1.0, 10.0
 Sampled = dict[int, dict[str, Any]]
 """The nodes the strategy chose, each with the config entries of its train message."""
 
@@ -72,6 +73,17 @@ def shortfall(
         return None
     failed = [f"{r.device}: {r.failure}" for r in outcome.results if r.failure]
     return "; ".join(failed) or "not enough replies"
+
+
+def retry_delay(
+    attempt: int, base: float = RETRY_BASE_SECONDS, cap: float = RETRY_CAP_SECONDS
+) -> float:
+    """Seconds to wait before the try after ``attempt`` (1, 2, ...) that could not run (a
+    piece of the back offline): doubling from ``base``, at most ``cap``. A server restarting
+    is back for the next try within seconds; one that stays away is not asked every second."""
+    if attempt < 1:
+        raise ValueError(f"attempt: must be >= 1, got {attempt}")
+    return min(cap, base * 2.0 ** min(attempt - 1, 32))
 
 
 class EdgeView(Grid):
@@ -172,7 +184,7 @@ class RoundRunner:
             self.recorder.open(number, work.participants)
             if work.problem is not None:
                 self.recorder.failed(number, attempt, self.attempts, work.problem)
-                self._sleep(min(10.0, self.deadline / 10))
+                self._sleep(retry_delay(attempt))
                 continue
             for message in work.messages.values():  # devices tell a retry's credits apart
                 message.content.config_records["config"]["attempt"] = attempt

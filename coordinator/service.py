@@ -320,7 +320,8 @@ class Coordinator:
         streams, routes = route(selected, servers)
         own = self.runner.recorder.own  # FedBN: a device's own BatchNorm layers
         for a in selected:
-            task = build_task(self.config, a, self.session, segment=streams[a.device])
+            feeds = [s for s, r in routes.items() if r[2] == streams[a.device]]
+            task = build_task(self.config, a, self.session, streams[a.device], servers=feeds)
             arrays = array_record(own(a.device, keys_for(weights, 0, a.end, a.end)))
             work.messages[a.device] = build_message(
                 self.grid, a.node, arrays, "train", number, task, sampled[a.node]

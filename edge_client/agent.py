@@ -41,6 +41,7 @@ from wire.codec import Envelope, encode
 from wire.errors import WireError
 from wire.flow import CreditGate
 from wire.flower import array_record, attempt_of, numpy_arrays, proximal_mu_of, round_of
+from wire.presence import PeerOffline, PresenceWatch
 from wire.roles import Announcement, Task, go_online
 from wire.session import RoundAbandoned, SessionWatch
 from wire.transport import Transport
@@ -141,6 +142,7 @@ class EdgeAgent:
         self.measure_peak = measure_peak
         self.channel = Channel(stream, self.device)
         self.sessions = SessionWatch(stream)
+        self.presence = PresenceWatch(stream)  # a round's GPU server gone: give it up at once
         self._gates: dict[str, CreditGate] = {}
         self._gates_lock = threading.Lock()
         self._built: _Built | None = None
@@ -255,7 +257,7 @@ class EdgeAgent:
         try:
             work = (round_of(message), job.attempt)
             return self._train(message, job, self.sessions.follow(task.run, task.session, work))
-        except RoundAbandoned as abandoned:
+        except (RoundAbandoned, PeerOffline) as abandoned:
             log.warning("%s", abandoned)
             return Message(Error(code=2, reason=str(abandoned)), reply_to=message)
 
@@ -292,6 +294,7 @@ class EdgeAgent:
                     step=lease.train_step,
                     cancelled=cancelled,
                     attempt=job.attempt,
+                    offline=lambda: self.presence.offline(task.servers),
                 )
             arrays = lease.state()
         self.rounds += 1

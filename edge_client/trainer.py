@@ -25,6 +25,7 @@ from wire import topics
 from wire.channel import Channel
 from wire.codec import Envelope
 from wire.flow import CreditGate
+from wire.presence import PeerOffline
 from wire.session import RoundAbandoned
 
 __all__ = ["EdgeRoundReport", "EdgeTrainer", "EdgeTrainerConfig"]
@@ -76,6 +77,7 @@ class EdgeTrainer:
         self.topic = topics.activations(config.run, config.segment, config.device)
         self._gradients: queue.Queue[Envelope] = queue.Queue()
         self.rejected_gradients = 0
+        self._offline: Callable[[], list[str]] | None = None  # the round's servers offline
         if config.mode == "backprop":
             channel.subscribe(
                 topics.gradients(config.run, config.device),
@@ -98,7 +100,7 @@ class EdgeTrainer:
             try:
                 envelope = self._gradients.get(timeout=min(remaining, _POLL))
             except queue.Empty:
-                _check(cancelled, round_number)
+                _check(cancelled, round_number, self._offline)
                 continue
             gradient = envelope.tensors.get("g")
             if envelope.meta.get("seq") != seq or envelope.round != round_number:
@@ -167,20 +169,22 @@ class EdgeTrainer:
         step: Callable[[torch.Tensor, torch.Tensor], StepResult] | None = None,
         cancelled: Callable[[], bool] | None = None,
         attempt: int = 1,
+        offline: Callable[[], list[str]] | None = None,
     ) -> EdgeRoundReport:
         """``local_epochs`` passes over the local data; raises TimeoutError without credits.
         ``step`` trains one batch (default: the segment's own step; a simulation host passes
         one that trains this client together with others, see ``simulation.stack``).
-        ``cancelled`` is asked while waiting for the servers; when it turns true the round
-        ends with :class:`RoundAbandoned`."""
+        ``cancelled`` is asked while waiting for the servers (true: :class:`RoundAbandoned`),
+        ``offline()`` too: the round's servers offline now (any: :class:`PeerOffline`)."""
         step = step or self.segment.train_step
+        self._offline, cancelled = offline, _either(cancelled, offline)
         started, before = time.perf_counter(), self._counters()
         losses: list[float] = []
         self.gate.start_round(round_number, attempt)  # a retried round: a new attempt
         batches = self._batches(round_number, seed)
         for batch in batches:
             if not self.gate.acquire(self.config.credit_timeout, cancelled):
-                _check(cancelled, round_number)
+                _check(cancelled, round_number, self._offline)
                 raise TimeoutError(
                     f"no credit from the GPU servers within {self.config.credit_timeout:.0f} s"
                 )
@@ -232,6 +236,22 @@ class EdgeTrainer:
         )
 
 
-def _check(cancelled: Callable[[], bool] | None, round_number: int) -> None:
+def _either(
+    cancelled: Callable[[], bool] | None, offline: Callable[[], list[str]] | None
+) -> Callable[[], bool] | None:
+    """Stop waiting when the round is cancelled or one of its servers is offline."""
+    if offline is None:
+        return cancelled
+    return lambda: bool(offline()) or (cancelled is not None and cancelled())
+
+
+def _check(
+    cancelled: Callable[[], bool] | None,
+    round_number: int,
+    offline: Callable[[], list[str]] | None = None,
+) -> None:
+    """Raise why waiting stopped: a server went offline, or the round was abandoned."""
+    if offline is not None and (gone := offline()):
+        raise PeerOffline(round_number, gone)
     if cancelled is not None and cancelled():
         raise RoundAbandoned(round_number)

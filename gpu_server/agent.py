@@ -6,14 +6,16 @@ Like the edge agent it keeps no assignment state: each ``train`` message's
 a bad one is answered with an error naming the field), the blocks this server holds and the
 edges whose streams the round trains. The server answers before the round's deadline with
 whatever it trained, and names the edges whose batches all arrived, so the coordinator can tell
-a late edge from a finished one. Several servers take one shared subscription and split the stream.
+a late edge from a finished one. An edge whose last will arrives mid-round (presence
+``offline``) ends its part at once: the server stops waiting for it, keeps what of it arrived
+(all in) and names it ``gone``. Several servers take one shared subscription and split the stream.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
@@ -33,6 +35,7 @@ from wire.flower import (
     proximal_mu_of,
     round_of,
 )
+from wire.presence import PresenceWatch
 from wire.roles import Announcement, Task, go_online
 from wire.session import RoundAbandoned, SessionWatch
 from wire.transport import Transport
@@ -68,6 +71,7 @@ class GpuAgent:
         self.device = announcement.device
         self.stream = stream
         self.sessions = SessionWatch(stream)
+        self.presence = PresenceWatch(stream)  # a sender gone offline ends its part at once
         # run -> (the task's segment key and stream wiring, trainer)
         self._backs: dict[str, tuple[str, BackTrainer]] = {}
         self.node = go_online(announcement, control, self.client_app())
@@ -124,6 +128,18 @@ class GpuAgent:
 
         return app
 
+    def _offline(self, task: Task, peers: list[str]) -> Callable[[], list[str]]:
+        """The round's senders to stop waiting for: those offline, or every one when a peer
+        sharing the stream went offline (the batches it held are lost, and the edges it gave
+        credits give the round up)."""
+
+        def offline() -> list[str]:
+            if self.presence.offline(peers):
+                return list(task.edges)
+            return self.presence.offline(task.edges)
+
+        return offline
+
     def _round(
         self,
         message: Message,
@@ -141,15 +157,11 @@ class GpuAgent:
         cancelled = self.sessions.follow(task.run, task.session, (number, options[1]))
         back.begin_round(number, task.edges, weights, peers, *options)
         wait = server_wait_seconds(sections[1].round_deadline_seconds)
-        examples, loss = back.wait_round(task.edges, wait, cancelled)
+        examples, loss = back.wait_round(task.edges, wait, cancelled, self._offline(task, peers))
         if cancelled():
             abandoned = RoundAbandoned(number)
             log.warning("%s", abandoned)
             return Message(Error(code=2, reason=str(abandoned)), reply_to=message)
-        finished = sorted(back.finished)
-        late = sorted(set(task.edges) - set(finished))
-        if late:
-            log.warning("round %d: %s not finished before the deadline", number, late)
         arrays = back.state()
         trained: dict[str, Any] = back.round_senders()
         metrics = MetricRecord(
@@ -165,9 +177,21 @@ class GpuAgent:
             {
                 "arrays": array_record(arrays),
                 "metrics": metrics,
-                "report": ConfigRecord({"finished": ",".join(finished), "late": ",".join(late)}),
+                "report": _report(back, task.edges, number),
                 # what the coordinator bounds each edge's claimed examples by
                 TRAINED_RECORD: ConfigRecord(trained),
             }
         )
         return Message(content, reply_to=message)
+
+
+def _report(back: BackTrainer, edges: Collection[str], number: int) -> ConfigRecord:
+    """Which senders finished, which went offline mid-round (``gone``: what of them arrived
+    is trained, all in) and which were late."""
+    finished, gone = sorted(back.finished), sorted(back.gone - back.finished)
+    late = sorted(set(edges) - set(finished) - set(gone))
+    if late:
+        log.warning("round %d: %s not finished before the deadline", number, late)
+    return ConfigRecord(
+        {"finished": ",".join(finished), "late": ",".join(late), "gone": ",".join(gone)}
+    )

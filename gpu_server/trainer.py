@@ -127,10 +127,13 @@ class BackTrainer:
         devices: Iterable[str],
         timeout: float,
         cancelled: Callable[[], bool] | None = None,
+        offline: Callable[[], Iterable[str]] | None = None,
     ) -> tuple[int, float]:
-        """Block until every device is finished (or the timeout passes, or ``cancelled()``
-        turns true); return the examples trained in the round and their mean loss."""
-        self.stream.wait_round(timeout, cancelled, wanted=devices)
+        """Block until every device is finished or went offline (``offline()``: the devices
+        offline now; see :meth:`StreamServer.wait_round`), the timeout passes, or
+        ``cancelled()`` turns true; return the examples trained in the round and their mean
+        loss (a device that went offline: all of its batches that arrived before)."""
+        self.stream.wait_round(timeout, cancelled, wanted=devices, offline=offline)
         with self.stream.exclusive():
             losses = list(self._round_losses)
             return self._round_examples, float(np.mean(losses)) if losses else float("nan")
@@ -145,6 +148,11 @@ class BackTrainer:
     def finished(self) -> set[str]:
         """The devices whose batches of the current round have all been handled."""
         return self.stream.finished
+
+    @property
+    def gone(self) -> set[str]:
+        """The devices that went offline during the current round (their part ended)."""
+        return self.stream.gone
 
     def state(self) -> dict[str, np.ndarray]:
         """The back segment's tensors under their global names."""

@@ -30,12 +30,21 @@ class RoundLedger:
         self.declared: dict[str, int] = {}
         self.counts: dict[str, collections.Counter[str]] = {me: collections.Counter()}
         self.finished: set[str] = set()
+        self.gone: set[str] = set()  # senders that left the round (offline)
 
     def declare(self, sender: str, batches: int) -> bool:
         """``sender`` sent ``batches`` this round; False when it is not a sender of it."""
         if sender not in self.senders:
             return False
         self.declared[sender] = batches
+        return True
+
+    def leave(self, sender: str) -> bool:
+        """``sender`` went offline: stop waiting for it; False when it is not a sender of the
+        round, or finished or left already."""
+        if sender not in self.senders or sender in self.finished | self.gone:
+            return False
+        self.gone.add(sender)
         return True
 
     def handled(self, sender: str) -> bool:
@@ -68,5 +77,6 @@ class RoundLedger:
 
     @property
     def complete(self) -> bool:
-        """Every sender of the round is finished (at once for a round without senders)."""
-        return self.senders <= self.finished
+        """Every sender of the round is finished or left (at once for a round without
+        senders)."""
+        return self.senders <= self.finished | self.gone

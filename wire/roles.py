@@ -209,7 +209,8 @@ class Task:
     with ``split_models.config``. The rest is the device's own: blocks ``[start, end)`` (an edge
     trains them with a local head, a server is a piece of the back), the memory estimate, the
     stream it feeds or serves (``segment``), a server's senders (``edges``), the peers sharing
-    its piece (``servers``), the next piece's stream (``forward``) and the coordinator's
+    its piece (``servers``; for an edge, the servers of the stream it feeds, whose presence
+    it watches), the next piece's stream (``forward``) and the coordinator's
     ``session``.
     """
 

@@ -22,6 +22,12 @@ server's state. A batch of the current round from a device that is not one of th
 senders is rejected (``sender``) without a credit or a count: it is neither trained nor able to
 move the end of the round.
 
+**A sender that goes offline** (its last will; the owner passes who is offline to
+:meth:`StreamServer.wait_round`, or calls :meth:`StreamServer.leave`) leaves the round: the
+server stops waiting for its count. Its batches are **all in**: every batch of it that reached
+this server before the will is trained (ordered: also those waiting for their turn); one of the
+round arriving after is refused (``gone``, its credit returned) and counted nowhere.
+
 **Ordered** (``ordered=True``, the run's ``deterministic: true``, one server on the stream): the
 batches of a round are handled sender by sender, in the order of the senders' names, each
 sender's in the order they came; a batch that is not its sender's turn waits, and its credit
@@ -62,10 +68,12 @@ _POLL = 0.1
 
 @dataclass
 class StreamStats:
-    """Batches handled per sender (over all rounds) and rejections by reason."""
+    """Batches handled per sender (over all rounds), rejections by reason, and the rounds
+    each sender left by going offline."""
 
     handled: collections.Counter[str] = field(default_factory=collections.Counter)
     rejected: collections.Counter[str] = field(default_factory=collections.Counter)
+    left: collections.Counter[str] = field(default_factory=collections.Counter)
 
 
 @dataclass(frozen=True)
@@ -207,17 +215,38 @@ class StreamServer:
         timeout: float,
         cancelled: Callable[[], bool] | None = None,
         wanted: Iterable[str] | None = None,
+        offline: Callable[[], Iterable[str]] | None = None,
     ) -> bool:
-        """Block until every sender of the round (or of ``wanted``) is finished (True), the
-        timeout passes or ``cancelled()`` turns true (False)."""
+        """Block until every sender of the round (or of ``wanted``) is finished or left
+        (True), the timeout passes or ``cancelled()`` turns true (False). ``offline()``: the
+        devices offline now, asked while waiting; a sender among them leaves the round."""
         deadline = time.monotonic() + timeout
-        with self._changed:
-            want = self._ledger.senders if wanted is None else frozenset(wanted)
-            while not want <= self._ledger.finished and time.monotonic() < deadline:
-                if cancelled is not None and cancelled():
-                    break
+        while True:
+            for device in offline() if offline is not None else ():
+                self.leave(device)
+            with self._changed:
+                want = self._ledger.senders if wanted is None else frozenset(wanted)
+                over = want <= self._ledger.finished | self._ledger.gone
+                if over or time.monotonic() >= deadline or (cancelled and cancelled()):
+                    return over
                 self._changed.wait(min(_POLL, max(0.0, deadline - time.monotonic())))
-            return want <= self._ledger.finished
+
+    def leave(self, sender: str) -> bool:
+        """End ``sender``'s part of the current round (it went offline): nobody waits for its
+        count; False when it is no sender of the round, or finished or left already."""
+        with self._changed:
+            was, number = self._ledger.complete, self._ledger.number
+            if not self._ledger.leave(sender):
+                return False
+            self.stats.left[sender] += 1
+            handled = self._drain()  # ordered: its waiting batches, then the next sender's
+            completed = not was and self._ledger.complete
+            self._changed.notify_all()
+        log.warning("round %d: %s went offline; its part of the round ends", number, sender)
+        self._credit(handled, number)
+        if completed and self.on_complete is not None:
+            self.on_complete(number)
+        return True
 
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[None]:
@@ -230,6 +259,12 @@ class StreamServer:
         """The senders of the current round whose batches have all been handled."""
         with self._lock:
             return set(self._ledger.finished)
+
+    @property
+    def gone(self) -> set[str]:
+        """The senders of the current round that left it (went offline)."""
+        with self._lock:
+            return set(self._ledger.gone)
 
     @property
     def round_number(self) -> int:
@@ -251,7 +286,10 @@ class StreamServer:
             if envelope.round == number and sender not in self._ledger.senders:
                 self._stranger(sender, number)
                 return  # no credit, no count: it is not one of the round's senders
-            if envelope.round != number:
+            if envelope.round == number and sender in self._ledger.gone:
+                self.stats.rejected["gone"] += 1  # arrived after its will: not trained
+                handled = [sender]  # its credit returns (a device back online is not stalled)
+            elif envelope.round != number:
                 reason = "stale_round" if envelope.round < number else "ahead"
                 self.stats.rejected[reason] += 1
                 handled = [sender]  # its credit returns, though it counts for no round
@@ -292,6 +330,8 @@ class StreamServer:
     def _handled_all(self, sender: str) -> bool:
         """Ordered: ``sender`` said what it sent, and this server handled all of it."""
         declared = self._ledger.declared.get(sender)
+        if sender in self._ledger.gone:
+            return True  # its batches that came before its will were handled
         return declared is not None and self._ledger.own_counts.get(sender, 0) >= declared
 
     def _credit(self, senders: list[str], number: int) -> None:

@@ -1,0 +1,124 @@
+"""Fast failure detection with the real agents (in-process broker): an edge whose last will
+arrives mid-round ends its part of the round on the GPU server at once (the server's reply
+names it ``gone``, and what of it arrived before the will is in the back: all in), and edges
+whose GPU server went offline give the round up with an error naming it."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import ConfigRecord, Message, RecordDict
+
+from edge_client import EdgeTrainer, EdgeTrainerConfig
+from split_models import Dataset, Segment, StepResult, build_model
+from tests.integration import split_fleet
+from tests.unit.test_session import _until
+from wire import topics
+from wire.channel import Channel
+from wire.flow import CreditGate
+from wire.flower import TRAINED_RECORD, TransportGrid, array_record, node_will
+from wire.roles import node_id_for
+from wire.transport import InProcessHub
+
+pytestmark = pytest.mark.integration
+
+DEAD, BATCH, BEFORE = "pi-03", 8, 2  # the edge killed after BEFORE batches
+
+
+def _blocked_after(segment: Segment, count: int, go: threading.Event) -> Callable[..., StepResult]:
+    calls = [0]
+
+    def step(inputs: torch.Tensor, labels: torch.Tensor) -> StepResult:
+        calls[0] += 1
+        if calls[0] > count:
+            go.wait(60.0)  # the process is "dead" from here on
+        return segment.train_step(inputs, labels)
+
+    return step
+
+
+def _dying_edge(hub: InProcessHub, run: str) -> EdgeTrainer:
+    rng = np.random.default_rng(3)
+    data = Dataset(
+        rng.normal(size=(4 * BATCH, 1, 28, 28)).astype(np.float32),
+        rng.integers(0, 10, size=4 * BATCH).astype(np.int64),
+        10,
+    )
+    channel = Channel(hub.connect(DEAD), DEAD)
+    segment = Segment.from_model(build_model(*split_fleet.MODEL, seed=0), 0, 1)
+    config = EdgeTrainerConfig(run, DEAD, "seg-0", batch_size=BATCH, credit_timeout=60.0)
+    return EdgeTrainer(channel, CreditGate(channel, run, DEAD), segment, data, config)
+
+
+def _train(fleet: split_fleet.Fleet, grid: object, nodes: list[int]) -> list[Message]:
+    config = ConfigRecord({"server-round": 1})
+    content = RecordDict({"arrays": array_record(fleet.initial), "config": config})
+    messages = [grid.create_message(content, "train", n, "ff") for n in nodes]  # type: ignore[attr-defined]
+    return list(grid.send_and_receive(messages, timeout=split_fleet.DEADLINE))  # type: ignore[attr-defined]
+
+
+def _digits(count: int, seed: int) -> Dataset:
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(count, 1, 28, 28)).astype(np.float32)
+    return Dataset(x, rng.integers(0, 10, size=count).astype(np.int64), 10)
+
+
+def test_a_gpu_server_ends_the_part_of_an_edge_whose_last_will_arrives() -> None:
+    hub = InProcessHub()
+    data = {"pi-01": _digits(32, 0), "pi-02": _digits(32, 1)}
+    fleet = split_fleet.start_fleet(hub.connect, data["pi-01"], "ff-1", data)
+    gpu = node_id_for(split_fleet.GPU)
+    edges = (*split_fleet.EDGES, DEAD)
+    fleet.tasks[gpu] = dataclasses.replace(fleet.tasks[gpu], edges=edges)
+    control = hub.connect(f"{DEAD}-control", node_will(node_id_for(DEAD), DEAD))
+    control.publish(topics.presence(DEAD), f"online {node_id_for(DEAD)}".encode(), retain=True)
+    dying, go = _dying_edge(hub, "ff-1"), threading.Event()
+    step = _blocked_after(dying.segment, BEFORE, go)
+    threading.Thread(target=lambda: dying.train_round(1, step=step), daemon=True).start()
+    transport_grid = TransportGrid(hub.connect("coordinator"))
+    transport_grid.wait_for_nodes(3, timeout=10)
+    replies: list[Message] = []
+    asked = threading.Thread(
+        target=lambda: replies.extend(_train(fleet, fleet.grid(transport_grid), fleet.node_ids))
+    )
+    asked.start()
+    _until(lambda: fleet.gpu.trainer("ff-1") is not None, 30.0)
+    _until(lambda: fleet.back.stats.per_device[DEAD] == BEFORE * BATCH, 30.0)
+
+    control.kill()  # the edge dies: the broker publishes its last will
+    asked.join(split_fleet.DEADLINE)
+    go.set()  # a batch the dead edge had in flight arrives after its will
+    _until(lambda: fleet.back.stream.stats.rejected["gone"] >= 1, 30.0)
+
+    by_node = {r.metadata.src_node_id: r for r in replies}
+    assert set(by_node) == set(fleet.node_ids) and not any(r.has_error() for r in replies)
+    report = by_node[gpu].content.config_records["report"]
+    assert report["gone"] == DEAD and report["late"] == ""
+    assert report["finished"] == ",".join(split_fleet.EDGES)
+    assert fleet.back.stream.stats.left == {DEAD: 1}, "ended by the offline path"
+    trained = by_node[gpu].content.config_records[TRAINED_RECORD]
+    assert trained[DEAD] == BEFORE * BATCH, "all of the dead edge's batches that came are in"
+    assert fleet.back.stats.per_device[DEAD] == BEFORE * BATCH, "none after its will"
+
+
+def test_edges_give_a_round_up_naming_the_gpu_server_that_went_offline() -> None:
+    hub = InProcessHub()
+    data = {"pi-01": _digits(32, 0), "pi-02": _digits(32, 1)}
+    fleet = split_fleet.start_fleet(hub.connect, data["pi-01"], "ff-2", data)
+    edges = [node_id_for(d) for d in split_fleet.EDGES]
+    for node in edges:  # as the coordinator does: the servers of the edge's stream
+        fleet.tasks[node] = dataclasses.replace(fleet.tasks[node], servers=(split_fleet.GPU,))
+    transport_grid = TransportGrid(hub.connect("coordinator"))
+    transport_grid.wait_for_nodes(3, timeout=10)
+
+    fleet.gpu.node.transport.kill()  # the GPU server dies before the round: no credit comes
+    replies = _train(fleet, fleet.grid(transport_grid), edges)
+
+    assert len(replies) == 2 and all(r.has_error() for r in replies)
+    for reply in replies:
+        assert f"GPU server {split_fleet.GPU} went offline" in reply.error.reason
