@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
 from split_models.activations import Activation, nbytes, primary, side
 from split_models.cold_setup import cold_setups
+from split_models.flops import count_flops
 from split_models.heads import LOCAL_LOSSES, make_head
 from split_models.measure import (
     PeakMeter,
@@ -210,56 +210,6 @@ def _saved_split(small: _Probe, large: _Probe) -> tuple[int, int]:
     return per_sample, max(0, without_input(small) - per_sample * _PROBE_BATCHES[0])
 
 
-def _count_flops(
-    module: nn.Module,
-    input_shape: tuple[int, ...],
-    batch: int,
-    ids: tuple[int, int] | None,
-    side: Side = (),
-) -> int:
-    """Forward FLOPs per sample as torch's FLOP counter sees them, plus an estimate for the
-    layers with weights it counts nothing for (a fused LSTM, an embedding lookup)."""
-    calls: list[tuple[nn.Module, tuple[Any, ...], Any]] = []
-
-    def record(layer: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        calls.append((layer, args, output))
-
-    leaves = [m for m in module.modules() if not list(m.children()) and _weights(m)]
-    hooks = [m.register_forward_hook(record) for m in leaves]
-    counter = FlopCounterMode(display=False)
-    try:
-        with counter, torch.no_grad():
-            module(_inputs(input_shape, batch, ids, side=side))
-    finally:
-        for hook in hooks:
-            hook.remove()
-    total = int(counter.get_total_flops())
-    for layer, args, output in calls:
-        alone = FlopCounterMode(display=False)
-        with alone, torch.no_grad():
-            layer(*args)
-        if alone.get_total_flops() == 0:
-            total += _uncounted_flops(layer, args, output)
-    return total // batch
-
-
-def _weights(layer: nn.Module) -> int:
-    return sum(p.numel() for p in layer.parameters(recurse=False))
-
-
-def _uncounted_flops(layer: nn.Module, args: tuple[Any, ...], output: Any) -> int:
-    """An estimate for a layer with weights that the FLOP counter misses: a lookup moves its
-    output once; otherwise each weight is a multiply-add at every position of the input."""
-    if isinstance(layer, nn.Embedding | nn.EmbeddingBag):
-        out = output if isinstance(output, torch.Tensor) else output[0]
-        return int(out.numel())
-    first = args[0] if args and isinstance(args[0], torch.Tensor) else None
-    if first is None or first.dim() == 0:
-        return 2 * _weights(layer)
-    positions = first.numel() // max(1, first.shape[-1])
-    return 2 * _weights(layer) * positions
-
-
 class _Pass:
     """Training passes through fresh copies of one block, for one input-gradient setting."""
 
@@ -424,7 +374,8 @@ def _measure(
         with torch.no_grad():
             out = module(_inputs(shape, _PROBE_BATCHES[0], ids, side=side))
         out_shape = tuple(primary(out).shape[1:])
-        flops = _count_flops(module, shape, _PROBE_BATCHES[0], ids, side)
+        batch = _PROBE_BATCHES[0]
+        flops = count_flops(module, _inputs(shape, batch, ids, side=side), batch)
         per_sample, fixed = _saved_split(small, large)
         largest_activation = large.largest_activation // _PROBE_BATCHES[1]
         # Without an input gradient first: its kernels are what a segment's first block makes;
