@@ -12,18 +12,20 @@ Flower replies) reach the coordinator's, the GPU server's and the grid's parsers
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from storage import open_store
+from storage import NotFoundError, RunStore, open_store
 from tests.e2e.deployment import EDGES, Deployment
 from tests.security.conftest import ACCOUNTS, ProductionBroker
-from tests.security.fuzz import TOPIC_KINDS, FuzzGenerator
+from tests.security.fuzz import TOPIC_KINDS, Fuzz, FuzzGenerator
 from wire.mqtt import MqttTransport
 
 pytestmark = pytest.mark.e2e
@@ -46,14 +48,17 @@ PARTICIPANTS = (*EDGES, "gpu-a")
 
 
 class _Fuzzer:
-    """Publishes the generator's messages as ``mallory`` from a thread, in bursts every
-    50 ms, paced to spread ``count`` messages over ``seconds``."""
+    """Publishes the generator's messages as ``mallory`` from a thread: an equal share in
+    each round, from the moment the store shows it open, in bursts every 50 ms paced over
+    that round's ``seconds``."""
 
-    def __init__(self, production: ProductionBroker, count: int, seconds: float) -> None:
+    def __init__(
+        self, production: ProductionBroker, count: int, seconds: list[float], db: str
+    ) -> None:
         config = production.config("mallory", reconnect_min=0, reconnect_max=1)
         self.transport = MqttTransport(config, "fuzzer")
         self.generator = FuzzGenerator(SEED, RUN, PARTICIPANTS, foreign=FOREIGN)
-        self.count, self.seconds = count, seconds
+        self.count, self.seconds, self.db = count, seconds, db
         self.sent: list[float] = []  # when each message went out (wall clock, as the store)
         self.kinds: collections.Counter[str] = collections.Counter()
         self.errors: list[BaseException] = []
@@ -63,18 +68,29 @@ class _Fuzzer:
         self._thread.start()
 
     def _run(self) -> None:
-        started = time.monotonic()
+        messages = iter(self.generator.messages(self.count))
+        shares = [self.count // len(self.seconds)] * len(self.seconds)
+        shares[-1] += self.count - sum(shares)
         try:
-            for fuzz in self.generator.messages(self.count):
-                due = started + self.seconds * len(self.sent) / self.count
-                if (wait := due - time.monotonic()) > 0.05:
-                    time.sleep(wait)  # a burst is what fell due in the last 50 ms
-                self.transport.publish(fuzz.topic, fuzz.payload, retain=fuzz.retain)
-                self.sent.append(time.time())
-                self.kinds[fuzz.kind] += 1
+            with open_store(self.db) as store:
+                paced = zip(shares, self.seconds, strict=True)
+                for number, (share, seconds) in enumerate(paced, start=1):
+                    _wait_open(store, number)
+                    self._send(messages, share, seconds)
             self.transport.flush(timeout=60)
         except BaseException as error:  # reported by the test
             self.errors.append(error)
+
+    def _send(self, messages: Iterator[Fuzz], share: int, seconds: float) -> None:
+        started = time.monotonic()
+        for index in range(share):
+            fuzz = next(messages)
+            due = started + seconds * index / share
+            if (wait := due - time.monotonic()) > 0.05:
+                time.sleep(wait)  # a burst is what fell due in the last 50 ms
+            self.transport.publish(fuzz.topic, fuzz.payload, retain=fuzz.retain)
+            self.sent.append(time.time())
+            self.kinds[fuzz.kind] += 1
 
     def join(self, timeout: float) -> None:
         self._thread.join(timeout)
@@ -84,6 +100,17 @@ class _Fuzzer:
     @property
     def refused(self) -> int:
         return sum(self.transport.refused.values())
+
+
+def _wait_open(store: RunStore, number: int, timeout: float = 300.0) -> None:
+    """Until the store shows round ``number`` of the run opened (or beyond)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(NotFoundError):
+            if any(r.number >= number for r in store.list_rounds(RUN)):
+                return
+        time.sleep(0.1)
+    raise AssertionError(f"round {number} did not open within {timeout:.0f} s")
 
 
 def _deployment(production: ProductionBroker, directory: Path) -> Deployment:
@@ -185,10 +212,9 @@ def test_ten_thousand_fuzzed_messages_change_nothing(
     clean = _run(clean_deployment)
     _check_rounds(clean["status"])
     fuzzed_deployment = _deployment(production_broker, tmp_path / "fuzzed")
-    # spread the messages from the start to the middle of the last round, as the clean run
-    # timed them
-    opened, committed = clean["rounds"][ROUNDS]
-    fuzzer = _Fuzzer(production_broker, MESSAGES, (opened + committed) / 2 - clean["began"])
+    # an equal share in each round, sent over the first half of its clean duration
+    halves = [(clean["rounds"][n][1] - clean["rounds"][n][0]) / 2 for n in range(1, ROUNDS + 1)]
+    fuzzer = _Fuzzer(production_broker, MESSAGES, halves, fuzzed_deployment.db)
 
     # execute: the same run with mallory fuzzing throughout
     fuzzed = _run(fuzzed_deployment, fuzzer)
