@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sqlite3
+import time
 from typing import Any
 from urllib.parse import quote
 
@@ -63,7 +65,8 @@ def create_store_engine(url: str, password: str | None = None, readonly: bool = 
             # the run store holds the run's config and history: its owner's alone (0600;
             # SQLite gives its -wal and -shm files the same mode)
             os.makedirs(os.path.dirname(os.path.abspath(database)), exist_ok=True)
-            os.close(os.open(database, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+            with contextlib.suppress(FileExistsError):  # another open made it just now
+                os.close(os.open(database, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
         engine = create_engine(url, connect_args={"timeout": _SQLITE_BUSY_MS / 1000})
     _configure_sqlite(engine, readonly)
     return engine
@@ -83,6 +86,22 @@ def _read_only_sqlite(database: str) -> sqlite3.Connection:
     )
 
 
+def _wal(cursor: Any) -> None:
+    """Put the database in WAL mode (once per file; it stays). Switching needs the file to
+    itself, and SQLite skips the busy handler when waiting could deadlock (another connection
+    inside a write transaction, as a first open migrating): retry until the busy timeout."""
+    deadline = time.monotonic() + _SQLITE_BUSY_MS / 1000
+    while True:
+        try:
+            if cursor.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+                cursor.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as error:
+            if "locked" not in str(error) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 def _configure_sqlite(engine: Engine, readonly: bool) -> None:
     @event.listens_for(engine, "connect")
     def _configure(dbapi_connection: Any, _record: Any) -> None:
@@ -91,7 +110,7 @@ def _configure_sqlite(engine: Engine, readonly: bool) -> None:
         if readonly:
             cursor.execute("PRAGMA query_only=ON")  # a write raises instead of happening
         else:
-            cursor.execute("PRAGMA journal_mode=WAL")
+            _wal(cursor)
             cursor.execute("PRAGMA synchronous=FULL")
         cursor.execute("PRAGMA foreign_keys=ON")
         cursor.execute(f"PRAGMA busy_timeout={_SQLITE_BUSY_MS}")
