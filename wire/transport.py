@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import itertools
+import logging
 import queue
 import threading
 from collections.abc import Callable
@@ -117,9 +118,9 @@ class _Mailbox:
             handler, topic, payload = item
             try:
                 handler(topic, payload)
+            except TransportError as error:  # e.g. its reply's transport closed (shutdown)
+                logging.getLogger(__name__).warning("handler for %s stopped: %s", topic, error)
             except Exception:  # a failing handler must not stop delivery to the others
-                import logging
-
                 logging.getLogger(__name__).exception("handler for %s failed", topic)
 
     def stop(self, timeout: float = 10.0) -> None:
