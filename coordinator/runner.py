@@ -360,13 +360,10 @@ def _bound_examples(
     number: int,
     attempt: tuple[RoundWork, dict[str, Message], Outcome],
 ) -> None:
-    """Before aggregation: each reply is stamped with the node it answers (never what it says),
-    and each edge's claimed examples (its weight) capped at what the GPU servers trained of it,
-    else by its peers' claims (:func:`coordinator.bounds.cap_examples`), with an event."""
+    """Before aggregation: each edge's claimed examples (its weight) capped at what the GPU
+    servers trained of it, else by its peers' claims (:func:`coordinator.bounds.cap_examples`),
+    with an event. (The grid stamps each reply with the node it answers, never what it says.)"""
     work, replies, outcome = attempt
-    for device in outcome.ok:
-        node = work.messages[device].metadata.dst_node_id
-        replies[device].metadata.__dict__["_src_node_id"] = node
     records = [
         replies[d].content.config_records.get(TRAINED_RECORD)
         for d in outcome.ok

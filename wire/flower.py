@@ -183,7 +183,8 @@ class TransportGrid(Grid):
 
     def _on_reply(self, topic: str, payload: bytes) -> None:
         """A reply on ``flower/<name>/out``: kept only when it answers a message sent to
-        that node (a device cannot answer for another: the topic is its account's)."""
+        that node (a device cannot answer for another: the topic is its account's), and
+        stamped with that node's id as its sender."""
         sender = topic.split("/")[-2]
         message = self._frames.receive(payload, topic)
         if message is None:
@@ -206,6 +207,9 @@ class TransportGrid(Grid):
                 )
                 return
             del self._sent[reply_to]
+            # its sender is the node the topic names, whatever the reply says (a device must
+            # not pass for another, e.g. for a trusted GPU server, to whoever reads the reply)
+            message.metadata.__dict__["_src_node_id"] = node_id_of(sender)
             self._replies[reply_to] = message
             self._condition.notify_all()
 

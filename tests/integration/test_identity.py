@@ -106,3 +106,21 @@ def test_a_frame_declaring_a_huge_message_does_not_block_real_replies() -> None:
     message = grid.create_message(RecordDict(), "query", node_id_for("pi-02"), "g")
     (reply,) = grid.send_and_receive([message], timeout=5)
     assert reply.content.config_records["a"]["node"] == node_id_for("pi-02")
+
+
+def test_a_reply_is_stamped_with_the_node_its_topic_names() -> None:
+    """What a reply says of its sender is not believed: a device must not pass for another
+    (a trusted GPU server, say) to whoever reads ``src_node_id``."""
+    hub = InProcessHub()
+    grid = TransportGrid(hub.connect("coordinator"))
+    device = hub.connect("pi-02")
+    device.publish(topics.presence("pi-02"), f"online {node_id_for('pi-02')}".encode(), True)
+    assert grid.wait_for_nodes(1, timeout=5) == [node_id_for("pi-02")]
+    message = grid.create_message(RecordDict(), "query", node_id_for("pi-02"), "g")
+    (identifier,) = grid.push_messages([message])
+    forged = Message(RecordDict({"a": ConfigRecord({"node": 1})}), reply_to=message)
+    forged.metadata.__dict__["_src_node_id"] = node_id_for("gpu-a")  # claims to be another
+    _Frames(device).send(topics.flower_out("pi-02"), forged)
+    _settle()
+    (reply,) = grid.pull_messages([identifier])
+    assert reply.metadata.src_node_id == node_id_for("pi-02")
