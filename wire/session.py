@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 _SESSION = re.compile(r"^[0-9a-f]{16}-[0-9a-f]{8}$")
 # How long a task may wait for its own session's announcement (it can overtake it).
 GRACE_SECONDS = 3.0
+_FOREIGN_KEPT = 16
 _LAST_ROUND = 999_999_999  # the largest round an announcement carries: after every real one
 
 
@@ -155,7 +156,7 @@ class SessionGuard:
         self._transport, self._run, self.session = transport, run, session
         self._payload = session.encode()
         self._last_repair = 0.0
-        self.foreign: list[str] = []  # the other payloads seen, for tests and status
+        self.foreign: list[str] = []  # the first other payloads seen (bounded), for tests
 
     def start(self) -> None:
         self._announce()
@@ -178,10 +179,11 @@ class SessionGuard:
 
     def _on_session(self, _topic: str, payload: bytes) -> None:
         announced = parse_announcement(payload)
-        if payload == self._payload or (announced is not None and announced[0] == self.session):
+        if announced is not None and announced[0] == self.session:
             return  # ours (an earlier attempt's echo may arrive after a later announcement)
         seen = payload[:60].decode("ascii", errors="replace")
-        self.foreign.append(seen)
+        if len(self.foreign) < _FOREIGN_KEPT:  # a flood of forgeries must not grow memory
+            self.foreign.append(seen)
         now = time.monotonic()
         if now - self._last_repair < 1.0:
             return
