@@ -31,13 +31,24 @@ class PeerOffline(RuntimeError):
 
 
 class PresenceWatch:
-    """Follows ``presence/+`` on ``transport``: the devices whose latest presence is
-    ``offline``. A device never heard of is not offline (it may not have announced yet)."""
+    """The devices whose latest presence is ``offline``, followed on ``transport`` for the
+    devices asked about: a device's presence topic is subscribed to the first time it is
+    asked for (its retained presence arrives then), so an agent hears only the devices it
+    waits on, not every device's comings and goings. A device never heard of is not offline
+    (it may not have announced yet)."""
 
     def __init__(self, transport: Transport) -> None:
+        self._transport = transport
         self._offline: set[str] = set()
+        self._watched: set[str] = set()
         self._lock = threading.Lock()
-        transport.subscribe(f"{topics.PREFIX}/presence/+", self._on_presence)
+
+    def _watch(self, devices: set[str]) -> None:
+        with self._lock:
+            new = devices - self._watched
+            self._watched |= new
+        for device in sorted(new):
+            self._transport.subscribe(topics.presence(device), self._on_presence)
 
     def _on_presence(self, topic: str, payload: bytes) -> None:
         device = topic.rsplit("/", 1)[-1]
@@ -49,5 +60,7 @@ class PresenceWatch:
 
     def offline(self, devices: Iterable[str]) -> list[str]:
         """Those of ``devices`` whose latest presence is ``offline``, sorted."""
+        wanted = set(devices)
+        self._watch(wanted)
         with self._lock:
-            return sorted(set(devices) & self._offline)
+            return sorted(wanted & self._offline)
