@@ -26,17 +26,21 @@ from flwr.serverapp.strategy import FedAvg
 
 from coordinator.aggregation import WEIGHT_KEY, flower_quiet
 from coordinator.bounds import EXAMPLES_BOUND, cap_examples, trained_examples
+from coordinator.devices import GracefulNodes
 from coordinator.errors import CoordinatorError
 from coordinator.guard import divergence, non_finite_tensors
+from coordinator.outage import LinkWatch, missing_batches
 from coordinator.recorder import Outcome, RoundRecorder
 from storage.records import DeviceResult, RoundRecord
 from wire.flower import TRAINED_RECORD, TransportGrid, array_record, numpy_arrays
+from wire.presence import WillGrace
 
 __all__ = ["EdgeView", "RoundRunner", "RoundWork", "Sampled", "retry_delay", "shortfall"]
 
 log = logging.getLogger(__name__)
 _POLL = 0.1
 RETRY_BASE_SECONDS, RETRY_CAP_SECONDS = 1.0, 10.0
+_OUTAGE = object()  # a try the broker's going away cut short: redone, not counted
 Sampled = dict[int, dict[str, Any]]
 """The nodes the strategy chose, each with the config entries of its train message."""
 
@@ -142,6 +146,9 @@ class RoundRunner:
             min_edges,
         )
         self._clock, self._sleep = clock, sleep
+        transport = getattr(grid, "transport", None)
+        self.link = LinkWatch(transport, clock, sleep)
+        self._nodes = GracefulNodes(grid, transport, WillGrace(clock=clock))
         # raises to stop the run (a stop request): called at each try and while collecting
         self.stop_check: Callable[[], None] = lambda: None
 
@@ -175,36 +182,77 @@ class RoundRunner:
         the weights the round starts from, evaluated to judge the first round by when no
         committed round precedes it."""
         previous = self.recorder.committed(number - 1) or self.recorder.baseline(start)
-        observer = self.recorder.observer
-        for attempt in range(1, self.attempts + 1):
-            self.stop_check()
-            started = self._clock()
-            observer.round_starting(number)
-            work = prepare(number)
-            self.recorder.open(number, work.participants)
-            if work.problem is not None:
-                self.recorder.failed(number, attempt, self.attempts, work.problem)
-                self._sleep(retry_delay(attempt))
-                continue
-            for message in work.messages.values():  # devices tell a retry's credits apart
-                message.content.config_records["config"]["attempt"] = attempt
-            self.on_attempt(number, attempt)
-            observer.round_started(number, list(work.messages))
-            replies = self.collect(work.messages, self.deadline)
-            outcome = self.outcome(work.messages, replies, started)
-            why = shortfall(
-                work.messages, work.servers, work.require_server, outcome, self.min_edges
-            )
-            if why is None:
-                merged, why = self._commit(number, work, replies, outcome, (evaluate, previous))
-                if merged is not None:
-                    return merged
-            self.recorder.record(number, outcome)
-            self.recorder.failed(number, attempt, self.attempts, why)
+        attempt, counted, outages = 0, 0, 0
+        while counted < self.attempts:
+            attempt += 1
+            result = self._try(number, (attempt, counted + 1), prepare, (evaluate, previous))
+            if isinstance(result, dict):
+                return result
+            if result is not _OUTAGE:
+                counted += 1
+            elif (outages := outages + 1) > self.link.tries:
+                raise CoordinatorError(
+                    f"round {number}: the broker went away during {outages} tries; see "
+                    f"`edgesplit status --run {self.recorder.run_id}` and the run's events"
+                )
         raise CoordinatorError(
             f"round {number} failed {self.attempts} times; see `edgesplit status --run "
             f"{self.recorder.run_id}` and the run's events"
         )
+
+    def _try(
+        self,
+        number: int,
+        tries: tuple[int, int],
+        prepare: Callable[[int], RoundWork],
+        judge: tuple[Any, RoundRecord | None],
+    ) -> dict[str, np.ndarray] | object | None:
+        """One try of round ``number`` (``tries``: its number as announced, and as counted
+        against ``attempts``): the new weights, :data:`_OUTAGE` when the broker went away
+        during it (not counted), or None when it failed."""
+        attempt, counted = tries
+        self.stop_check()
+        started = self._clock()
+        self.recorder.observer.round_starting(number)
+        work = prepare(number)
+        self.recorder.open(number, work.participants)
+        if work.problem is not None:
+            self.recorder.failed(number, counted, self.attempts, work.problem)
+            self._sleep(retry_delay(counted))
+            return None
+        for message in work.messages.values():  # devices tell a retry's credits apart
+            message.content.config_records["config"]["attempt"] = attempt
+        self.on_attempt(number, attempt)
+        self.recorder.observer.round_started(number, list(work.messages))
+        epoch = self.link.epoch()
+        replies = self.collect(work.messages, self.deadline)
+        if self.link.epoch() != epoch:
+            self._outage(number, attempt, work)
+            return _OUTAGE
+        online = set(self.grid.get_node_ids())
+        outcome = _outcome(work.messages, replies, started, online, self._clock())
+        why = shortfall(
+            work.messages, work.servers, work.require_server, outcome, self.min_edges
+        ) or missing_batches([d for d in work.servers if d in outcome.ok], replies)
+        if why is None:
+            merged, why = self._commit(number, work, replies, outcome, judge)
+            if merged is not None:
+                return merged
+        self.recorder.record(number, outcome)
+        self.recorder.failed(number, counted, self.attempts, why)
+        return None
+
+    def _outage(self, number: int, attempt: int, work: RoundWork) -> None:
+        """The coordinator lost the broker during try ``attempt``: record it and wait until
+        the link and the try's devices are back."""
+        self.recorder.event(
+            number,
+            "broker-outage",
+            f"the coordinator lost the broker during try {attempt}; the round is redone from "
+            "the last committed weights once its devices are back (not counted as an attempt)",
+        )
+        nodes = [m.metadata.dst_node_id for m in work.messages.values()]
+        self.link.wait_back(nodes, self.grid.get_node_ids)
 
     def _commit(
         self,
@@ -247,7 +295,7 @@ class RoundRunner:
         ids = dict(zip(self.grid.push_messages(messages.values()), messages, strict=True))
         nodes = {device: m.metadata.dst_node_id for device, m in messages.items()}
         replies: dict[str, Message] = {}
-        until = self._clock() + deadline
+        until, epoch = self._clock() + deadline, self.link.epoch()
         while len(replies) < len(messages) and self._clock() < until:
             for reply in self.grid.pull_messages([i for i, d in ids.items() if d not in replies]):
                 device = ids[reply.metadata.reply_to_message_id]
@@ -255,59 +303,15 @@ class RoundRunner:
                 if observed:
                     self.recorder.observer.device_answered(device)
             waiting = [d for d in messages if d not in replies]
-            online = set(self.grid.get_node_ids())
+            online = self._nodes()
             if waiting and not any(nodes[d] in online for d in waiting):
                 break
+            if self.link.epoch() != epoch:
+                break  # the broker went away: the try is redone (run)
             self.stop_check()
             self._sleep(_POLL)
         self.grid.abandon([i for i, d in ids.items() if d not in replies])
         return replies
-
-    def outcome(
-        self, messages: dict[str, Message], replies: dict[str, Message], started: float
-    ) -> Outcome:
-        """Each device's result, the devices that trained, and their cut-layer bytes."""
-        online = set(self.grid.get_node_ids())
-        outcome = Outcome([], [], {}, started)
-        for device, message in messages.items():
-            reply = replies.get(device)
-            if reply is None:
-                here = message.metadata.dst_node_id in online
-                why = "no reply before the deadline" if here else "offline"
-                outcome.results.append(DeviceResult(device, failure=why))
-            elif reply.has_error():
-                why = (reply.error.reason or "failed")[:500]
-                outcome.results.append(DeviceResult(device, failure=why))
-            elif (problem := _malformed(reply)) is not None:
-                outcome.results.append(DeviceResult(device, failure=problem))
-            elif bad := non_finite_tensors(numpy_arrays(reply, key=None)):
-                why = f"sent weights holding NaN or infinity ({', '.join(bad[:3])})"
-                outcome.results.append(DeviceResult(device, failure=why))
-            else:
-                outcome.results.append(self._result(device, reply, started, outcome))
-                outcome.ok.append(device)
-        return outcome
-
-    def _result(
-        self, device: str, reply: Message, started: float, outcome: Outcome
-    ) -> DeviceResult:
-        metrics = reply.content.metric_records["metrics"]
-        outcome.traffic[device] = {
-            name.replace("-", "_"): float(metrics[name])  # type: ignore[arg-type]
-            for name in ("cut-bytes-sent", "cut-bytes-received")
-            if name in metrics
-        }
-        peak = int(metrics.get("peak-memory", -1))  # type: ignore[arg-type]
-        loss = float(metrics.get("loss", math.nan))  # type: ignore[arg-type]
-        return DeviceResult(
-            device,
-            examples=int(metrics["num-examples"]),  # type: ignore[arg-type]
-            loss=loss if math.isfinite(loss) else None,
-            bytes_sent=int(metrics.get("bytes-sent", 0)),  # type: ignore[arg-type]
-            bytes_received=int(metrics.get("bytes-received", 0)),  # type: ignore[arg-type]
-            wall_seconds=float(metrics.get("wall-seconds", self._clock() - started)),  # type: ignore[arg-type]
-            peak_memory_bytes=peak if peak >= 0 else None,
-        )
 
     def federated(
         self,
@@ -352,6 +356,56 @@ class RoundRunner:
             "federated_loss": float(metrics["loss"]),  # type: ignore[arg-type]
             "federated_examples": examples,
         }
+
+
+def _outcome(
+    messages: dict[str, Message],
+    replies: dict[str, Message],
+    started: float,
+    online: set[int],
+    now: float,
+) -> Outcome:
+    """Each device's result, the devices that trained, and their cut-layer bytes (``online``:
+    the nodes online now)."""
+    outcome = Outcome([], [], {}, started)
+    for device, message in messages.items():
+        reply = replies.get(device)
+        if reply is None:
+            here = message.metadata.dst_node_id in online
+            why = "no reply before the deadline" if here else "offline"
+            outcome.results.append(DeviceResult(device, failure=why))
+        elif reply.has_error():
+            why = (reply.error.reason or "failed")[:500]
+            outcome.results.append(DeviceResult(device, failure=why))
+        elif (problem := _malformed(reply)) is not None:
+            outcome.results.append(DeviceResult(device, failure=problem))
+        elif bad := non_finite_tensors(numpy_arrays(reply, key=None)):
+            why = f"sent weights holding NaN or infinity ({', '.join(bad[:3])})"
+            outcome.results.append(DeviceResult(device, failure=why))
+        else:
+            outcome.results.append(_result(device, reply, now - started, outcome))
+            outcome.ok.append(device)
+    return outcome
+
+
+def _result(device: str, reply: Message, seconds: float, outcome: Outcome) -> DeviceResult:
+    metrics = reply.content.metric_records["metrics"]
+    outcome.traffic[device] = {
+        name.replace("-", "_"): float(metrics[name])  # type: ignore[arg-type]
+        for name in ("cut-bytes-sent", "cut-bytes-received")
+        if name in metrics
+    }
+    peak = int(metrics.get("peak-memory", -1))  # type: ignore[arg-type]
+    loss = float(metrics.get("loss", math.nan))  # type: ignore[arg-type]
+    return DeviceResult(
+        device,
+        examples=int(metrics["num-examples"]),  # type: ignore[arg-type]
+        loss=loss if math.isfinite(loss) else None,
+        bytes_sent=int(metrics.get("bytes-sent", 0)),  # type: ignore[arg-type]
+        bytes_received=int(metrics.get("bytes-received", 0)),  # type: ignore[arg-type]
+        wall_seconds=float(metrics.get("wall-seconds", seconds)),  # type: ignore[arg-type]
+        peak_memory_bytes=peak if peak >= 0 else None,
+    )
 
 
 def _bound_examples(
