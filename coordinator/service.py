@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import signal
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -75,11 +75,18 @@ log = logging.getLogger(__name__)
 
 
 def initial_weights(
-    model: SplittableModel, local_loss: str, cuts: Sequence[int], seed: int
+    model: SplittableModel,
+    local_loss: str,
+    cuts: Sequence[int],
+    seed: int,
+    known: Collection[str] = (),
 ) -> dict[str, np.ndarray]:
-    """The blocks of ``model`` (built from ``seed``) and a local head for every cut."""
+    """The blocks of ``model`` (built from ``seed``) and a local head for every cut, but the
+    cuts whose head is among the ``known`` tensors (a resumed run's: building a head runs the
+    model, seconds of a restart in a fresh process)."""
     weights = segment_state(Segment.from_model(model, 0, model.num_blocks))
-    for cut in sorted(set(cuts)):
+    have = {key.partition(".")[0] for key in known}
+    for cut in sorted(set(cuts) - {c for c in cuts if f"head{c}" in have}):
         torch.manual_seed(seed * 1000 + cut)
         weights |= {
             k: v
@@ -207,6 +214,9 @@ class Coordinator:
         guard = self._guard = SessionGuard(self.transport, config.run_id, self.session)
         guard.start()
         self.runner.on_attempt = guard.attempt
+        # the run's one coordinator: files a killed predecessor was committing are garbage
+        if discarded := store.discard_pending(config.run_id):
+            log.info("removed %d checkpoint file(s) of an unfinished commit", discarded)
         resumed = store.resume(config.run_id)
         done = 0 if resumed is None else resumed.round.number
         if done >= config.training.rounds:
@@ -219,12 +229,12 @@ class Coordinator:
             b.end for b in placement.servers if b.end < placement.plan.num_blocks
         ]
         model = config.model.build(seed=config.training.seed)
-        weights = initial_weights(model, config.training.local_loss, cuts, config.training.seed)
+        stored = {} if resumed is None else resumed.weights[WEIGHTS_SEGMENT]
+        seed = config.training.seed
+        weights = initial_weights(model, config.training.local_loss, cuts, seed, stored) | stored
         self.runner.recorder.keep_local(
             local_keys(config, model), None if resumed is None else resumed.weights
         )
-        if resumed is not None:
-            weights |= resumed.weights[WEIGHTS_SEGMENT]
         store.set_run_status(config.run_id, "training")
         try:
             for number in range(done + 1, config.training.rounds + 1):
