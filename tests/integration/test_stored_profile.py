@@ -85,7 +85,7 @@ def stores(url: str) -> Iterator[list[RunStore]]:
 def test_a_restart_reuses_the_stored_profile(
     stores: list[RunStore], measured: ModelProfile
 ) -> None:
-    config, calls = run_config(), []
+    config, calls = run_config(), list[RunConfig]()
     stores[0].create_run(config.run_id, config.to_dict(), 0)
     first = planner(config, stores[0], calls, measured).profile()
 
@@ -101,7 +101,7 @@ def test_a_restart_reuses_the_stored_profile(
 def test_a_profile_of_another_model_or_batch_is_measured_anew(
     stores: list[RunStore], measured: ModelProfile, change: dict[str, object]
 ) -> None:
-    config, calls = run_config(), []
+    config, calls = run_config(), list[RunConfig]()
     stores[0].create_run(config.run_id, config.to_dict(), 0)
     planner(config, stores[0], calls, measured).profile()
 
@@ -115,7 +115,7 @@ def test_a_profile_of_another_model_or_batch_is_measured_anew(
 def test_an_unreadable_stored_profile_is_measured_anew(
     stores: list[RunStore], measured: ModelProfile
 ) -> None:
-    config, calls = run_config(), []
+    config, calls = run_config(), list[RunConfig]()
     stores[0].create_run(config.run_id, config.to_dict(), 0)
     first = planner(config, stores[0], calls, measured)
     first.profile()
