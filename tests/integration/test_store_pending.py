@@ -39,9 +39,12 @@ def _referenced(store: RunStore, run_id: str) -> set[str]:
     return {ref.sha256 for n in rounds for ref in store.checkpoint(run_id, n).checkpoints}
 
 
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[RunStore]:
-    with open_store(f"sqlite:///{tmp_path / 'runs.db'}") as opened:
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[RunStore]:
+    url = f"sqlite:///{tmp_path / 'runs.db'}"
+    if request.param == "postgresql":
+        url = request.getfixturevalue("postgres_url")
+    with open_store(url, tmp_path / "runs.db.checkpoints") as opened:
         opened.create_run("r", {"model": "cnn"}, seed=0)
         opened.open_round("r", 1, ["pi-01"])
         opened.commit_round("r", 1, _weights(1))
@@ -130,9 +133,11 @@ def _commit_forever(database: Path, ready: int) -> None:
 
 
 def test_after_sigkills_during_commits_a_restart_leaves_only_referenced_files(
-    store: RunStore, tmp_path: Path
+    tmp_path: Path,
 ) -> None:
     database, rng, discarded = tmp_path / "runs.db", random.Random(1), 0
+    with open_store(str(database)) as store:
+        store.create_run("r", {"model": "cnn"}, seed=0)
     for _ in range(6):
         read_end, write_end = os.pipe()
         child = os.fork()
