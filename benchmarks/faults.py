@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import statistics
 import sys
 import tempfile
@@ -40,6 +41,15 @@ from wire.broker import Broker  # noqa: E402
 
 PER_EDGE, OUTAGE, GOAL = 320, 2.0, 5.0
 Row = tuple[str, str, str]
+ABOUT = (
+    "A real deployment (`tests/e2e/deployment.py`: private mosquitto, SQLite, coordinator, one\n"
+    "GPU server, three edges, each its own `edgesplit` process; cnn, 320 examples per edge,\n"
+    "batch 32, deadline 30 s, `--max-attempts 8`). A kill lands once the round's second batch\n"
+    "of the victim (an edge) or of pi-01 (the GPU server) crossed the broker. A round's time is\n"
+    "from the previous round's commit to its own (retries and back-off included); a kill costs\n"
+    "its round's time beyond the median normal round (the GPU server's: beyond its outage too).\n"
+    "Batches trained twice: `tests/faults/watch.py` `trained_twice` over every committed round."
+)
 
 
 def _schedule(trials: int) -> dict[int, str]:
@@ -197,10 +207,12 @@ def main() -> None:
     table = ["| fault | trials | outcome |", "|---|---|---|"]
     table += [f"| {fault} | {n} | {outcome} |" for fault, n, outcome in rows]
     command = "python benchmarks/faults.py" + (" --quick" if args.quick else "")
-    summary = f"{machine()}; {time.strftime('%Y-%m-%d')}"
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    summary = f"{machine()}; load average {load} at the end; {time.strftime('%Y-%m-%d')}"
     print("\n".join(table) + "\n" + summary)
     if args.out is not None:
         heading = ["## Faults (issue 17)", "", "```bash", f".venv/bin/{command}", "```", ""]
+        heading += [ABOUT, ""]
         section = "\n".join([*heading, *table, "", summary])
         write_section(args.out, section)
 

@@ -63,15 +63,14 @@ def full_disk(mode: str, folder: Path, flag: Path) -> Iterator[Callable[[], None
         flag.touch()
         yield lambda: flag.unlink(missing_ok=True)
         return
-    if not _mount("2m", folder):
+    if not _mount("32m", folder):
         raise AssertionError(f"mounting a tmpfs on {folder} failed (it worked at collection)")
     filler = folder / "filler.bin"
     try:
         # ENOSPC ends the loop: the disk is full
-        with filler.open("wb") as handle, contextlib.suppress(OSError):
+        with contextlib.suppress(OSError), filler.open("wb", buffering=0) as handle:
             while True:
                 handle.write(b"\0" * 4096)
-                handle.flush()
         yield lambda: filler.unlink(missing_ok=True)
     finally:
         _unmount(folder)
