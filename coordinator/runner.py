@@ -292,10 +292,11 @@ class RoundRunner:
     ) -> dict[str, Message]:
         """Replies by device, until all came, the deadline passed, or every device still
         missing is offline (its last will arrived)."""
+        epoch = self.link.epoch()  # before sending: a message sent into an outage may be lost
         ids = dict(zip(self.grid.push_messages(messages.values()), messages, strict=True))
         nodes = {device: m.metadata.dst_node_id for device, m in messages.items()}
         replies: dict[str, Message] = {}
-        until, epoch = self._clock() + deadline, self.link.epoch()
+        until = self._clock() + deadline
         while len(replies) < len(messages) and self._clock() < until:
             for reply in self.grid.pull_messages([i for i, d in ids.items() if d not in replies]):
                 device = ids[reply.metadata.reply_to_message_id]

@@ -190,6 +190,8 @@ class EdgeTrainer:
         self._attempt, self._sent = attempt, 0
         batches = self._batches(round_number, seed)
         for batch in batches:
+            if cancelled is not None and cancelled():  # a replaced try stops sending at once,
+                _check(cancelled, round_number, self._offline)  # credits or not
             if not self.gate.acquire(self.config.credit_timeout, cancelled):
                 _check(cancelled, round_number, self._offline)
                 raise TimeoutError(
