@@ -321,6 +321,7 @@ class StreamServer:
     def _admit(self, sender: str, envelope: Envelope | None) -> list[str]:
         """Handle a batch of the current round now, or (ordered) when its turn comes; the
         senders of the batches handled by this call."""
+        self._progress[sender] = time.monotonic()  # arrived: not missing, even if queued
         if self._order is None:
             self._handle_locked(sender, envelope)
             return [sender]
