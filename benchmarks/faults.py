@@ -178,6 +178,13 @@ def sibling_rows(quick: bool) -> list[Row]:
     return rows
 
 
+def _shown(rows: list[Row]) -> list[Row]:
+    """``rows``, printed at once (the siblings' runs take minutes more)."""
+    for row in rows:
+        print(" | ".join(row), flush=True)
+    return rows
+
+
 def write_section(out: Path, text: str) -> None:
     """Replace the file's "## Faults" section with ``text`` (or append it)."""
     lines = out.read_text().splitlines() if out.exists() else []
@@ -201,9 +208,9 @@ def main() -> None:
     trials = 1 if args.quick else args.trials
     rows: list[Row] = []
     with Broker() as broker, tempfile.TemporaryDirectory() as scratch:
-        rows += measure_kills(broker, Path(scratch) / "kills", trials)
-        rows.append(measure_disk_full(broker, Path(scratch) / "disk"))
-    rows += sibling_rows(args.quick)
+        rows += _shown(measure_kills(broker, Path(scratch) / "kills", trials))
+        rows += _shown([measure_disk_full(broker, Path(scratch) / "disk")])
+    rows += _shown(sibling_rows(args.quick))
     table = ["| fault | trials | outcome |", "|---|---|---|"]
     table += [f"| {fault} | {n} | {outcome} |" for fault, n, outcome in rows]
     command = "python benchmarks/faults.py" + (" --quick" if args.quick else "")
