@@ -390,6 +390,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_NETWORKED = frozenset({"coordinator", "edge", "gpu-server", "simulate", "broker"})
+
 # Each subcommand's implementation, imported only when it runs (the roles stay apart and
 # `edgesplit status` does not load torch's training stack).
 _COMMANDS = {
@@ -411,7 +413,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     (:mod:`edgesplit.exits`). SIGTERM and SIGHUP interrupt like Ctrl-C, so a run in progress is
     marked cancelled and every process it started is stopped."""
     args = build_parser().parse_args(argv)
-    if hasattr(signal, "SIGPIPE"):  # `edgesplit status | head` ends quietly, like any Unix tool
+    # `edgesplit status | head` ends quietly, like any Unix tool; a process that talks to the
+    # broker keeps Python's SIGPIPE default (ignored): a write to the socket of a broker that
+    # just went away must be a lost connection (paho reconnects), not the process's death
+    if hasattr(signal, "SIGPIPE") and args.command not in _NETWORKED:
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     configure_process()
     try:
