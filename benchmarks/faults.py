@@ -204,16 +204,20 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="one trial of each kill")
     parser.add_argument("--trials", type=int, default=3, help="trials of each kill (default 3)")
     parser.add_argument("--out", type=Path, help="write the table as this file's Faults section")
+    parser.add_argument(
+        "--no-siblings", action="store_true", help="leave out faults_coordinator/faults_broker"
+    )
     args = parser.parse_args()
     trials = 1 if args.quick else args.trials
     rows: list[Row] = []
     with Broker() as broker, tempfile.TemporaryDirectory() as scratch:
         rows += _shown(measure_kills(broker, Path(scratch) / "kills", trials))
         rows += _shown([measure_disk_full(broker, Path(scratch) / "disk")])
-    rows += _shown(sibling_rows(args.quick))
+    rows += [] if args.no_siblings else _shown(sibling_rows(args.quick))
     table = ["| fault | trials | outcome |", "|---|---|---|"]
     table += [f"| {fault} | {n} | {outcome} |" for fault, n, outcome in rows]
-    command = "python benchmarks/faults.py" + (" --quick" if args.quick else "")
+    flags = [f for f, on in (("--quick", args.quick), ("--no-siblings", args.no_siblings)) if on]
+    command = " ".join(["python benchmarks/faults.py", *flags])
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     summary = f"{machine()}; load average {load} at the end; {time.strftime('%Y-%m-%d')}"
     print("\n".join(table) + "\n" + summary)
