@@ -107,8 +107,8 @@ def measure_kills(broker: Broker, directory: Path, trials: int) -> list[Row]:
             (
                 label,
                 str(len(numbers)),
-                f"kill round +{_span(extra)} s beyond {'the outage and ' if outage else ''}"
-                f"a normal round (goal <= {GOAL:.0f} s: {verdict}); round after +{_span(after)} s"
+                f"kill round {_span(extra)} s beyond {'the outage and ' if outage else ''}"
+                f"a normal round (goal <= {GOAL:.0f} s: {verdict}); round after {_span(after)} s"
                 + (f"; killed device recorded as {', '.join(why)}" if why else ""),
             )
         )
@@ -126,7 +126,7 @@ def _failure(status: dict[str, object], number: int) -> str:
 
 def _span(values: list[float]) -> str:
     low, high = min(values), max(values)
-    return f"{low:.1f}" if len(values) == 1 else f"{low:.1f}..{high:.1f}"
+    return f"{low:+.1f}" if len(values) == 1 else f"{low:+.1f}..{high:+.1f}"
 
 
 def measure_disk_full(broker: Broker, directory: Path) -> Row:
