@@ -29,18 +29,33 @@ from coordinator.bounds import EXAMPLES_BOUND, cap_examples, trained_examples
 from coordinator.devices import GracefulNodes
 from coordinator.errors import CoordinatorError
 from coordinator.guard import divergence, non_finite_tensors
-from coordinator.outage import LinkWatch, missing_batches
+from coordinator.outage import (
+    RETRY_CAP_SECONDS,
+    LinkWatch,
+    missing_batches,
+    retry_delay,
+    wait_for_more,
+)
 from coordinator.recorder import Outcome, RoundRecorder
 from storage.records import DeviceResult, RoundRecord
 from wire.flower import TRAINED_RECORD, TransportGrid, array_record, numpy_arrays
 from wire.presence import WillGrace
 
-__all__ = ["EdgeView", "RoundRunner", "RoundWork", "Sampled", "retry_delay", "shortfall"]
+__all__ = [
+    "RETRY_CAP_SECONDS",
+    "EdgeView",
+    "RoundRunner",
+    "RoundWork",
+    "Sampled",
+    "retry_delay",
+    "shortfall",
+    "wait_for_more",
+]
 
 log = logging.getLogger(__name__)
 _POLL = 0.1
-RETRY_BASE_SECONDS, RETRY_CAP_SECONDS = 1.0, 10.0
 _OUTAGE = object()  # a try the broker's going away cut short: redone, not counted
+_UNREADY = object()  # a try that could not run (devices offline): counted per deadline waited
 Sampled = dict[int, dict[str, Any]]
 """The nodes the strategy chose, each with the config entries of its train message."""
 
@@ -77,17 +92,6 @@ def shortfall(
         return None
     failed = [f"{r.device}: {r.failure}" for r in outcome.results if r.failure]
     return "; ".join(failed) or "not enough replies"
-
-
-def retry_delay(
-    attempt: int, base: float = RETRY_BASE_SECONDS, cap: float = RETRY_CAP_SECONDS
-) -> float:
-    """Seconds to wait before the try after ``attempt`` (1, 2, ...) that could not run (a
-    piece of the back offline): doubling from ``base``, at most ``cap``. A server restarting
-    is back for the next try within seconds; one that stays away is not asked every second."""
-    if attempt < 1:
-        raise ValueError(f"attempt: must be >= 1, got {attempt}")
-    return min(cap, base * 2.0 ** min(attempt - 1, 32))
 
 
 class EdgeView(Grid):
@@ -182,14 +186,19 @@ class RoundRunner:
         the weights the round starts from, evaluated to judge the first round by when no
         committed round precedes it."""
         previous = self.recorder.committed(number - 1) or self.recorder.baseline(start)
-        attempt, counted, outages = 0, 0, 0
+        attempt, counted, outages, unready, waited = 0, 0, 0, 0, 0.0
         while counted < self.attempts:
             attempt += 1
-            result = self._try(number, (attempt, counted + 1), prepare, (evaluate, previous))
+            tries = (attempt, counted + 1, unready + 1)
+            result = self._try(number, tries, prepare, (evaluate, previous))
             if isinstance(result, dict):
                 return result
-            if result is not _OUTAGE:
-                counted += 1
+            if result is _UNREADY:  # waiting for devices costs an attempt per deadline
+                unready, waited = unready + 1, waited + retry_delay(unready + 1)
+                if waited >= self.deadline:
+                    counted, unready, waited = counted + 1, 0, 0.0
+            elif result is None:
+                counted, unready, waited = counted + 1, 0, 0.0
             elif (outages := outages + 1) > self.link.tries:
                 raise CoordinatorError(
                     f"round {number}: the broker went away during {outages} tries; see "
@@ -203,14 +212,16 @@ class RoundRunner:
     def _try(
         self,
         number: int,
-        tries: tuple[int, int],
+        tries: tuple[int, int, int],
         prepare: Callable[[int], RoundWork],
         judge: tuple[Any, RoundRecord | None],
     ) -> dict[str, np.ndarray] | object | None:
-        """One try of round ``number`` (``tries``: its number as announced, and as counted
-        against ``attempts``): the new weights, :data:`_OUTAGE` when the broker went away
-        during it (not counted), or None when it failed."""
-        attempt, counted = tries
+        """One try of round ``number`` (``tries``: its number as announced, as counted
+        against ``attempts``, and among the tries in a row that could not run): the new
+        weights, :data:`_OUTAGE` when the broker went away during it, :data:`_UNREADY` when
+        it could not run (devices offline: waited for, see :func:`wait_for_more`), or None
+        when it failed."""
+        attempt, counted, unready = tries
         self.stop_check()
         started = self._clock()
         self.recorder.observer.round_starting(number)
@@ -218,8 +229,8 @@ class RoundRunner:
         self.recorder.open(number, work.participants)
         if work.problem is not None:
             self.recorder.failed(number, counted, self.attempts, work.problem)
-            self._sleep(retry_delay(counted))
-            return None
+            wait_for_more(self.grid.get_node_ids, retry_delay(unready), self._sleep)
+            return _UNREADY
         for message in work.messages.values():  # devices tell a retry's credits apart
             message.content.config_records["config"]["attempt"] = attempt
         self.on_attempt(number, attempt)
@@ -291,11 +302,13 @@ class RoundRunner:
         self, messages: dict[str, Message], deadline: float, observed: bool = True
     ) -> dict[str, Message]:
         """Replies by device, until all came, the deadline passed, or every device still
-        missing is offline (its last will arrived)."""
+        missing went offline since its message went out (its last will counted): an agent
+        restarted meanwhile is online again but knows nothing of the message."""
         epoch = self.link.epoch()  # before sending: a message sent into an outage may be lost
         ids = dict(zip(self.grid.push_messages(messages.values()), messages, strict=True))
         nodes = {device: m.metadata.dst_node_id for device, m in messages.items()}
         replies: dict[str, Message] = {}
+        gone: set[str] = set()  # offline since their message went out: a restart forgets it
         until = self._clock() + deadline
         while len(replies) < len(messages) and self._clock() < until:
             for reply in self.grid.pull_messages([i for i, d in ids.items() if d not in replies]):
@@ -305,7 +318,8 @@ class RoundRunner:
                     self.recorder.observer.device_answered(device)
             waiting = [d for d in messages if d not in replies]
             online = self._nodes()
-            if waiting and not any(nodes[d] in online for d in waiting):
+            gone |= {d for d in waiting if nodes[d] not in online}
+            if waiting and gone >= set(waiting):
                 break
             if self.link.epoch() != epoch:
                 break  # the broker went away: the try is redone (run)
