@@ -165,7 +165,7 @@ class Planner:
                 log.info("using the run's stored profile of %s", config.model.name)
                 return profile
         log.info(
-            "profiling %s at batch %d (fresh process)",
+            "profiling %s at batch %d (a fresh process, or the profile cache)",
             config.model.name,
             config.training.batch_size,
         )

@@ -21,9 +21,11 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 from collections.abc import Callable, Collection, Mapping, Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -128,10 +130,13 @@ class Coordinator:
         profile: Callable[[RunConfig], ModelProfile] | None = None,
         observer: RoundObserver | None = None,
         allow_config_change: bool = False,
+        profile_cache: Path | None = None,
     ) -> None:
         """``observer``: told when a round starts, as each device answers and when a round
         commits (progress displays, simulated availability). ``allow_config_change``: a
-        resumed run may train on with changed settings (recorded as an event)."""
+        resumed run may train on with changed settings (recorded as an event).
+        ``profile_cache``: a folder keeping model profiles across processes
+        (:func:`~split_models.isolated.profile_in_fresh_process`)."""
         self.config, self.store, self.transport = config, store, transport
         self.allow_config_change = allow_config_change
         self.observer = observer or RoundObserver()
@@ -141,7 +146,12 @@ class Coordinator:
         self.strategy, self.min_edges = _strategy(config)
         self.devices = DeviceRegistry(transport, self.grid)
         self.planner = Planner(
-            config, store, self.grid, self.session, profile or _profile_fresh, self.min_edges
+            config,
+            store,
+            self.grid,
+            self.session,
+            profile or functools.partial(_profile_fresh, cache=profile_cache),
+            self.min_edges,
         )
         eval_data = load_dataset(config.data.eval_data) if config.data.eval_data else None
         recorder = RoundRecorder(
@@ -375,9 +385,7 @@ def _central(config: RunConfig, data: Dataset) -> Evaluate:
     return evaluate
 
 
-def _profile_fresh(config: RunConfig) -> ModelProfile:
+def _profile_fresh(config: RunConfig, cache: Path | None = None) -> ModelProfile:
     return profile_in_fresh_process(
-        config.model,
-        (config.training.local_loss,),
-        config.training.batch_size,
+        config.model, (config.training.local_loss,), config.training.batch_size, cache=cache
     )
