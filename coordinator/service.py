@@ -145,29 +145,20 @@ class Coordinator:
         self.session = new_session()  # devices drop work an earlier process asked for
         self.strategy, self.min_edges = _strategy(config)
         self.devices = DeviceRegistry(transport, self.grid)
-        self.planner = Planner(
-            config,
-            store,
-            self.grid,
-            self.session,
-            profile or functools.partial(_profile_fresh, cache=profile_cache),
-            self.min_edges,
-        )
+        profile = profile or functools.partial(_profile_fresh, cache=profile_cache)
+        self.planner = Planner(config, store, self.grid, self.session, profile, self.min_edges)
         eval_data = load_dataset(config.data.eval_data) if config.data.eval_data else None
+        evaluate = _central(config, eval_data) if eval_data is not None else None
         recorder = RoundRecorder(
-            store,
-            config.run_id,
-            self.strategy,
-            self.observer,
-            _central(config, eval_data) if eval_data is not None else None,
-            config.training.rounds,
+            store, config.run_id, self.strategy, self.observer, evaluate, config.training.rounds
         )
+        training = config.training
         self.runner = RoundRunner(
             self.grid,
             self.strategy,
             recorder,
-            config.training.seed,
-            config.training.round_deadline_seconds,
+            training.seed,
+            training.round_deadline_seconds,
             max_attempts,
             self.min_edges,
         )

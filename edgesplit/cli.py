@@ -210,14 +210,13 @@ def _coordinator_parser(commands: argparse._SubParsersAction) -> None:  # type: 
 
 def _profile_cache_flag(parser: argparse.ArgumentParser) -> None:
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    cache = os.environ.get("EDGESPLIT_PROFILE_CACHE") or os.path.join(cache, "edgesplit/profiles")
     parser.add_argument(
         "--profile-cache",
         metavar="DIR",
-        default=os.environ.get("EDGESPLIT_PROFILE_CACHE")
-        or os.path.join(cache, "edgesplit", "profiles"),
-        help="folder keeping model profiles, so a model is measured once per host, torch and "
-        "edgesplit version (20-30 s saved per start; default: %(default)s, or "
-        "EDGESPLIT_PROFILE_CACHE; 'none' measures every time)",
+        default=cache,
+        help="folder keeping model profiles: a model is measured once per host and version "
+        "(default: %(default)s, or EDGESPLIT_PROFILE_CACHE; 'none' measures every time)",
     )
 
 
@@ -428,9 +427,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     (:mod:`edgesplit.exits`). SIGTERM and SIGHUP interrupt like Ctrl-C, so a run in progress is
     marked cancelled and every process it started is stopped."""
     args = build_parser().parse_args(argv)
-    # `edgesplit status | head` ends quietly, like any Unix tool; a process that talks to the
-    # broker keeps Python's SIGPIPE default (ignored): a write to the socket of a broker that
-    # just went away must be a lost connection (paho reconnects), not the process's death
+    # `edgesplit status | head` ends quietly; networked commands keep SIGPIPE ignored: a write
+    # to a broker that just went away is a lost connection (paho reconnects), not a death
     if hasattr(signal, "SIGPIPE") and args.command not in _NETWORKED:
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     configure_process()
@@ -456,9 +454,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _read_passwords(args: argparse.Namespace) -> None:
-    """Give the command its broker and database passwords (``args.broker_password``,
-    ``args.db_password``: None where the URL needs none) and refuse a malformed broker URL by
-    name, its password masked."""
+    """Give the command its broker and database passwords (None where the URL needs none) and
+    refuse a malformed broker URL by name, its password masked."""
     from edgesplit.passwords import broker_password, db_password
     from split_models.errors import ConfigError
 
@@ -471,11 +468,8 @@ def _read_passwords(args: argparse.Namespace) -> None:
                 mqtt = MqttConfig.from_url(args.broker, password=args.broker_password)
             except ValueError as error:
                 raise ConfigError(f"--broker: {error}") from None
-            for name, path in (
-                ("ca", mqtt.ca_file),
-                ("cert", mqtt.cert_file),
-                ("key", mqtt.key_file),
-            ):
+            files = {"ca": mqtt.ca_file, "cert": mqtt.cert_file, "key": mqtt.key_file}
+            for name, path in files.items():
                 if path and not os.access(path, os.R_OK):
                     why = "no such file" if not os.path.exists(path) else "not readable"
                     raise ConfigError(f"--broker: {name}={path}: {why}; fix the path in the URL")
