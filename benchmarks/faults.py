@@ -2,15 +2,15 @@
 
 Runs the deployment of the end-to-end tests (``tests/e2e/deployment.py``: a private mosquitto,
 SQLite, the coordinator, one GPU server and three edges, each its own ``edgesplit`` process;
-``cnn``, 320 examples per edge, batch 32, deadline 30 s, ``--max-attempts 8``). After a warm-up
-round and two normal ones, each trial SIGKILLs an edge once its second batch of the round has
-crossed the broker and starts it again at once; later the GPU server, started again after
-2 s. A round's time is the time between its commit and the one before (retries and back-off
-included); a kill's cost is its round's time beyond the median normal round (for the GPU
+``cnn``, 320 examples per edge, batch 32, deadline 30 s, default ``--max-attempts``, 3). After
+a warm-up round and two normal ones, each trial SIGKILLs an edge once its second batch of the
+round has crossed the broker and starts it again at once; later the GPU server, started again
+after 2 s. A round's time is the time between its commit and the one before (retries and back-
+off included); a kill's cost is its round's time beyond the median normal round (for the GPU
 server, beyond that outage too), goal <= 5 s; the round after it is shown too (the restarted
-process builds its segment again). Every committed round is checked for a batch trained
-twice (``tests/faults/watch.py``). ENOSPC: a coordinator whose checkpoint folder is a full
-tmpfs (root) or gets an injected ENOSPC stops, and the same command resumes. Rows of
+process builds its segment again). Every committed round is checked for a batch trained twice
+(``tests/faults/watch.py``). ENOSPC: a coordinator whose checkpoint folder is a full tmpfs
+(root) or gets an injected ENOSPC stops, and the same command resumes. Rows of
 ``benchmarks/faults_coordinator.py`` and ``benchmarks/faults_broker.py`` join the table when
 those modules exist (``rows(quick) -> [(fault, trials, outcome)]``).
 
@@ -44,8 +44,9 @@ Row = tuple[str, str, str]
 ABOUT = (
     "A real deployment (`tests/e2e/deployment.py`: private mosquitto, SQLite, coordinator, one\n"
     "GPU server, three edges, each its own `edgesplit` process; cnn, 320 examples per edge,\n"
-    "batch 32, deadline 30 s, `--max-attempts 8`). A kill lands once the round's second batch\n"
-    "of the victim (an edge) or of pi-01 (the GPU server) crossed the broker. A round's time is\n"
+    "batch 32, deadline 30 s, default `--max-attempts`, 3). A kill lands once the round's\n"
+    "second batch of the victim (an edge) or of pi-01 (the GPU server) crossed the broker. A\n"
+    "round's time is\n"
     "from the previous round's commit to its own (retries and back-off included); a kill costs\n"
     "its round's time beyond the median normal round (the GPU server's: beyond its outage too).\n"
     "Batches trained twice: `tests/faults/watch.py` `trained_twice` over every committed round."
@@ -81,9 +82,10 @@ def _round_seconds(deployment: Deployment) -> dict[int, float]:
 def measure_kills(broker: Broker, directory: Path, trials: int) -> list[Row]:
     kills = _schedule(trials)
     rounds = max(kills) + 1
-    with deployed(
-        broker.url, directory, rounds=rounds, per_edge=PER_EDGE, deadline="30s", max_attempts=8
-    ) as (deployment, watch):
+    with deployed(broker.url, directory, rounds=rounds, per_edge=PER_EDGE, deadline="30s") as (
+        deployment,
+        watch,
+    ):
         coordinator = deployment.start_all()
         for number, kind in sorted(kills.items()):
             watch.wait_batches("pi-03" if kind == "edge" else "pi-01", number, 2, 900)
