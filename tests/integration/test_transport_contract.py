@@ -222,12 +222,15 @@ class TestSharedMqtt(TransportContract):
     pytestmark = pytest.mark.integration
 
     @pytest.fixture
-    def connect(self, broker: Broker) -> Iterator[Factory]:
+    def connect(self) -> Iterator[Factory]:
         from wire.shared import SharedMqtt
 
-        pool = SharedMqtt(MqttConfig.from_url(broker.url, keepalive=2), per_connection=2)
-        yield pool.connect
-        pool.close()
+        # a broker of its own: retained messages other tests left on the shared one would
+        # reach a view that joins a wildcard subscription (the connection mirrors them)
+        with Broker() as own:
+            pool = SharedMqtt(MqttConfig.from_url(own.url, keepalive=2), per_connection=2)
+            yield pool.connect
+            pool.close()
 
 
 @pytest.mark.unit
