@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from coordinator.partitioner import PartitionConfig, plan_split
 from split_models.config import ModelConfig, parse_config
@@ -17,6 +18,7 @@ __all__ = [
     "coordinator_command",
     "parse_shape",
     "plan_command",
+    "profile_cache",
     "profile_command",
 ]
 
@@ -102,6 +104,11 @@ def profile_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def profile_cache(option: str | None) -> Path | None:
+    """The ``--profile-cache`` folder; None for ``none`` (or no option)."""
+    return None if option in (None, "", "none") else Path(option)
+
+
 def coordinator_command(args: argparse.Namespace) -> int:
     """``edgesplit coordinator``: run (or resume) one run to its last round."""
     from coordinator.config import load_run_config
@@ -124,6 +131,7 @@ def coordinator_command(args: argparse.Namespace) -> int:
             transport,
             max_attempts=args.max_attempts,
             allow_config_change=args.allow_config_change,
+            profile_cache=profile_cache(args.profile_cache),
         ).run()
     except CoordinatorError as error:
         print(f"edgesplit coordinator: {error}", file=sys.stderr)

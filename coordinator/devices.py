@@ -1,4 +1,5 @@
-"""The devices a coordinator knows: their retained announcements and who is online."""
+"""The devices a coordinator knows: their retained announcements and who is online (a will
+counted after its grace, :class:`GracefulNodes`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from flwr.serverapp import Grid
+
 from coordinator.config import DevicesConfig
 from coordinator.errors import CoordinatorError
 from storage.base import RunStore
@@ -16,10 +19,11 @@ from wire import topics
 from wire.errors import WireError
 from wire.flower import TransportGrid
 from wire.logs import warn
+from wire.presence import WillGrace, link_of
 from wire.roles import Announcement
 from wire.transport import Transport
 
-__all__ = ["DeviceRegistry", "record_devices"]
+__all__ = ["DeviceRegistry", "GracefulNodes", "record_devices"]
 
 log = logging.getLogger(__name__)
 _POLL = 0.1
@@ -139,3 +143,25 @@ def record_devices(store: RunStore, devices: list[Announcement]) -> None:
                 status="online",
             )
         )
+
+
+class GracefulNodes:
+    """The grid's online nodes as the runner judges a try by: a node whose will arrived counts
+    online until :class:`~wire.presence.WillGrace` says the will counts (a broker restarting
+    publishes every will, and this process receives the queued ones after its own reconnect,
+    before the devices are back)."""
+
+    def __init__(self, grid: Grid, transport: object = None, grace: WillGrace | None = None):
+        self._grid, self._grace = grid, grace or WillGrace()
+        self._link = link_of(transport)
+        self._known: set[int] = set()
+
+    def __call__(self) -> set[int]:
+        present = set(self._grid.get_node_ids())
+        for node in self._known - present:
+            self._grace.went_offline(str(node))
+        for node in present:
+            self._grace.came_online(str(node))
+        self._known |= present
+        absent = [str(n) for n in self._known - present]
+        return self._known - {int(n) for n in self._grace.offline(absent, self._link())}

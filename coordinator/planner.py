@@ -7,9 +7,11 @@ server replicas the rounds use (every server holding the whole back, or the chai
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 from flwr.app import ArrayRecord, Message
 
@@ -17,6 +19,7 @@ from coordinator.assignments import Assignment, build_message, build_task
 from coordinator.config import RunConfig
 from coordinator.errors import CoordinatorError
 from coordinator.partitioner import PartitionConfig, plan_split
+from split_models.config import config_to_dict
 from split_models.devices import DeviceSpec
 from split_models.errors import ConfigError, InfeasiblePlanError
 from split_models.memory import estimate_segment_memory
@@ -28,7 +31,7 @@ from storage.records import Event, RunRecord
 from wire.flower import TransportGrid
 from wire.roles import Announcement
 
-__all__ = ["Placement", "Planner", "stored_plan"]
+__all__ = ["Placement", "Planner", "profile_key", "stored_plan"]
 
 log = logging.getLogger(__name__)
 _ASK_TIMEOUT = 60.0
@@ -53,6 +56,16 @@ def _servers_of(plan: Plan) -> list[Assignment]:
         Assignment(s.name, s.blocks[0], s.blocks[1], s.estimated_peak_bytes, "gpu")
         for s in plan.servers
     ]
+
+
+def profile_key(config: RunConfig) -> dict[str, Any]:
+    """What a run's model profile depends on, as stored beside it (JSON types)."""
+    key = {
+        "model": config_to_dict(config.model),
+        "batch_size": config.training.batch_size,
+        "local_loss": config.training.local_loss,
+    }
+    return json.loads(json.dumps(key))  # type: ignore[no-any-return]
 
 
 def stored_plan(run: RunRecord) -> Plan | None:
@@ -119,12 +132,7 @@ class Planner:
             local_loss=config.training.local_loss,
             compression=config.training.compression,
         )
-        log.info(
-            "profiling %s at batch %d (fresh process)",
-            config.model.name,
-            config.training.batch_size,
-        )
-        profile = self._profile(config)
+        profile = self.profile()
         candidates = list(edges)
         for _ in range(2 * len(edges) + 2):  # each pass drops an edge or lowers a budget
             specs = [
@@ -142,6 +150,28 @@ class Planner:
             "the edges kept refusing their blocks: "
             + "; ".join(f"{d}: {r}" for d, r in self.refusals.items())
         )
+
+    def profile(self) -> ModelProfile:
+        """The run's stored profile when it was measured for today's model, batch size and
+        local loss (a restart that re-plans does not profile again), else a new one, stored."""
+        config, key = self.config, profile_key(self.config)
+        document = self.store.get_profile(config.run_id)
+        if document is not None and document.get("key") == key:
+            try:
+                profile = ModelProfile.from_dict(document["profile"])
+            except (KeyError, TypeError, ValueError) as error:
+                log.info("the stored profile is unreadable (%s): profiling anew", error)
+            else:
+                log.info("using the run's stored profile of %s", config.model.name)
+                return profile
+        log.info(
+            "profiling %s at batch %d (a fresh process, or the profile cache)",
+            config.model.name,
+            config.training.batch_size,
+        )
+        profile = self._profile(config)
+        self.store.set_profile(config.run_id, {"key": key, "profile": profile.to_dict()})
+        return profile
 
     def _around(self, candidates: list[Announcement], refusals: Refusals) -> list[Announcement]:
         """The edges to plan with next: refusers without a budget dropped, the others with

@@ -26,17 +26,36 @@ from flwr.serverapp.strategy import FedAvg
 
 from coordinator.aggregation import WEIGHT_KEY, flower_quiet
 from coordinator.bounds import EXAMPLES_BOUND, cap_examples, trained_examples
+from coordinator.devices import GracefulNodes
 from coordinator.errors import CoordinatorError
 from coordinator.guard import divergence, non_finite_tensors
+from coordinator.outage import (
+    RETRY_CAP_SECONDS,
+    LinkWatch,
+    missing_batches,
+    retry_delay,
+    wait_for_more,
+)
 from coordinator.recorder import Outcome, RoundRecorder
 from storage.records import DeviceResult, RoundRecord
 from wire.flower import TRAINED_RECORD, TransportGrid, array_record, numpy_arrays
+from wire.presence import WillGrace
 
-__all__ = ["EdgeView", "RoundRunner", "RoundWork", "Sampled", "retry_delay", "shortfall"]
+__all__ = [
+    "RETRY_CAP_SECONDS",
+    "EdgeView",
+    "RoundRunner",
+    "RoundWork",
+    "Sampled",
+    "retry_delay",
+    "shortfall",
+    "wait_for_more",
+]
 
 log = logging.getLogger(__name__)
 _POLL = 0.1
-RETRY_BASE_SECONDS, RETRY_CAP_SECONDS = 1.0, 10.0
+_OUTAGE = object()  # a try the broker's going away cut short: redone, not counted
+_UNREADY = object()  # a try that could not run (devices offline): counted per deadline waited
 Sampled = dict[int, dict[str, Any]]
 """The nodes the strategy chose, each with the config entries of its train message."""
 
@@ -73,17 +92,6 @@ def shortfall(
         return None
     failed = [f"{r.device}: {r.failure}" for r in outcome.results if r.failure]
     return "; ".join(failed) or "not enough replies"
-
-
-def retry_delay(
-    attempt: int, base: float = RETRY_BASE_SECONDS, cap: float = RETRY_CAP_SECONDS
-) -> float:
-    """Seconds to wait before the try after ``attempt`` (1, 2, ...) that could not run (a
-    piece of the back offline): doubling from ``base``, at most ``cap``. A server restarting
-    is back for the next try within seconds; one that stays away is not asked every second."""
-    if attempt < 1:
-        raise ValueError(f"attempt: must be >= 1, got {attempt}")
-    return min(cap, base * 2.0 ** min(attempt - 1, 32))
 
 
 class EdgeView(Grid):
@@ -142,6 +150,9 @@ class RoundRunner:
             min_edges,
         )
         self._clock, self._sleep = clock, sleep
+        transport = getattr(grid, "transport", None)
+        self.link = LinkWatch(transport, clock, sleep)
+        self._nodes = GracefulNodes(grid, transport, WillGrace(clock=clock))
         # raises to stop the run (a stop request): called at each try and while collecting
         self.stop_check: Callable[[], None] = lambda: None
 
@@ -175,36 +186,84 @@ class RoundRunner:
         the weights the round starts from, evaluated to judge the first round by when no
         committed round precedes it."""
         previous = self.recorder.committed(number - 1) or self.recorder.baseline(start)
-        observer = self.recorder.observer
-        for attempt in range(1, self.attempts + 1):
-            self.stop_check()
-            started = self._clock()
-            observer.round_starting(number)
-            work = prepare(number)
-            self.recorder.open(number, work.participants)
-            if work.problem is not None:
-                self.recorder.failed(number, attempt, self.attempts, work.problem)
-                self._sleep(retry_delay(attempt))
-                continue
-            for message in work.messages.values():  # devices tell a retry's credits apart
-                message.content.config_records["config"]["attempt"] = attempt
-            self.on_attempt(number, attempt)
-            observer.round_started(number, list(work.messages))
-            replies = self.collect(work.messages, self.deadline)
-            outcome = self.outcome(work.messages, replies, started)
-            why = shortfall(
-                work.messages, work.servers, work.require_server, outcome, self.min_edges
-            )
-            if why is None:
-                merged, why = self._commit(number, work, replies, outcome, (evaluate, previous))
-                if merged is not None:
-                    return merged
-            self.recorder.record(number, outcome)
-            self.recorder.failed(number, attempt, self.attempts, why)
+        attempt, counted, outages, unready, waited = 0, 0, 0, 0, 0.0
+        while counted < self.attempts:
+            attempt += 1
+            tries = (attempt, counted + 1, unready + 1)
+            result = self._try(number, tries, prepare, (evaluate, previous))
+            if isinstance(result, dict):
+                return result
+            if result is _UNREADY:  # waiting for devices costs an attempt per deadline
+                unready, waited = unready + 1, waited + retry_delay(unready + 1)
+                if waited >= self.deadline:
+                    counted, unready, waited = counted + 1, 0, 0.0
+            elif result is None:
+                counted, unready, waited = counted + 1, 0, 0.0
+            elif (outages := outages + 1) > self.link.tries:
+                raise CoordinatorError(
+                    f"round {number}: the broker went away during {outages} tries; see "
+                    f"`edgesplit status --run {self.recorder.run_id}` and the run's events"
+                )
         raise CoordinatorError(
             f"round {number} failed {self.attempts} times; see `edgesplit status --run "
             f"{self.recorder.run_id}` and the run's events"
         )
+
+    def _try(
+        self,
+        number: int,
+        tries: tuple[int, int, int],
+        prepare: Callable[[int], RoundWork],
+        judge: tuple[Any, RoundRecord | None],
+    ) -> dict[str, np.ndarray] | object | None:
+        """One try of round ``number`` (``tries``: its number as announced, as counted
+        against ``attempts``, and among the tries in a row that could not run): the new
+        weights, :data:`_OUTAGE` when the broker went away during it, :data:`_UNREADY` when
+        it could not run (devices offline: waited for, see :func:`wait_for_more`), or None
+        when it failed."""
+        attempt, counted, unready = tries
+        self.stop_check()
+        started = self._clock()
+        self.recorder.observer.round_starting(number)
+        work = prepare(number)
+        self.recorder.open(number, work.participants)
+        if work.problem is not None:
+            self.recorder.failed(number, counted, self.attempts, work.problem)
+            wait_for_more(self.grid.get_node_ids, retry_delay(unready), self._sleep)
+            return _UNREADY
+        for message in work.messages.values():  # devices tell a retry's credits apart
+            message.content.config_records["config"]["attempt"] = attempt
+        self.on_attempt(number, attempt)
+        self.recorder.observer.round_started(number, list(work.messages))
+        epoch = self.link.epoch()
+        replies = self.collect(work.messages, self.deadline)
+        if self.link.epoch() != epoch:
+            self._outage(number, attempt, work)
+            return _OUTAGE
+        online = set(self.grid.get_node_ids())
+        outcome = _outcome(work.messages, replies, started, online, self._clock())
+        why = shortfall(
+            work.messages, work.servers, work.require_server, outcome, self.min_edges
+        ) or missing_batches([d for d in work.servers if d in outcome.ok], replies)
+        if why is None:
+            merged, why = self._commit(number, work, replies, outcome, judge)
+            if merged is not None:
+                return merged
+        self.recorder.record(number, outcome)
+        self.recorder.failed(number, counted, self.attempts, why)
+        return None
+
+    def _outage(self, number: int, attempt: int, work: RoundWork) -> None:
+        """The coordinator lost the broker during try ``attempt``: record it and wait until
+        the link and the try's devices are back."""
+        self.recorder.event(
+            number,
+            "broker-outage",
+            f"the coordinator lost the broker during try {attempt}; the round is redone from "
+            "the last committed weights once its devices are back (not counted as an attempt)",
+        )
+        nodes = [m.metadata.dst_node_id for m in work.messages.values()]
+        self.link.wait_back(nodes, self.grid.get_node_ids)
 
     def _commit(
         self,
@@ -243,10 +302,13 @@ class RoundRunner:
         self, messages: dict[str, Message], deadline: float, observed: bool = True
     ) -> dict[str, Message]:
         """Replies by device, until all came, the deadline passed, or every device still
-        missing is offline (its last will arrived)."""
+        missing went offline since its message went out (its last will counted): an agent
+        restarted meanwhile is online again but knows nothing of the message."""
+        epoch = self.link.epoch()  # before sending: a message sent into an outage may be lost
         ids = dict(zip(self.grid.push_messages(messages.values()), messages, strict=True))
         nodes = {device: m.metadata.dst_node_id for device, m in messages.items()}
         replies: dict[str, Message] = {}
+        gone: set[str] = set()  # offline since their message went out: a restart forgets it
         until = self._clock() + deadline
         while len(replies) < len(messages) and self._clock() < until:
             for reply in self.grid.pull_messages([i for i, d in ids.items() if d not in replies]):
@@ -255,59 +317,16 @@ class RoundRunner:
                 if observed:
                     self.recorder.observer.device_answered(device)
             waiting = [d for d in messages if d not in replies]
-            online = set(self.grid.get_node_ids())
-            if waiting and not any(nodes[d] in online for d in waiting):
+            online = self._nodes()
+            gone |= {d for d in waiting if nodes[d] not in online}
+            if waiting and gone >= set(waiting):
                 break
+            if self.link.epoch() != epoch:
+                break  # the broker went away: the try is redone (run)
             self.stop_check()
             self._sleep(_POLL)
         self.grid.abandon([i for i, d in ids.items() if d not in replies])
         return replies
-
-    def outcome(
-        self, messages: dict[str, Message], replies: dict[str, Message], started: float
-    ) -> Outcome:
-        """Each device's result, the devices that trained, and their cut-layer bytes."""
-        online = set(self.grid.get_node_ids())
-        outcome = Outcome([], [], {}, started)
-        for device, message in messages.items():
-            reply = replies.get(device)
-            if reply is None:
-                here = message.metadata.dst_node_id in online
-                why = "no reply before the deadline" if here else "offline"
-                outcome.results.append(DeviceResult(device, failure=why))
-            elif reply.has_error():
-                why = (reply.error.reason or "failed")[:500]
-                outcome.results.append(DeviceResult(device, failure=why))
-            elif (problem := _malformed(reply)) is not None:
-                outcome.results.append(DeviceResult(device, failure=problem))
-            elif bad := non_finite_tensors(numpy_arrays(reply, key=None)):
-                why = f"sent weights holding NaN or infinity ({', '.join(bad[:3])})"
-                outcome.results.append(DeviceResult(device, failure=why))
-            else:
-                outcome.results.append(self._result(device, reply, started, outcome))
-                outcome.ok.append(device)
-        return outcome
-
-    def _result(
-        self, device: str, reply: Message, started: float, outcome: Outcome
-    ) -> DeviceResult:
-        metrics = reply.content.metric_records["metrics"]
-        outcome.traffic[device] = {
-            name.replace("-", "_"): float(metrics[name])  # type: ignore[arg-type]
-            for name in ("cut-bytes-sent", "cut-bytes-received")
-            if name in metrics
-        }
-        peak = int(metrics.get("peak-memory", -1))  # type: ignore[arg-type]
-        loss = float(metrics.get("loss", math.nan))  # type: ignore[arg-type]
-        return DeviceResult(
-            device,
-            examples=int(metrics["num-examples"]),  # type: ignore[arg-type]
-            loss=loss if math.isfinite(loss) else None,
-            bytes_sent=int(metrics.get("bytes-sent", 0)),  # type: ignore[arg-type]
-            bytes_received=int(metrics.get("bytes-received", 0)),  # type: ignore[arg-type]
-            wall_seconds=float(metrics.get("wall-seconds", self._clock() - started)),  # type: ignore[arg-type]
-            peak_memory_bytes=peak if peak >= 0 else None,
-        )
 
     def federated(
         self,
@@ -352,6 +371,56 @@ class RoundRunner:
             "federated_loss": float(metrics["loss"]),  # type: ignore[arg-type]
             "federated_examples": examples,
         }
+
+
+def _outcome(
+    messages: dict[str, Message],
+    replies: dict[str, Message],
+    started: float,
+    online: set[int],
+    now: float,
+) -> Outcome:
+    """Each device's result, the devices that trained, and their cut-layer bytes (``online``:
+    the nodes online now)."""
+    outcome = Outcome([], [], {}, started)
+    for device, message in messages.items():
+        reply = replies.get(device)
+        if reply is None:
+            here = message.metadata.dst_node_id in online
+            why = "no reply before the deadline" if here else "offline"
+            outcome.results.append(DeviceResult(device, failure=why))
+        elif reply.has_error():
+            why = (reply.error.reason or "failed")[:500]
+            outcome.results.append(DeviceResult(device, failure=why))
+        elif (problem := _malformed(reply)) is not None:
+            outcome.results.append(DeviceResult(device, failure=problem))
+        elif bad := non_finite_tensors(numpy_arrays(reply, key=None)):
+            why = f"sent weights holding NaN or infinity ({', '.join(bad[:3])})"
+            outcome.results.append(DeviceResult(device, failure=why))
+        else:
+            outcome.results.append(_result(device, reply, now - started, outcome))
+            outcome.ok.append(device)
+    return outcome
+
+
+def _result(device: str, reply: Message, seconds: float, outcome: Outcome) -> DeviceResult:
+    metrics = reply.content.metric_records["metrics"]
+    outcome.traffic[device] = {
+        name.replace("-", "_"): float(metrics[name])  # type: ignore[arg-type]
+        for name in ("cut-bytes-sent", "cut-bytes-received")
+        if name in metrics
+    }
+    peak = int(metrics.get("peak-memory", -1))  # type: ignore[arg-type]
+    loss = float(metrics.get("loss", math.nan))  # type: ignore[arg-type]
+    return DeviceResult(
+        device,
+        examples=int(metrics["num-examples"]),  # type: ignore[arg-type]
+        loss=loss if math.isfinite(loss) else None,
+        bytes_sent=int(metrics.get("bytes-sent", 0)),  # type: ignore[arg-type]
+        bytes_received=int(metrics.get("bytes-received", 0)),  # type: ignore[arg-type]
+        wall_seconds=float(metrics.get("wall-seconds", seconds)),  # type: ignore[arg-type]
+        peak_memory_bytes=peak if peak >= 0 else None,
+    )
 
 
 def _bound_examples(

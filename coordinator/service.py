@@ -21,9 +21,11 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -75,11 +77,18 @@ log = logging.getLogger(__name__)
 
 
 def initial_weights(
-    model: SplittableModel, local_loss: str, cuts: Sequence[int], seed: int
+    model: SplittableModel,
+    local_loss: str,
+    cuts: Sequence[int],
+    seed: int,
+    known: Collection[str] = (),
 ) -> dict[str, np.ndarray]:
-    """The blocks of ``model`` (built from ``seed``) and a local head for every cut."""
+    """The blocks of ``model`` (built from ``seed``) and a local head for every cut, but the
+    cuts whose head is among the ``known`` tensors (a resumed run's: building a head runs the
+    model, seconds of a restart in a fresh process)."""
     weights = segment_state(Segment.from_model(model, 0, model.num_blocks))
-    for cut in sorted(set(cuts)):
+    have = {key.partition(".")[0] for key in known}
+    for cut in sorted(set(cuts) - {c for c in cuts if f"head{c}" in have}):
         torch.manual_seed(seed * 1000 + cut)
         weights |= {
             k: v
@@ -121,10 +130,13 @@ class Coordinator:
         profile: Callable[[RunConfig], ModelProfile] | None = None,
         observer: RoundObserver | None = None,
         allow_config_change: bool = False,
+        profile_cache: Path | None = None,
     ) -> None:
         """``observer``: told when a round starts, as each device answers and when a round
         commits (progress displays, simulated availability). ``allow_config_change``: a
-        resumed run may train on with changed settings (recorded as an event)."""
+        resumed run may train on with changed settings (recorded as an event).
+        ``profile_cache``: a folder keeping model profiles across processes
+        (:func:`~split_models.isolated.profile_in_fresh_process`)."""
         self.config, self.store, self.transport = config, store, transport
         self.allow_config_change = allow_config_change
         self.observer = observer or RoundObserver()
@@ -133,24 +145,20 @@ class Coordinator:
         self.session = new_session()  # devices drop work an earlier process asked for
         self.strategy, self.min_edges = _strategy(config)
         self.devices = DeviceRegistry(transport, self.grid)
-        self.planner = Planner(
-            config, store, self.grid, self.session, profile or _profile_fresh, self.min_edges
-        )
+        profile = profile or functools.partial(_profile_fresh, cache=profile_cache)
+        self.planner = Planner(config, store, self.grid, self.session, profile, self.min_edges)
         eval_data = load_dataset(config.data.eval_data) if config.data.eval_data else None
+        evaluate = _central(config, eval_data) if eval_data is not None else None
         recorder = RoundRecorder(
-            store,
-            config.run_id,
-            self.strategy,
-            self.observer,
-            _central(config, eval_data) if eval_data is not None else None,
-            config.training.rounds,
+            store, config.run_id, self.strategy, self.observer, evaluate, config.training.rounds
         )
+        training = config.training
         self.runner = RoundRunner(
             self.grid,
             self.strategy,
             recorder,
-            config.training.seed,
-            config.training.round_deadline_seconds,
+            training.seed,
+            training.round_deadline_seconds,
             max_attempts,
             self.min_edges,
         )
@@ -207,6 +215,9 @@ class Coordinator:
         guard = self._guard = SessionGuard(self.transport, config.run_id, self.session)
         guard.start()
         self.runner.on_attempt = guard.attempt
+        # the run's one coordinator: files a killed predecessor was committing are garbage
+        if discarded := store.discard_pending(config.run_id):
+            log.info("removed %d checkpoint file(s) of an unfinished commit", discarded)
         resumed = store.resume(config.run_id)
         done = 0 if resumed is None else resumed.round.number
         if done >= config.training.rounds:
@@ -219,12 +230,12 @@ class Coordinator:
             b.end for b in placement.servers if b.end < placement.plan.num_blocks
         ]
         model = config.model.build(seed=config.training.seed)
-        weights = initial_weights(model, config.training.local_loss, cuts, config.training.seed)
+        stored = {} if resumed is None else resumed.weights[WEIGHTS_SEGMENT]
+        seed = config.training.seed
+        weights = initial_weights(model, config.training.local_loss, cuts, seed, stored) | stored
         self.runner.recorder.keep_local(
             local_keys(config, model), None if resumed is None else resumed.weights
         )
-        if resumed is not None:
-            weights |= resumed.weights[WEIGHTS_SEGMENT]
         store.set_run_status(config.run_id, "training")
         try:
             for number in range(done + 1, config.training.rounds + 1):
@@ -365,9 +376,7 @@ def _central(config: RunConfig, data: Dataset) -> Evaluate:
     return evaluate
 
 
-def _profile_fresh(config: RunConfig) -> ModelProfile:
+def _profile_fresh(config: RunConfig, cache: Path | None = None) -> ModelProfile:
     return profile_in_fresh_process(
-        config.model,
-        (config.training.local_loss,),
-        config.training.batch_size,
+        config.model, (config.training.local_loss,), config.training.batch_size, cache=cache
     )

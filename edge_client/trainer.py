@@ -78,6 +78,7 @@ class EdgeTrainer:
         self._gradients: queue.Queue[Envelope] = queue.Queue()
         self.rejected_gradients = 0
         self._offline: Callable[[], list[str]] | None = None  # the round's servers offline
+        self._attempt, self._sent = 1, 0  # the try under way, its batches sent so far
         if config.mode == "backprop":
             channel.subscribe(
                 topics.gradients(config.run, config.device),
@@ -121,7 +122,10 @@ class EdgeTrainer:
         round_number: int,
         backprop: bool = False,
     ) -> int:
-        meta: dict[str, object] = {"cut": self.segment.end}
+        # the coordinator's try and the batch's place in it: a server refuses a replaced
+        # try's batches, and its log names what it trained (docs/wire.md, "Counting")
+        meta: dict[str, object] = {"cut": self.segment.end, "attempt": self._attempt}
+        meta["batch"] = self._sent
         if backprop:
             meta["backprop"] = True
         # At most one batch in the transport's hands: the previous batch's message and packet
@@ -130,7 +134,7 @@ class EdgeTrainer:
         # cannot pile up the credit window's worth of payloads on top of the step, which the
         # plan's estimate (three payloads beyond the step) does not hold.
         self.channel.transport.flush(self.config.credit_timeout)
-        return self.channel.send(
+        seq = self.channel.send(
             self.topic,
             "activations",
             self.config.run,
@@ -139,6 +143,8 @@ class EdgeTrainer:
             meta=meta,
             encoding=self.config.encoding,
         )
+        self._sent += 1
+        return seq
 
     def _batch(
         self,
@@ -181,8 +187,11 @@ class EdgeTrainer:
         started, before = time.perf_counter(), self._counters()
         losses: list[float] = []
         self.gate.start_round(round_number, attempt)  # a retried round: a new attempt
+        self._attempt, self._sent = attempt, 0
         batches = self._batches(round_number, seed)
         for batch in batches:
+            if cancelled is not None and cancelled():  # a replaced try stops sending at once,
+                _check(cancelled, round_number, self._offline)  # credits or not
             if not self.gate.acquire(self.config.credit_timeout, cancelled):
                 _check(cancelled, round_number, self._offline)
                 raise TimeoutError(
@@ -191,15 +200,7 @@ class EdgeTrainer:
             loss = self._batch(batch, round_number, step, cancelled)
             if loss is not None:  # none in backprop mode
                 losses.append(loss)
-        # Every GPU server hears this: the servers sharing the stream finish this edge's
-        # round when the batches they handled add up to it.
-        self.channel.send(
-            topics.done(self.config.run, self.config.device),
-            "round_control",
-            self.config.run,
-            round=round_number,
-            meta={"batches": len(batches)},
-        )
+        self._done(round_number, len(batches))
         spent = [now - then for now, then in zip(self._counters(), before, strict=True)]
         return EdgeRoundReport(
             examples=sum(len(b) for b in batches),
@@ -211,6 +212,23 @@ class EdgeTrainer:
             cut_bytes_received=int(spent[3]),
             credit_wait_seconds=spent[4],
             wall_seconds=time.perf_counter() - started,
+        )
+
+    def _done(self, round_number: int, batches: int) -> None:
+        """Say how many batches this try sent: every GPU server hears it, and the servers
+        sharing the stream finish this edge's round when the batches they handled add up to
+        it. Then one parseable log line of it (docs/wire.md, "Counting")."""
+        config = self.config
+        self.channel.send(
+            topics.done(config.run, config.device),
+            "round_control",
+            config.run,
+            round=round_number,
+            meta={"batches": batches, "attempt": self._attempt},
+        )
+        log.info(
+            "batches-sent run=%s round=%d try=%d device=%s batches=%d",
+            *(config.run, round_number, self._attempt, config.device, self._sent),
         )
 
     def _batches(self, round_number: int, seed: int) -> list[np.ndarray]:

@@ -198,6 +198,7 @@ def _coordinator_parser(commands: argparse._SubParsersAction) -> None:  # type: 
     coordinator.add_argument(
         "--max-attempts", type=int, default=3, help="tries per round (default: %(default)s)"
     )
+    _profile_cache_flag(coordinator)
     coordinator.add_argument(
         "--allow-config-change",
         action="store_true",
@@ -205,6 +206,18 @@ def _coordinator_parser(commands: argparse._SubParsersAction) -> None:  # type: 
         "without it such a resume is refused, naming the keys",
     )
     coordinator.add_argument("-v", "--verbose", action="store_true")
+
+
+def _profile_cache_flag(parser: argparse.ArgumentParser) -> None:
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    cache = os.environ.get("EDGESPLIT_PROFILE_CACHE") or os.path.join(cache, "edgesplit/profiles")
+    parser.add_argument(
+        "--profile-cache",
+        metavar="DIR",
+        default=cache,
+        help="folder keeping model profiles: a model is measured once per host and version "
+        "(default: %(default)s, or EDGESPLIT_PROFILE_CACHE; 'none' measures every time)",
+    )
 
 
 def _allowed_models(parser: argparse.ArgumentParser) -> None:
@@ -301,6 +314,7 @@ def _simulate_parser(commands: argparse._SubParsersAction) -> None:  # type: ign
         "--seed", type=int, help=f"default: the config's, else {defaults.training.seed}"
     )
     _simulate_host_flags(sim)
+    _profile_cache_flag(sim)
     sim.add_argument("-q", "--quiet", action="store_true", help="only the result table")
     sim.add_argument("-v", "--verbose", action="store_true", help="log every step")
 
@@ -390,6 +404,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_NETWORKED = frozenset({"coordinator", "edge", "gpu-server", "simulate", "broker"})
+
 # Each subcommand's implementation, imported only when it runs (the roles stay apart and
 # `edgesplit status` does not load torch's training stack).
 _COMMANDS = {
@@ -411,7 +427,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     (:mod:`edgesplit.exits`). SIGTERM and SIGHUP interrupt like Ctrl-C, so a run in progress is
     marked cancelled and every process it started is stopped."""
     args = build_parser().parse_args(argv)
-    if hasattr(signal, "SIGPIPE"):  # `edgesplit status | head` ends quietly, like any Unix tool
+    # `edgesplit status | head` ends quietly; networked commands keep SIGPIPE ignored: a write
+    # to a broker that just went away is a lost connection (paho reconnects), not a death
+    if hasattr(signal, "SIGPIPE") and args.command not in _NETWORKED:
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     configure_process()
     try:
@@ -436,9 +454,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _read_passwords(args: argparse.Namespace) -> None:
-    """Give the command its broker and database passwords (``args.broker_password``,
-    ``args.db_password``: None where the URL needs none) and refuse a malformed broker URL by
-    name, its password masked."""
+    """Give the command its broker and database passwords (None where the URL needs none) and
+    refuse a malformed broker URL by name, its password masked."""
     from edgesplit.passwords import broker_password, db_password
     from split_models.errors import ConfigError
 
@@ -451,11 +468,8 @@ def _read_passwords(args: argparse.Namespace) -> None:
                 mqtt = MqttConfig.from_url(args.broker, password=args.broker_password)
             except ValueError as error:
                 raise ConfigError(f"--broker: {error}") from None
-            for name, path in (
-                ("ca", mqtt.ca_file),
-                ("cert", mqtt.cert_file),
-                ("key", mqtt.key_file),
-            ):
+            files = {"ca": mqtt.ca_file, "cert": mqtt.cert_file, "key": mqtt.key_file}
+            for name, path in files.items():
                 if path and not os.access(path, os.R_OK):
                     why = "no such file" if not os.path.exists(path) else "not readable"
                     raise ConfigError(f"--broker: {name}={path}: {why}; fix the path in the URL")

@@ -9,6 +9,10 @@ whatever it trained, and names the edges whose batches all arrived, so the coord
 a late edge from a finished one. An edge whose last will arrives mid-round (presence
 ``offline``) ends its part at once: the server stops waiting for it, keeps what of it arrived
 (all in) and names it ``gone``. Several servers take one shared subscription and split the stream.
+A sender that said what it sent but whose batches do not add up, with nothing more arriving for
+:data:`GAP_QUIET_SECONDS` (a restarted broker lost some), is named ``missing``: the coordinator
+redoes the round rather than commit it short. Each round the server logs, per sender, what it
+trained (``batches-trained``, docs/wire.md "Counting").
 """
 
 from __future__ import annotations
@@ -40,9 +44,13 @@ from wire.roles import Announcement, Task, go_online
 from wire.session import RoundAbandoned, SessionWatch
 from wire.transport import Transport
 
-__all__ = ["GpuAgent", "server_wait_seconds"]
+__all__ = ["GAP_QUIET_SECONDS", "GpuAgent", "server_wait_seconds"]
 
 log = logging.getLogger(__name__)
+# How long a sender that said what it sent may go without a batch arriving before the server
+# counts the rest as lost (a stream runs at several batches a second; QoS 1 redelivery after a
+# reconnect comes within a second or two of the link).
+GAP_QUIET_SECONDS = 3.0
 
 
 def server_wait_seconds(deadline: float) -> float:
@@ -157,7 +165,9 @@ class GpuAgent:
         cancelled = self.sessions.follow(task.run, task.session, (number, options[1]))
         back.begin_round(number, task.edges, weights, peers, *options)
         wait = server_wait_seconds(sections[1].round_deadline_seconds)
-        examples, loss = back.wait_round(task.edges, wait, cancelled, self._offline(task, peers))
+        offline = self._offline(task, peers)
+        examples, loss = back.wait_round(task.edges, wait, cancelled, offline, GAP_QUIET_SECONDS)
+        _log_batches(back, task.run, (number, options[1]), self.device)
         if cancelled():
             abandoned = RoundAbandoned(number)
             log.warning("%s", abandoned)
@@ -185,13 +195,38 @@ class GpuAgent:
         return Message(content, reply_to=message)
 
 
+def _log_batches(back: BackTrainer, run: str, work: tuple[int, int], server: str) -> None:
+    """One parseable line per sender: the batches trained in this try and how many of them
+    were distinct (docs/wire.md, "Counting")."""
+    for sender, (trained, distinct) in sorted(back.round_batches().items()):
+        log.info(
+            "batches-trained run=%s round=%d try=%d server=%s sender=%s batches=%d distinct=%d",
+            run,
+            *work,
+            server,
+            sender,
+            trained,
+            distinct,
+        )
+
+
 def _report(back: BackTrainer, edges: Collection[str], number: int) -> ConfigRecord:
     """Which senders finished, which went offline mid-round (``gone``: what of them arrived
-    is trained, all in) and which were late."""
+    is trained, all in), which miss batches they said they sent (``missing``: lost on the
+    way, the round must be redone) and which were late."""
     finished, gone = sorted(back.finished), sorted(back.gone - back.finished)
-    late = sorted(set(edges) - set(finished) - set(gone))
+    lost = back.missing(GAP_QUIET_SECONDS)
+    missing = sorted(set(lost) - set(finished) - set(gone))
+    late = sorted(set(edges) - set(finished) - set(gone) - set(missing))
     if late:
         log.warning("round %d: %s not finished before the deadline", number, late)
+    if missing:
+        log.warning("round %d: batches lost on the way: %s", number, lost)
     return ConfigRecord(
-        {"finished": ",".join(finished), "late": ",".join(late), "gone": ",".join(gone)}
+        {
+            "finished": ",".join(finished),
+            "late": ",".join(late),
+            "gone": ",".join(gone),
+            "missing": ",".join(missing),
+        }
     )

@@ -26,12 +26,13 @@ class ChainLink:
         self.cut, self.encoding = cut, encoding
         self._lock = threading.Lock()
         self._sent: dict[int, int] = {}  # round -> batches passed on
+        self._attempt = 1  # the coordinator's try, which the next piece checks
 
-    def begin(self, round_number: int) -> None:
+    def begin(self, round_number: int, attempt: int = 1) -> None:
         """Round ``round_number`` begins (again, when the runner retries it under the same
-        number): nothing of it has been passed on yet."""
+        number, as try ``attempt``): nothing of it has been passed on yet."""
         with self._lock:
-            self._sent = {round_number: 0}
+            self._sent, self._attempt = {round_number: 0}, attempt
 
     def pass_on(self, output: dict[str, np.ndarray], labels: np.ndarray, round_number: int) -> None:
         """Send one trained batch's output (the input of block ``cut``: its tensors under their
@@ -42,7 +43,7 @@ class ChainLink:
             self.run,
             round=round_number,
             tensors={**output, "y": labels},
-            meta={"cut": self.cut},
+            meta={"cut": self.cut, "attempt": self._attempt},
             encoding=self.encoding,
         )
         with self._lock:
@@ -58,5 +59,5 @@ class ChainLink:
             "round_control",
             self.run,
             round=round_number,
-            meta={"batches": batches},
+            meta={"batches": batches, "attempt": self._attempt},
         )

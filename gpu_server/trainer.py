@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -84,6 +85,10 @@ class BackTrainer:
         self.stats = BackStats(rejected=self.stream.stats.rejected)
         self._round_examples, self._round_losses = 0, list[float]()
         self._round_senders: collections.Counter[str] = collections.Counter()
+        # sender -> its batch numbers trained this round, each with how often
+        self._round_batches: collections.defaultdict[str, collections.Counter[Any]] = (
+            collections.defaultdict(collections.Counter)
+        )
 
     @property
     def granter(self) -> CreditGranter:
@@ -117,8 +122,9 @@ class BackTrainer:
                 self.segment.reset_optimizer(proximal_mu)
             self._round_examples, self._round_losses = 0, []
             self._round_senders = collections.Counter()
+            self._round_batches = collections.defaultdict(collections.Counter)
             if self.chain is not None:  # a retried round counts its batches afresh
-                self.chain.begin(round_number)
+                self.chain.begin(round_number, attempt)
 
         self.stream.begin_round(round_number, devices, peers, setup, attempt)
 
@@ -128,12 +134,13 @@ class BackTrainer:
         timeout: float,
         cancelled: Callable[[], bool] | None = None,
         offline: Callable[[], Iterable[str]] | None = None,
+        quiet: float | None = None,
     ) -> tuple[int, float]:
         """Block until every device is finished or went offline (``offline()``: the devices
         offline now; see :meth:`StreamServer.wait_round`), the timeout passes, or
         ``cancelled()`` turns true; return the examples trained in the round and their mean
         loss (a device that went offline: all of its batches that arrived before)."""
-        self.stream.wait_round(timeout, cancelled, wanted=devices, offline=offline)
+        self.stream.wait_round(timeout, cancelled, wanted=devices, offline=offline, quiet=quiet)
         with self.stream.exclusive():
             losses = list(self._round_losses)
             return self._round_examples, float(np.mean(losses)) if losses else float("nan")
@@ -144,10 +151,20 @@ class BackTrainer:
         with self.stream.exclusive():
             return dict(self._round_senders)
 
+    def round_batches(self) -> dict[str, tuple[int, int]]:
+        """Per sender, the batches trained in the current round and how many of them were
+        distinct (by the sender's batch number: fewer means one was trained twice)."""
+        with self.stream.exclusive():
+            return {s: (c.total(), len(c)) for s, c in self._round_batches.items()}
+
     @property
     def finished(self) -> set[str]:
         """The devices whose batches of the current round have all been handled."""
         return self.stream.finished
+
+    def missing(self, quiet: float) -> dict[str, int]:
+        """The devices missing batches of the current round (see :meth:`StreamServer.missing`)."""
+        return self.stream.missing(quiet)
 
     @property
     def gone(self) -> set[str]:
@@ -165,6 +182,7 @@ class BackTrainer:
         if result.input_gradient is not None:
             self._return_gradient(envelope, result)
         self._count(envelope.sender, len(labels), result.loss)
+        self._round_batches[envelope.sender][envelope.meta.get("batch")] += 1
         if self.chain is not None:
             output = activation_arrays(result.output)
             self.chain.pass_on(output, labels.cpu().numpy(), envelope.round)

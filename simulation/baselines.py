@@ -18,6 +18,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -55,6 +56,7 @@ __all__ = [
     "run_baseline",
     "train_centralized",
     "train_fedavg",
+    "use_profile_cache",
     "whole_model_bytes",
 ]
 
@@ -199,9 +201,18 @@ class _Whole:
     num_blocks: int = 0
 
 
+_PROFILE_CACHE: list[Path | None] = [None]
+
+
+def use_profile_cache(folder: Path | None) -> None:
+    """Keep model profiles in ``folder`` across processes (the CLI's ``--profile-cache``;
+    :func:`~split_models.isolated.profile_in_fresh_process`)."""
+    _PROFILE_CACHE[0] = folder
+
+
 @functools.lru_cache(maxsize=16)
 def _profile_of(model: ModelConfig, local_loss: str, batch: int) -> ModelProfile:
-    return profile_in_fresh_process(model, (local_loss,), batch)
+    return profile_in_fresh_process(model, (local_loss,), batch, cache=_PROFILE_CACHE[0])
 
 
 def model_profile(model: ModelConfig, training: TrainingConfig) -> ModelProfile:

@@ -15,8 +15,9 @@ def simulate_command(args: argparse.Namespace) -> int:
     import logging
     from pathlib import Path
 
-    from coordinator.commands import parse_range, parse_shape
+    from coordinator.commands import parse_range, parse_shape, profile_cache
     from coordinator.service import RoundObserver
+    from simulation.baselines import use_profile_cache
     from simulation.config import load_sim_config
     from simulation.progress import RoundProgress
     from simulation.simulator import simulate
@@ -43,6 +44,7 @@ def simulate_command(args: argparse.Namespace) -> int:
         "deterministic": args.deterministic,
     }
     config = load_sim_config(args.config, overrides)
+    use_profile_cache(profile_cache(args.profile_cache))
     out = Path(args.out)
     title = f"{config.method}: {config.fleet.clients} clients, {config.model.name}"
     if args.quiet or config.method == "centralized":

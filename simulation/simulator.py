@@ -41,7 +41,7 @@ from split_models.segment import Segment
 from storage import open_store
 from wire.flower import node_will
 from wire.roles import Announcement, node_id_for
-from wire.transport import InProcessHub, Transport, Will
+from wire.transport import InProcessHub, Transport
 
 __all__ = ["simulate"]
 
@@ -347,26 +347,27 @@ def _baseline(
     }
 
 
+_VIEWS_PER_CONNECTION = 128  # docs/benchmarks.md, "Simulation over a broker at scale"
+
+
 def _transports(broker: str, password: str | None) -> tuple[Any, Any]:
+    """``connect(name, will)`` and ``close()``: an in-process hub, or logical clients sharing
+    a few connections to the broker (one each would cost every client a socket and threads)."""
     if broker == "none":
         hub = InProcessHub()
         return (lambda name, will=None: hub.connect(name, will)), (lambda: None)
     from wire.broker import Broker
-    from wire.mqtt import MqttConfig, MqttTransport
+    from wire.mqtt import MqttConfig
+    from wire.shared import SharedMqtt
 
     started = Broker().start() if broker == "embedded" else None
     url = started.url if started is not None else broker
-    made: list[MqttTransport] = []
-
-    def connect(name: str, will: Will | None = None) -> Transport:
-        config = MqttConfig.from_url(url, password, session_expiry=0, clean_start=True)
-        made.append(MqttTransport(config, f"{name}-{uuid.uuid4().hex[:6]}", will))
-        return made[-1]
+    config = MqttConfig.from_url(url, password, session_expiry=0, clean_start=True)
+    shared = SharedMqtt(config, _VIEWS_PER_CONNECTION)
 
     def close() -> None:
-        for transport in made:
-            transport.close()
+        shared.close()
         if started is not None:
             started.close()
 
-    return connect, close
+    return shared.connect, close

@@ -87,6 +87,15 @@ class RunStore(abc.ABC):
     def set_plan(self, run_id: str, plan: Mapping[str, Any]) -> int:
         """Store a new plan for the run; return its version (1, 2, ...)."""
 
+    @abc.abstractmethod
+    def set_profile(self, run_id: str, document: Mapping[str, Any]) -> None:
+        """Store the model profile the run planned with (a JSON document; the coordinator
+        keys it by what the profile depends on), replacing any earlier one."""
+
+    @abc.abstractmethod
+    def get_profile(self, run_id: str) -> dict[str, Any] | None:
+        """The run's stored profile document, or None."""
+
     # ---------------------------------------------------------------- rounds
     @abc.abstractmethod
     def open_round(self, run_id: str, number: int, participants: Sequence[str]) -> RoundRecord:
@@ -198,6 +207,13 @@ class RunStore(abc.ABC):
     @abc.abstractmethod
     def collect_garbage(self, older_than_seconds: float = 3600.0) -> int:
         """Delete checkpoint files that no committed round refers to; return how many."""
+
+    def discard_pending(self, run_id: str) -> int:
+        """Delete what a killed commit of ``run_id`` left: the checkpoint files it recorded as
+        about to be written that no committed round and no other run's commit under way refers
+        to; return how many files. Only the run's (one) coordinator calls it, on starting: a
+        commit of the run still under way elsewhere would lose its files."""
+        return 0
 
     def check_can_commit(self) -> None:  # noqa: B027 - nothing to check in memory
         """Raise :class:`StoreError` now, before any training, if :meth:`commit_round` could

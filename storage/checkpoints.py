@@ -18,7 +18,7 @@ from safetensors.numpy import load, save
 from storage.errors import CheckpointError, CheckpointWriteError
 from storage.records import Tensors
 
-__all__ = ["CheckpointFiles", "temporary_owner_gone"]
+__all__ = ["CheckpointFiles", "encode", "temporary_owner_gone"]
 
 _SUFFIX = ".safetensors"
 _TEMP_SUFFIX = ".tmp"
@@ -66,6 +66,15 @@ def _write_failure(error: OSError, digest: str, root: Path) -> CheckpointWriteEr
     )
 
 
+def encode(tensors: Tensors) -> tuple[str, bytes]:
+    """The safetensors file of ``tensors`` and its SHA-256 (the file's name)."""
+    # Not ``np.ascontiguousarray``: it turns a 0-d array (BatchNorm's num_batches_tracked)
+    # into shape (1,).
+    arrays = {name: np.require(array, requirements="C") for name, array in tensors.items()}
+    payload = save(arrays, metadata={"format": "edgesplit-checkpoint-1"})
+    return hashlib.sha256(payload).hexdigest(), payload
+
+
 class CheckpointFiles:
     """A directory of ``<sha[:2]>/<sha>.safetensors`` files; ``readonly`` never creates,
     touches or deletes anything."""
@@ -83,22 +92,22 @@ class CheckpointFiles:
         """Store ``tensors`` durably; return (sha256, size). Storing equal content refreshes
         the file's time (so that garbage collection spares it) and writes nothing. A failed
         write leaves no file behind and raises :class:`CheckpointWriteError`."""
+        digest, payload = encode(tensors)
+        self.write(digest, payload)
+        return digest, len(payload)
+
+    def write(self, digest: str, payload: bytes) -> None:
+        """Store ``payload`` (from :func:`encode`) durably as ``digest``'s file."""
         if self.readonly:
             raise CheckpointWriteError(f"the checkpoint folder {self.root} was opened read-only")
-        # Not ``np.ascontiguousarray``: it turns a 0-d array (BatchNorm's num_batches_tracked)
-        # into shape (1,).
-        arrays = {name: np.require(array, requirements="C") for name, array in tensors.items()}
-        payload = save(arrays, metadata={"format": "edgesplit-checkpoint-1"})
-        digest = hashlib.sha256(payload).hexdigest()
         target = self.path(digest)
         try:
             if target.exists() and target.stat().st_size == len(payload):
                 os.utime(target)
-                return digest, len(payload)
+                return
             self._write(target, payload)
         except OSError as error:
             raise _write_failure(error, digest, self.root) from None
-        return digest, len(payload)
 
     @staticmethod
     def _write(target: Path, payload: bytes) -> None:
@@ -148,6 +157,10 @@ class CheckpointFiles:
         """Every complete file as (sha256, path)."""
         for path in self.root.glob(f"??/*{_SUFFIX}"):
             yield path.name.removesuffix(_SUFFIX), path
+
+    def remove(self, sha256: str) -> int:
+        """Delete ``sha256``'s file; 1 when there was one, else 0."""
+        return 0 if self.readonly else _unlink(self.path(sha256))
 
     def collect_garbage(self, referenced: set[str], older_than_seconds: float) -> int:
         """Delete files no row refers to and abandoned temporary files older than the age, and

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
@@ -44,6 +45,7 @@ class InMemoryRunStore(RunStore):
         self._weights: dict[tuple[str, int], tuple[dict[str, Any], dict[str, Any]]] = {}
         self._metrics: dict[str, list[MetricPoint]] = {}
         self._events: list[tuple[str | None, Event]] = []
+        self._profiles: dict[str, dict[str, Any]] = {}
 
     def _upsert_device(self, device: DeviceRecord) -> None:
         with self._lock:
@@ -95,6 +97,16 @@ class InMemoryRunStore(RunStore):
             version = self.get_run(run_id).plan_version + 1
             self._update_run(run_id, plan=dict(plan), plan_version=version)
             return version
+
+    def set_profile(self, run_id: str, document: Mapping[str, Any]) -> None:
+        with self._lock:
+            self.get_run(run_id)
+            self._profiles[run_id] = json.loads(json.dumps(dict(document)))  # as SQL keeps it
+
+    def get_profile(self, run_id: str) -> dict[str, Any] | None:
+        with self._lock:
+            stored = self._profiles.get(run_id)
+            return None if stored is None else json.loads(json.dumps(stored))
 
     def open_round(self, run_id: str, number: int, participants: Sequence[str]) -> RoundRecord:
         with self._lock:

@@ -27,7 +27,9 @@ __all__ = [
     "DeviceRow",
     "EventRow",
     "MetricRow",
+    "PendingCheckpointRow",
     "RoundRow",
+    "RunProfileRow",
     "RunRow",
     "StoreSettingRow",
 ]
@@ -154,3 +156,26 @@ class StoreSettingRow(Base):
     __tablename__ = "store_settings"
     key: Mapped[str] = mapped_column(String(64), primary_key=True)
     value: Mapped[str] = mapped_column(Text)
+
+
+class RunProfileRow(Base):
+    """The model profile a run planned with (a JSON document the coordinator keys by model
+    config, batch size and local loss), so that a restart that must re-plan does not profile."""
+
+    __tablename__ = "run_profiles"
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    document: Mapped[dict[str, Any]]
+    recorded_at: Mapped[datetime]
+
+
+class PendingCheckpointRow(Base):
+    """A checkpoint file a commit of ``run_id`` is about to write and refer to: recorded
+    before the file is written, deleted in the transaction that commits the round. What a
+    killed commit left is its run's coordinator's to remove on restart; garbage collection
+    spares the files of the others."""
+
+    __tablename__ = "pending_checkpoints"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[str] = mapped_column(String(128), index=True)
+    sha256: Mapped[str] = mapped_column(String(64), index=True)
+    created_at: Mapped[datetime]

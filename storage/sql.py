@@ -7,7 +7,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import delete, func, inspect, select
+from sqlalchemy import delete, inspect, select
 from sqlalchemy.exc import (
     ArgumentError,
     IntegrityError,
@@ -16,12 +16,14 @@ from sqlalchemy.exc import (
     OperationalError,
     ProgrammingError,
 )
-from sqlalchemy.orm import Session, selectinload, sessionmaker
+from sqlalchemy.orm import Session, sessionmaker
 
+from storage import pending
 from storage.base import RunStore, validate_result
-from storage.checkpoints import CheckpointFiles
+from storage.checkpoints import CheckpointFiles, encode
 from storage.engine import create_store_engine, opening_error, shown_url
 from storage.errors import NotFoundError, StateError, StoreError
+from storage.integrity import integrity_problems
 from storage.location import choose_root, default_root, unknown_root_error
 from storage.records import (
     CheckpointRef,
@@ -43,6 +45,7 @@ from storage.schema import (
     EventRow,
     MetricRow,
     RoundRow,
+    RunProfileRow,
     RunRow,
     StoreSettingRow,
 )
@@ -316,15 +319,16 @@ class SqlRunStore(RunStore):
     ) -> RoundRecord:
         if not weights:
             raise ValueError("commit_round: weights must name at least one segment")
-        # 1. Files first, each fsynced and renamed into place: durable before any row names them.
-        refs = [
-            CheckpointRef(segment, "weights", *self.files.put(tensors))
-            for segment, tensors in weights.items()
-        ]
-        refs += [
-            CheckpointRef(segment, "optimizer", *self.files.put(tensors))
-            for segment, tensors in (optimizer_states or {}).items()
-        ]
+        # 1. Files first, each recorded as pending, then fsynced and renamed into place:
+        # durable before any row names them, and a killed commit's files known to its run.
+        kinds = [("weights", weights), ("optimizer", optimizer_states or {})]
+        encoded = [(s, k, *encode(t)) for k, group in kinds for s, t in group.items()]
+        with self._session() as session:
+            pending.mark(session, run_id, (digest for *_, digest, _ in encoded))
+        refs = []
+        for segment, kind, digest, payload in encoded:
+            self.files.write(digest, payload)
+            refs.append(CheckpointRef(segment, kind, digest, len(payload)))
         # 2. One transaction makes the round committed and current, or nothing happens.
         with self._session() as session:
             row = self._uncommitted(session, run_id, number)
@@ -337,6 +341,7 @@ class SqlRunStore(RunStore):
                         size_bytes=ref.size_bytes,
                     )
                 )
+            pending.settle(session, run_id, (ref.sha256 for ref in refs))
             row.state, row.committed_at = "committed", utcnow()
             row.metrics = {k: float(v) for k, v in (metrics or {}).items()}
             row.evaluation = {k: float(v) for k, v in (evaluation or {}).items()}
@@ -429,39 +434,8 @@ class SqlRunStore(RunStore):
 
     # ---------------------------------------------------------------- maintenance
     def integrity_problems(self, deep: bool = False) -> list[str]:
-        problems: list[str] = []
         with self._session() as session:
-            for run in session.scalars(select(RunRow)):
-                committed = session.scalar(
-                    select(func.max(RoundRow.number)).where(
-                        RoundRow.run_id == run.id, RoundRow.state == "committed"
-                    )
-                )
-                if run.current_round != committed:
-                    problems.append(
-                        f"run {run.id!r}: current round {run.current_round} but "
-                        f"last committed round is {committed}"
-                    )
-            # One query for all rounds' checkpoints, not one per round: a run of a few hundred
-            # rounds took 0.2-0.4 s to check with lazy loading.
-            committed_rounds = (
-                select(RoundRow)
-                .where(RoundRow.state == "committed")
-                .options(selectinload(RoundRow.checkpoints))
-            )
-            for row in session.scalars(committed_rounds):
-                kinds = {c.kind for c in row.checkpoints}
-                if "weights" not in kinds:
-                    problems.append(
-                        f"run {row.run_id!r} round {row.number}: committed without weights"
-                    )
-                if row.committed_at is None:
-                    problems.append(f"run {row.run_id!r} round {row.number}: no commit time")
-            for checkpoint in session.scalars(select(CheckpointRow)):
-                problem = self.files.check(checkpoint.sha256, checkpoint.size_bytes, deep)
-                if problem:
-                    problems.append(problem)
-        return problems
+            return integrity_problems(session, self.files, deep)
 
     def round_problem(self, run_id: str, number: int, deep: bool = True) -> str | None:
         if self._files is None:
@@ -493,6 +467,26 @@ class SqlRunStore(RunStore):
     def collect_garbage(self, older_than_seconds: float = 3600.0) -> int:
         if self.readonly:
             return 0
+        with self._session() as session:  # holding the files lock: no commit marks meanwhile
+            kept = pending.protected(session, older_than_seconds)
+            return self.files.collect_garbage(kept, older_than_seconds)
+
+    def discard_pending(self, run_id: str) -> int:
+        if self.readonly or self._files is None:
+            return 0
         with self._session() as session:
-            referenced = set(session.scalars(select(CheckpointRow.sha256)))
-        return self.files.collect_garbage(referenced, older_than_seconds)
+            return pending.discard(session, self._files, run_id)
+
+    # ---------------------------------------------------------------- profiles
+    def set_profile(self, run_id: str, document: Mapping[str, Any]) -> None:
+        with self._session() as session:
+            self._run_row(session, run_id)
+            row = RunProfileRow(run_id=run_id, document=dict(document), recorded_at=utcnow())
+            session.merge(row)
+
+    def get_profile(self, run_id: str) -> dict[str, Any] | None:
+        with self._session() as session:
+            if not inspect(session.connection()).has_table(RunProfileRow.__tablename__):
+                return None  # a read-only open of a revision before run_profiles
+            row = session.get(RunProfileRow, run_id)
+            return None if row is None else dict(row.document)

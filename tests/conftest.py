@@ -7,10 +7,23 @@ from split_models.runtime import configure_process
 configure_process()
 
 import os  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
 import uuid  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
 
 import pytest  # noqa: E402
+
+# Every coordinator and simulation the tests start (their CLI reads EDGESPLIT_PROFILE_CACHE)
+# measures each model profile once per test session, not once per process (20-30 s each on
+# two cores); the profiling itself is tested where it is called directly.
+_PROFILES = tempfile.mkdtemp(prefix="edgesplit-test-profiles-")
+os.environ.setdefault("EDGESPLIT_PROFILE_CACHE", _PROFILES)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    shutil.rmtree(_PROFILES, ignore_errors=True)
+
 
 POSTGRES_ADMIN_URL = os.environ.get(
     "EDGESPLIT_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"

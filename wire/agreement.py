@@ -12,9 +12,10 @@ and a ``last`` flag on a batch would reach only one of them, so counting is the 
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
-__all__ = ["RoundLedger"]
+__all__ = ["RoundLedger", "SenderMajor"]
 
 
 class RoundLedger:
@@ -75,8 +76,48 @@ class RoundLedger:
         self.finished |= new
         return new
 
+    def short(self) -> dict[str, int]:
+        """The senders that said what they sent but whose batches do not add up yet (not
+        finished, not left), with how many are still to come: a gap in the stream when no
+        more arrive (a broker that lost messages)."""
+        return {
+            sender: batches - sum(counts[sender] for counts in self.counts.values())
+            for sender, batches in sorted(self.declared.items())
+            if sender not in self.finished | self.gone
+        }
+
     @property
     def complete(self) -> bool:
         """Every sender of the round is finished or left (at once for a round without
         senders)."""
         return self.senders <= self.finished | self.gone
+
+
+class SenderMajor:
+    """The batches of one round in sender-major order: all of the first sender's (by name),
+    then the next's; a sender's turn ends when it is ``finished``."""
+
+    def __init__(self, senders: Iterable[str]) -> None:
+        self.turns = sorted(senders)
+        self.queues: dict[str, collections.deque[Any]] = {
+            s: collections.deque() for s in self.turns
+        }
+
+    def push(self, sender: str, envelope: Any) -> None:
+        self.queues[sender].append(envelope)
+
+    def drain(
+        self, finished: Callable[[str], bool], handle: Callable[[str, Any], None]
+    ) -> list[str]:
+        """Handle every batch whose turn it is; the senders of those handled, in order."""
+        done: list[str] = []
+        while self.turns:
+            sender = self.turns[0]
+            if self.queues[sender]:
+                handle(sender, self.queues[sender].popleft())
+                done.append(sender)
+            elif finished(sender):
+                self.turns.pop(0)
+            else:
+                break
+        return done

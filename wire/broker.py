@@ -141,9 +141,23 @@ class Broker:
                 self._process.wait()
         self._process = None
 
-    def restart(self) -> None:
-        self.stop()
+    def restart(self, down: float = 0.0, kill: bool = False) -> None:
+        """Stop mosquitto (SIGTERM: it saves its state and publishes every client's will;
+        ``kill``: SIGKILL, it loses what arrived since its last autosave), stay down
+        ``down`` seconds, start it again on the same port with the same persistence."""
+        if kill:
+            self.kill()
+        else:
+            self.stop()
+        time.sleep(down)
         self.start()
+
+    def kill(self) -> None:
+        """SIGKILL mosquitto, as a crash or an OOM kill would (for fault tests)."""
+        if self._process is not None and self._process.poll() is None:
+            self._process.kill()
+            self._process.wait()
+        self._process = None
 
     def __enter__(self) -> Broker:
         return self.start()

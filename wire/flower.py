@@ -167,6 +167,7 @@ class TransportGrid(Grid):
     """The coordinator's side: sends Flower messages to nodes and collects their replies."""
 
     def __init__(self, transport: Transport, run_id: int = 1) -> None:
+        self.transport = transport  # its link tells the runner of a broker outage
         self._frames = _Frames(transport)
         self._run = Run.create_empty(run_id)
         self._replies: dict[str, Message] = {}

@@ -2,8 +2,14 @@
 
 Persistent sessions (``clean_start=False`` plus a session-expiry interval) keep subscriptions
 and queued QoS 1 messages across reconnects; subscriptions are re-sent when the broker did not
-keep the session. paho reconnects with exponential backoff. Outgoing messages wait in a bounded
-queue: a producer faster than the network blocks instead of growing memory or dropping data.
+keep the session. paho reconnects with exponential backoff, at most ``reconnect_max`` (5 s)
+apart, so an agent is back within seconds of a restarted broker; paho sends the QoS 1 messages
+the broker had not acknowledged again (the Channel drops the duplicates). Upper layers see the
+link through :attr:`MqttTransport.link_epoch` (one more each time it drops) and
+:attr:`MqttTransport.last_reconnect` (when it came back): a will queued during an outage is
+judged with that in mind (``wire.presence``), and a coordinator whose link dropped during a
+try redoes it. Outgoing messages wait in a bounded queue: a producer faster than the network
+blocks instead of growing memory or dropping data.
 """
 
 from __future__ import annotations
@@ -78,7 +84,7 @@ class MqttConfig:
     fresh_session: bool = False
     connect_timeout: float = 10.0
     reconnect_min: int = 1
-    reconnect_max: int = 30
+    reconnect_max: int = 5  # a restarted broker sees every agent back within seconds
     max_payload: int = 64 * 1024 * 1024
     max_queued: int = 64
 
@@ -145,6 +151,8 @@ class MqttTransport(Transport):
         self._unclaimed_bytes = 0
         self._reconnect_hooks: list[Callable[[], None]] = []
         self._connections = 0
+        self.link_epoch = 0  # one more each time the connection drops
+        self.last_reconnect: float | None = None  # time.monotonic() of the latest reconnection
         self._client = self._build(will)
         self._connect()
 
@@ -212,6 +220,10 @@ class MqttTransport(Transport):
                 self._send_subscribe(topic_filter, identifier)
         self._connections += 1
         if self._connections > 1:
+            self.last_reconnect = time.monotonic()
+            log.warning(
+                "MQTT connection back (session %s)", "kept" if flags.session_present else "new"
+            )
             for hook in list(self._reconnect_hooks):
                 try:
                     hook()
@@ -241,6 +253,8 @@ class MqttTransport(Transport):
     def _on_disconnect(
         self, _client: mqtt.Client, _userdata: Any, _flags: Any, reason: Any, _properties: Any
     ) -> None:
+        if self._connected.is_set():
+            self.link_epoch += 1
         self._connected.clear()
         if reason.value != 0:
             log.warning("MQTT connection lost (%s); reconnecting", reason)

@@ -5,17 +5,36 @@ A device that dies mid-round (killed, or its connection lost past the broker's k
 its last will published at once by the broker; the agents that wait on it in a round watch
 presence so they stop waiting: a GPU server ends a dead sender's part of the round, an edge
 gives up a round whose GPU server went offline (:class:`PeerOffline`).
+
+**A will takes effect after a grace** (:class:`WillGrace`): a broker that shuts down publishes
+every client's will, and a restarted one delivers the wills queued for a persistent session
+while the devices are still reconnecting. So an ``offline`` counts only when no ``online``
+follows it within :data:`WILL_GRACE_SECONDS` (a killed device costs that much more), never
+while this process's own link is down, and not before :data:`RECONNECT_GRACE_SECONDS` after
+its link came back (the devices need as long to reconnect and say ``online`` again).
 """
 
 from __future__ import annotations
 
+import math
 import threading
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 
 from wire import topics
 from wire.transport import Transport
 
-__all__ = ["PeerOffline", "PresenceWatch"]
+__all__ = [
+    "RECONNECT_GRACE_SECONDS",
+    "WILL_GRACE_SECONDS",
+    "PeerOffline",
+    "PresenceWatch",
+    "WillGrace",
+    "link_of",
+]
+
+WILL_GRACE_SECONDS = 2.0
+RECONNECT_GRACE_SECONDS = 15.0
 
 
 class PeerOffline(RuntimeError):
@@ -30,16 +49,74 @@ class PeerOffline(RuntimeError):
         )
 
 
-class PresenceWatch:
-    """The devices whose latest presence is ``offline``, followed on ``transport`` for the
-    devices asked about: a device's presence topic is subscribed to the first time it is
-    asked for (its retained presence arrives then), so an agent hears only the devices it
-    waits on, not every device's comings and goings. A device never heard of is not offline
-    (it may not have announced yet)."""
+def link_of(transport: object) -> Callable[[], tuple[bool, float | None]]:
+    """``transport``'s link as :class:`WillGrace` reads it: (connected now, monotonic time of
+    its latest reconnection or None). A transport that never loses its link (in-process) is
+    always up."""
 
-    def __init__(self, transport: Transport) -> None:
+    def link() -> tuple[bool, float | None]:
+        return (
+            bool(getattr(transport, "connected", True)),
+            getattr(transport, "last_reconnect", None),
+        )
+
+    return link
+
+
+class WillGrace:
+    """The pure rule: when a device's ``offline`` (seen at ``since``) counts.
+
+    ``offline`` counts once ``grace`` seconds passed without an ``online``, the own link is
+    up, and ``after_reconnect`` seconds passed since the own link came back."""
+
+    def __init__(
+        self,
+        grace: float = WILL_GRACE_SECONDS,
+        after_reconnect: float = RECONNECT_GRACE_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.grace, self.after_reconnect, self._clock = grace, after_reconnect, clock
+        self._since: dict[str, float] = {}  # device -> when its pending offline was seen
+
+    def went_offline(self, device: str) -> None:
+        self._since.setdefault(device, self._clock())
+
+    def came_online(self, device: str) -> None:
+        self._since.pop(device, None)
+
+    def effective_at(self, device: str, reconnected: float | None) -> float:
+        """When ``device``'s offline counts (inf: it is not offline)."""
+        since = self._since.get(device)
+        if since is None:
+            return math.inf
+        due = since + self.grace
+        if reconnected is not None:
+            due = max(due, reconnected + self.after_reconnect)
+        return due
+
+    def offline(
+        self, devices: Iterable[str], link: tuple[bool, float | None] = (True, None)
+    ) -> list[str]:
+        """Those of ``devices`` whose offline counts now, sorted; none while the own link
+        (``link``: connected, latest reconnection) is down."""
+        connected, reconnected = link
+        if not connected:
+            return []
+        now = self._clock()
+        return sorted(d for d in set(devices) if self.effective_at(d, reconnected) <= now)
+
+
+class PresenceWatch:
+    """The devices whose latest presence is ``offline`` (after :class:`WillGrace`), followed
+    on ``transport`` for the devices asked about: a device's presence topic is subscribed to
+    the first time it is asked for (its retained presence arrives then), so an agent hears
+    only the devices it waits on, not every device's comings and goings. A device never heard
+    of is not offline (it may not have announced yet)."""
+
+    def __init__(self, transport: Transport, grace: WillGrace | None = None) -> None:
         self._transport = transport
-        self._offline: set[str] = set()
+        self._grace = grace or WillGrace()
+        self._link = link_of(transport)
         self._watched: set[str] = set()
         self._lock = threading.Lock()
 
@@ -54,13 +131,14 @@ class PresenceWatch:
         device = topic.rsplit("/", 1)[-1]
         with self._lock:
             if payload.strip() == b"offline":
-                self._offline.add(device)
+                self._grace.went_offline(device)
             elif payload.startswith(b"online"):  # back (a reconnection says so again)
-                self._offline.discard(device)
+                self._grace.came_online(device)
 
     def offline(self, devices: Iterable[str]) -> list[str]:
-        """Those of ``devices`` whose latest presence is ``offline``, sorted."""
+        """Those of ``devices`` whose latest presence is ``offline``, for longer than the
+        grace, sorted."""
         wanted = set(devices)
         self._watch(wanted)
         with self._lock:
-            return sorted(wanted & self._offline)
+            return self._grace.offline(wanted, self._link())

@@ -34,6 +34,14 @@ sender's in the order they came; a batch that is not its sender's turn waits, an
 returns only when it is handled, so a waiting sender holds at most its credit window. The
 back then trains on the same sequence of batches in every run, whatever order threads or the
 network delivered them in; senders take turns, so a round takes longer.
+
+**Gaps** (a broker that restarted and lost messages it had acknowledged): a sender that said
+what it sent (``done``) but whose batches do not add up, with no progress for a quiet period
+after that, is **missing** batches (:meth:`StreamServer.missing`); the server stops waiting for
+it and its owner reports it, so the round is redone, never committed short. **Tries**: each
+batch and ``done`` carries the coordinator's try of the round (``attempt``, 1 when absent); one
+of an earlier try of the current round is refused (``stale_attempt``) without a credit or a
+count, so a retried round never trains the batches of the try it replaced.
 """
 
 from __future__ import annotations
@@ -48,7 +56,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from wire import topics
-from wire.agreement import RoundLedger
+from wire.agreement import RoundLedger, SenderMajor
 from wire.channel import Channel, Rejection
 from wire.codec import Envelope
 from wire.errors import WireError
@@ -87,34 +95,10 @@ def _device(topic: str) -> str:
     return topic.rsplit("/", 1)[-1]
 
 
-class _SenderMajor:
-    """The batches of one round in sender-major order: all of the first sender's (by name),
-    then the next's; a sender's turn ends when it is ``finished``."""
-
-    def __init__(self, senders: Iterable[str]) -> None:
-        self.turns = sorted(senders)
-        self.queues: dict[str, collections.deque[Envelope | None]] = {
-            s: collections.deque() for s in self.turns
-        }
-
-    def push(self, sender: str, envelope: Envelope | None) -> None:
-        self.queues[sender].append(envelope)
-
-    def drain(
-        self, finished: Callable[[str], bool], handle: Callable[[str, Envelope | None], None]
-    ) -> list[str]:
-        """Handle every batch whose turn it is; the senders of those handled, in order."""
-        done: list[str] = []
-        while self.turns:
-            sender = self.turns[0]
-            if self.queues[sender]:
-                handle(sender, self.queues[sender].popleft())
-                done.append(sender)
-            elif finished(sender):
-                self.turns.pop(0)
-            else:
-                break
-        return done
+def _attempt(envelope: Envelope) -> int:
+    """The coordinator's try an envelope says it belongs to (1 when it says none)."""
+    value = envelope.meta.get("attempt", 1)
+    return value if isinstance(value, int) and not isinstance(value, bool) else 1
 
 
 class StreamServer:
@@ -137,7 +121,7 @@ class StreamServer:
         batch)."""
         self.channel, self.run, self.name = channel, run, channel.sender
         self.ordered = ordered
-        self._order: _SenderMajor | None = None
+        self._order: SenderMajor | None = None
         self.granter = CreditGranter(channel, run, window)
         self.stats = StreamStats()
         self.on_complete: Callable[[int], None] | None = None  # every sender finished
@@ -145,6 +129,8 @@ class StreamServer:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._ledger = RoundLedger(0, (), self.name)
+        self._attempt = 1  # the coordinator's try of the current round
+        self._progress: dict[str, float] = {}  # sender -> when its latest batch or done came
         self._parked: list[_Parked] = []
         self._early: dict[tuple[str, int, str], Any] = {}  # (what, round, who) -> value
         self._early_by: collections.Counter[str] = collections.Counter()  # entries per who
@@ -186,8 +172,9 @@ class StreamServer:
             if setup is not None:
                 setup()
             self._ledger = RoundLedger(number, senders, self.name, peers)
+            self._attempt, self._progress = attempt, {}
             alone = not self._ledger.peers
-            self._order = _SenderMajor(self._ledger.senders) if self.ordered and alone else None
+            self._order = SenderMajor(self._ledger.senders) if self.ordered and alone else None
             # rejections parked for this round or a later one keep their keys: a redelivered
             # copy must not count twice
             self._rejections = {k for k in self._rejections if k[0] >= number}
@@ -216,19 +203,25 @@ class StreamServer:
         cancelled: Callable[[], bool] | None = None,
         wanted: Iterable[str] | None = None,
         offline: Callable[[], Iterable[str]] | None = None,
+        quiet: float | None = None,
     ) -> bool:
         """Block until every sender of the round (or of ``wanted``) is finished or left
         (True), the timeout passes or ``cancelled()`` turns true (False). ``offline()``: the
-        devices offline now, asked while waiting; a sender among them leaves the round."""
+        devices offline now, asked while waiting; a sender among them leaves the round.
+        ``quiet``: also stop (False) once every sender still waited for is missing batches
+        for that long (:meth:`missing`)."""
         deadline = time.monotonic() + timeout
         while True:
             for device in offline() if offline is not None else ():
                 self.leave(device)
             with self._changed:
                 want = self._ledger.senders if wanted is None else frozenset(wanted)
-                over = want <= self._ledger.finished | self._ledger.gone
-                if over or time.monotonic() >= deadline or (cancelled and cancelled()):
-                    return over
+                open_ = want - self._ledger.finished - self._ledger.gone
+                if not open_:
+                    return True
+                stuck = quiet is not None and open_ <= set(self._missing(quiet))
+                if stuck or time.monotonic() >= deadline or (cancelled and cancelled()):
+                    return False
                 self._changed.wait(min(_POLL, max(0.0, deadline - time.monotonic())))
 
     def leave(self, sender: str) -> bool:
@@ -247,6 +240,21 @@ class StreamServer:
         if completed and self.on_complete is not None:
             self.on_complete(number)
         return True
+
+    def missing(self, quiet: float) -> dict[str, int]:
+        """The senders of the current round that said what they sent, whose batches do not
+        add up, and of which nothing came for ``quiet`` seconds: how many batches each
+        misses (lost, not late)."""
+        with self._lock:
+            return self._missing(quiet)
+
+    def _missing(self, quiet: float) -> dict[str, int]:
+        now = time.monotonic()
+        return {
+            sender: short
+            for sender, short in self._ledger.short().items()
+            if now - self._progress.get(sender, now) >= quiet
+        }
 
     @contextlib.contextmanager
     def exclusive(self) -> Iterator[None]:
@@ -286,6 +294,9 @@ class StreamServer:
             if envelope.round == number and sender not in self._ledger.senders:
                 self._stranger(sender, number)
                 return  # no credit, no count: it is not one of the round's senders
+            if envelope.round == number and _attempt(envelope) < self._attempt:
+                self.stats.rejected["stale_attempt"] += 1  # a replaced try's: no credit
+                return
             if envelope.round == number and sender in self._ledger.gone:
                 self.stats.rejected["gone"] += 1  # arrived after its will: not trained
                 handled = [sender]  # its credit returns (a device back online is not stalled)
@@ -310,6 +321,7 @@ class StreamServer:
     def _admit(self, sender: str, envelope: Envelope | None) -> list[str]:
         """Handle a batch of the current round now, or (ordered) when its turn comes; the
         senders of the batches handled by this call."""
+        self._progress[sender] = time.monotonic()  # arrived: not missing, even if queued
         if self._order is None:
             self._handle_locked(sender, envelope)
             return [sender]
@@ -350,6 +362,7 @@ class StreamServer:
                 warn(log, (sender, error.reason), "rejected activations from %s: %s", sender, error)
         if self._ledger.handled(sender):
             self.stats.handled[sender] += 1
+            self._progress[sender] = time.monotonic()
 
     def _on_reject(self, rejection: Rejection) -> None:
         header = rejection.header
@@ -395,10 +408,11 @@ class StreamServer:
             if envelope.round > self._ledger.number:
                 self._remember(("done", envelope.round, sender), batches)
                 return
-            if envelope.round < self._ledger.number:
+            if envelope.round < self._ledger.number or _attempt(envelope) < self._attempt:
                 return
             if not self._ledger.declare(sender, batches):
                 return
+            self._progress[sender] = time.monotonic()
             handled = self._drain()  # ordered: the next sender's turn may begin
         if self._ledger.peers:
             self._publish_counts()

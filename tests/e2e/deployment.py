@@ -58,6 +58,8 @@ class Deployment:
     local_epochs: int = 1
     # the GPU server trains the edges' batches in name order: two runs of one seed compare
     deterministic: bool = False
+    per_edge: int = 800  # training examples per edge (fewer: shorter rounds)
+    max_attempts: int | None = None  # the coordinator's --max-attempts (None: its default)
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     # A broker with accounts: the URL each account connects with (no password inside) and the
     # environment that gives it its password (EDGESPLIT_BROKER_PASSWORD_FILE).
@@ -65,7 +67,7 @@ class Deployment:
     env_for: Callable[[str], dict[str, str]] | None = None
 
     def __post_init__(self) -> None:
-        self.data, self.test_data = split_data(self.directory)
+        self.data, self.test_data = split_data(self.directory, self.per_edge)
         self.config = self.directory / "run.yaml"
         self.config.write_text(
             yaml.safe_dump(
@@ -141,6 +143,8 @@ class Deployment:
     def start_coordinator(self) -> subprocess.Popen[bytes]:
         # a server database is told once where its checkpoints go (it records the folder)
         where = () if self.db.startswith("sqlite") else ("--checkpoints", "checkpoints")
+        if self.max_attempts is not None:
+            where = (*where, "--max-attempts", str(self.max_attempts))
         return self._start(
             "coordinator",
             "coordinator",

@@ -215,6 +215,24 @@ class TestMqttTransport(TransportContract):
             transport.close()
 
 
+class TestSharedMqtt(TransportContract):
+    """Logical clients sharing connections (``wire.shared``), two per connection here, so
+    publisher and subscriber share one in some tests and not in others."""
+
+    pytestmark = pytest.mark.integration
+
+    @pytest.fixture
+    def connect(self) -> Iterator[Factory]:
+        from wire.shared import SharedMqtt
+
+        # a broker of its own: retained messages other tests left on the shared one would
+        # reach a view that joins a wildcard subscription (the connection mirrors them)
+        with Broker() as own:
+            pool = SharedMqtt(MqttConfig.from_url(own.url, keepalive=2), per_connection=2)
+            yield pool.connect
+            pool.close()
+
+
 @pytest.mark.unit
 def test_transport_refuses_payloads_above_its_limit() -> None:
     hub = InProcessHub()

@@ -5,13 +5,20 @@ offline gives its round up naming it, and the coordinator's retries back off exp
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
 
 from coordinator.errors import CoordinatorError
-from coordinator.runner import RETRY_CAP_SECONDS, RoundRunner, RoundWork, retry_delay
+from coordinator.runner import (
+    RETRY_CAP_SECONDS,
+    RoundRunner,
+    RoundWork,
+    retry_delay,
+    wait_for_more,
+)
 from tests.unit.test_session import _trainer, _until
 from wire import topics
 from wire.channel import Channel
@@ -121,20 +128,85 @@ class _Recorder:
         self.failures.append(attempt)
 
 
-def test_the_runner_spaces_tries_that_cannot_run_by_the_backoff() -> None:
+class _Grid:
+    """The nodes online: ``comes`` joins after ``after`` looks."""
+
+    def __init__(self, comes: int | None = None, after: int = 0) -> None:
+        self.looks, self.comes, self.after = 0, comes, after
+
+    def get_node_ids(self) -> list[int]:
+        self.looks += 1
+        return [self.comes] if self.comes is not None and self.looks > self.after else []
+
+
+def test_tries_that_cannot_run_back_off_and_cost_an_attempt_per_deadline_waited() -> None:
     slept: list[float] = []
     recorder = _Recorder()
     runner = RoundRunner(
-        None,  # type: ignore[arg-type]  # no try gets as far as the grid
+        _Grid(),  # type: ignore[arg-type]  # no try gets as far as sending
         None,  # type: ignore[arg-type]
         recorder,  # type: ignore[arg-type]
         seed=0,
-        deadline=300.0,
-        attempts=5,
+        deadline=30.0,
+        attempts=2,
         sleep=slept.append,
     )
     work = RoundWork([], problem="no GPU server holding blocks (1, 4) is online")
-    with pytest.raises(CoordinatorError, match="failed 5 times"):
+    with pytest.raises(CoordinatorError, match="failed 2 times"):
         runner.run(2, lambda _number: work)
-    assert recorder.failures == [1, 2, 3, 4, 5]
-    assert slept == [1.0, 2.0, 4.0, 8.0, 10.0]  # not deadline / 10 (30 s) each time
+    # 1 + 2 + 4 + 8 + 10 + 10 = 35 s >= the 30 s deadline: one attempt, twice
+    assert recorder.failures == [1] * 6 + [2] * 6
+    assert sum(slept) == pytest.approx(2 * 35.0)  # not deadline / 10 (3 s) each time
+    assert max(slept) <= 0.2 + 1e-9  # in short naps, looking for a device coming back
+
+
+def test_a_back_off_ends_when_a_device_comes_online() -> None:
+    slept: list[float] = []
+    grid = _Grid(comes=7, after=3)  # online at the third look after the first
+    wait_for_more(grid.get_node_ids, 8.0, slept.append)
+    assert sum(slept) == pytest.approx(0.6)  # three naps, not the 8 s back-off
+    slept.clear()
+    wait_for_more(_Grid().get_node_ids, 1.0, slept.append)
+    assert sum(slept) == pytest.approx(1.0)
+
+
+class _AnsweringGrid(_Grid):
+    """Takes messages; node 2 answers at the third pull, node 1 never."""
+
+    pulls = 0
+
+    def push_messages(self, messages: Any) -> list[str]:
+        return [f"id-{m.metadata.dst_node_id}" for m in messages]
+
+    def pull_messages(self, ids: Any) -> list[Any]:
+        self.pulls += 1
+        if self.pulls == 3 and "id-2" in ids:
+            return [SimpleNamespace(metadata=SimpleNamespace(reply_to_message_id="id-2"))]
+        return []
+
+    def abandon(self, _ids: Any) -> None:
+        pass
+
+
+def test_collecting_stops_for_a_device_that_went_offline_and_came_back() -> None:
+    # a killed edge restarted at once is online again before the others finish, but its new
+    # process knows nothing of the task: waiting for it would wait out the deadline
+    slept: list[float] = []
+    runner = RoundRunner(
+        _AnsweringGrid(),  # type: ignore[arg-type]
+        None,  # type: ignore[arg-type]
+        _Recorder(),  # type: ignore[arg-type]
+        seed=0,
+        deadline=60.0,
+        clock=lambda: sum(slept),
+        sleep=slept.append,
+    )
+    looks = iter([{1, 2}, {2}, {1, 2}])  # pi-01 online, its will, back again
+    runner._nodes = lambda: next(looks, {1, 2})  # type: ignore[method-assign]
+    messages = {
+        name: SimpleNamespace(metadata=SimpleNamespace(dst_node_id=node))
+        for name, node in (("pi-01", 1), ("pi-02", 2))
+    }
+    replies = runner.collect(messages, deadline=60.0)  # type: ignore[arg-type]
+    assert list(replies) == ["pi-02"]
+    assert len(slept) == 2  # gave up once pi-02 answered, not at the deadline
