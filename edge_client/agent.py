@@ -279,6 +279,7 @@ class EdgeAgent:
         """Train one round of ``job``; ``cancelled`` turns true when its session is replaced."""
         started = time.perf_counter()
         task, seed = job.task, job.training.seed
+        since = time.monotonic()  # a GPU server restarted after this lost the round
         weights = numpy_arrays(message)
         number = round_of(message)
         key, build = task.segment_key(), lambda: self._build_segment(job)
@@ -294,7 +295,7 @@ class EdgeAgent:
                     step=lease.train_step,
                     cancelled=cancelled,
                     attempt=job.attempt,
-                    offline=lambda: self.presence.offline(task.servers),
+                    offline=lambda: self.presence.offline(task.servers, since),
                 )
             arrays = lease.state()
         self.rounds += 1

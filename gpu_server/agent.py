@@ -139,12 +139,13 @@ class GpuAgent:
     def _offline(self, task: Task, peers: list[str]) -> Callable[[], list[str]]:
         """The round's senders to stop waiting for: those offline, or every one when a peer
         sharing the stream went offline (the batches it held are lost, and the edges it gave
-        credits give the round up)."""
+        credits give the round up). A sender restarted since is offline for this round."""
+        since = time.monotonic()
 
         def offline() -> list[str]:
-            if self.presence.offline(peers):
+            if self.presence.offline(peers, since):
                 return list(task.edges)
-            return self.presence.offline(task.edges)
+            return self.presence.offline(task.edges, since)
 
         return offline
 

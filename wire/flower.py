@@ -31,6 +31,7 @@ from wire import topics
 from wire.chunks import Reassembler, split
 from wire.errors import WireError
 from wire.logs import warn
+from wire.presence import incarnation_of, new_incarnation
 from wire.transport import Transport, Will
 
 __all__ = [
@@ -172,6 +173,8 @@ class TransportGrid(Grid):
         self._run = Run.create_empty(run_id)
         self._replies: dict[str, Message] = {}
         self._sent: dict[str, str] = {}  # message id -> the name of the node it went to
+        self._pending: dict[str, Message] = {}  # message id -> the message, until answered
+        self._incarnations: dict[int, str] = {}  # node id -> the process last seen online
         self._online: set[int] = set()
         self._names: dict[int, str] = {}  # node id -> the name its topics carry
         self._condition = threading.Condition()
@@ -208,6 +211,7 @@ class TransportGrid(Grid):
                 )
                 return
             del self._sent[reply_to]
+            self._pending.pop(reply_to, None)
             # its sender is the node the topic names, whatever the reply says (a device must
             # not pass for another, e.g. for a trusted GPU server, to whoever reads the reply)
             message.metadata.__dict__["_src_node_id"] = node_id_of(sender)
@@ -215,9 +219,12 @@ class TransportGrid(Grid):
             self._condition.notify_all()
 
     def _on_presence(self, topic: str, payload: bytes) -> None:
-        """Retained ``online <node id>`` or ``offline`` on ``edgesplit/v1/presence/<name>``."""
+        """Retained ``online <node id> <incarnation>`` or ``offline`` on
+        ``edgesplit/v1/presence/<name>``. A node online under a new incarnation restarted: the
+        messages its old process had are answered with an error at once."""
         name = topic.rsplit("/", 1)[1]
-        state, _, number = payload.decode("ascii", "replace").partition(" ")
+        state, _, rest = payload.decode("ascii", "replace").partition(" ")
+        number = rest.partition(" ")[0]
         try:
             node_id = node_id_of(name)
         except ValueError:
@@ -237,9 +244,28 @@ class TransportGrid(Grid):
                     return
                 self._names[node_id] = name
                 self._online.add(node_id)
+                self._incarnation(node_id, name, incarnation_of(payload))
             else:
                 self._online.discard(node_id)
             self._condition.notify_all()
+
+    def _incarnation(self, node_id: int, name: str, incarnation: str) -> None:
+        """Called with the condition held: a new ``incarnation`` of ``name`` ends the messages
+        its previous process was given (it died with them)."""
+        known = self._incarnations.get(node_id)
+        if incarnation:
+            self._incarnations[node_id] = incarnation
+        if not incarnation or known in (None, incarnation):
+            return
+        lost = [i for i, addressee in self._sent.items() if addressee == name]
+        for identifier in lost:
+            del self._sent[identifier]
+            reason = f"{name} restarted (a new process came online): the message died with the old"
+            self._replies[identifier] = Message(
+                Error(code=4, reason=reason), reply_to=self._pending.pop(identifier)
+            )
+        if lost:
+            log.warning("%s restarted: %d message(s) to it count as failed", name, len(lost))
 
     def wait_for_nodes(self, count: int, timeout: float) -> list[int]:
         """Block until ``count`` nodes are online (or the timeout passes); return them."""
@@ -281,6 +307,7 @@ class TransportGrid(Grid):
                 name = self._names.get(node)
                 if name is not None:
                     self._sent[identifier] = name
+                    self._pending[identifier] = message
             if name is None:
                 raise ValueError(f"node {node} never announced itself; it cannot be reached")
             self._frames.send(topics.flower_in(name), message)
@@ -296,6 +323,7 @@ class TransportGrid(Grid):
         with self._condition:
             for identifier in message_ids:
                 self._sent.pop(identifier, None)
+                self._pending.pop(identifier, None)
                 self._replies.pop(identifier, None)
 
     def send_and_receive(
@@ -348,6 +376,7 @@ class FlowerNode:
                 "coordinator derives a node's id from its name"
             )
         self._frames = _Frames(transport)
+        self.incarnation = new_incarnation()  # this process's, the same on every reconnect
         self._context = Context(
             run_id=run_id,
             node_id=self.node_id,
@@ -366,7 +395,9 @@ class FlowerNode:
 
     def _announce(self) -> None:
         self.transport.publish(
-            f"{_NODES}/{self.name}", f"online {self.node_id}".encode(), retain=True
+            f"{_NODES}/{self.name}",
+            f"online {self.node_id} {self.incarnation}".encode(),
+            retain=True,
         )
 
     def _on_message(self, topic: str, payload: bytes) -> None:

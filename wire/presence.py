@@ -1,5 +1,5 @@
-"""Who is offline: every device's retained presence, ``online <node id>`` or its last will
-``offline`` (``edgesplit/v1/presence/<device>``).
+"""Who is offline: every device's retained presence, ``online <node id> <incarnation>`` or its
+last will ``offline`` (``edgesplit/v1/presence/<device>``).
 
 A device that dies mid-round (killed, or its connection lost past the broker's keepalive) has
 its last will published at once by the broker; the agents that wait on it in a round watch
@@ -12,11 +12,19 @@ while the devices are still reconnecting. So an ``offline`` counts only when no 
 follows it within :data:`WILL_GRACE_SECONDS` (a killed device costs that much more), never
 while this process's own link is down, and not before :data:`RECONNECT_GRACE_SECONDS` after
 its link came back (the devices need as long to reconnect and say ``online`` again).
+
+**A restarted device is a dead one for the work it had** (:func:`incarnation_of`): each process
+says ``online`` with its own random incarnation, the same on every reconnection. A device back
+within the grace under a new incarnation is another process, which knows nothing of the round
+its predecessor was in: waiters that began before it came back (``offline(since=...)``) stop
+waiting for it at once, and it is online for the work that follows.
 """
 
 from __future__ import annotations
 
 import math
+import re
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -30,11 +38,30 @@ __all__ = [
     "PeerOffline",
     "PresenceWatch",
     "WillGrace",
+    "incarnation_of",
     "link_of",
+    "new_incarnation",
 ]
 
 WILL_GRACE_SECONDS = 2.0
 RECONNECT_GRACE_SECONDS = 15.0
+_INCARNATION = re.compile(r"[0-9a-f]{16}")
+
+
+def new_incarnation() -> str:
+    """A process's own incarnation: 16 random hex digits."""
+    return secrets.token_hex(8)
+
+
+def incarnation_of(payload: bytes) -> str:
+    """The incarnation an ``online <node id> <incarnation>`` presence names; "" for none or a
+    malformed one (an older agent says only ``online <node id>``)."""
+    parts = payload.split()
+    if len(parts) == 3 and parts[0] == b"online":
+        text = parts[2].decode("ascii", "replace")
+        if _INCARNATION.fullmatch(text):
+            return text
+    return ""
 
 
 class PeerOffline(RuntimeError):
@@ -77,12 +104,24 @@ class WillGrace:
     ) -> None:
         self.grace, self.after_reconnect, self._clock = grace, after_reconnect, clock
         self._since: dict[str, float] = {}  # device -> when its pending offline was seen
+        self._incarnation: dict[str, str] = {}  # device -> the process last seen online
+        self._restarted: dict[str, float] = {}  # device -> when a new process came online
 
     def went_offline(self, device: str) -> None:
         self._since.setdefault(device, self._clock())
 
-    def came_online(self, device: str) -> None:
+    def came_online(self, device: str, incarnation: str = "") -> None:
+        """``device`` is online; under another ``incarnation`` than before, it restarted."""
         self._since.pop(device, None)
+        if incarnation:
+            known = self._incarnation.get(device)
+            if known is not None and known != incarnation:
+                self._restarted[device] = self._clock()
+            self._incarnation[device] = incarnation
+
+    def restarted(self, devices: Iterable[str], since: float) -> list[str]:
+        """Those of ``devices`` that came back as a new process at or after ``since``."""
+        return sorted(d for d in set(devices) if self._restarted.get(d, -math.inf) >= since)
 
     def effective_at(self, device: str, reconnected: float | None) -> float:
         """When ``device``'s offline counts (inf: it is not offline)."""
@@ -95,15 +134,22 @@ class WillGrace:
         return due
 
     def offline(
-        self, devices: Iterable[str], link: tuple[bool, float | None] = (True, None)
+        self,
+        devices: Iterable[str],
+        link: tuple[bool, float | None] = (True, None),
+        since: float | None = None,
     ) -> list[str]:
-        """Those of ``devices`` whose offline counts now, sorted; none while the own link
+        """Those of ``devices`` whose offline counts now, sorted, and with ``since`` (a
+        waiter's start, this clock's time) those restarted since then; none while the own link
         (``link``: connected, latest reconnection) is down."""
         connected, reconnected = link
         if not connected:
             return []
-        now = self._clock()
-        return sorted(d for d in set(devices) if self.effective_at(d, reconnected) <= now)
+        now, wanted = self._clock(), set(devices)
+        gone = {d for d in wanted if self.effective_at(d, reconnected) <= now}
+        if since is not None:
+            gone |= set(self.restarted(wanted, since))
+        return sorted(gone)
 
 
 class PresenceWatch:
@@ -133,12 +179,13 @@ class PresenceWatch:
             if payload.strip() == b"offline":
                 self._grace.went_offline(device)
             elif payload.startswith(b"online"):  # back (a reconnection says so again)
-                self._grace.came_online(device)
+                self._grace.came_online(device, incarnation_of(payload))
 
-    def offline(self, devices: Iterable[str]) -> list[str]:
+    def offline(self, devices: Iterable[str], since: float | None = None) -> list[str]:
         """Those of ``devices`` whose latest presence is ``offline``, for longer than the
-        grace, sorted."""
+        grace, and with ``since`` (``time.monotonic()`` when the caller began waiting on them)
+        those restarted since, sorted."""
         wanted = set(devices)
         self._watch(wanted)
         with self._lock:
-            return self._grace.offline(wanted, self._link())
+            return self._grace.offline(wanted, self._link(), since)

@@ -59,6 +59,9 @@ def test_an_edge_killed_mid_round_and_restarted(
     second = next(r for r in status["rounds"] if r["round"] == 2)
     failures = {d["device"]: d["failure"] for d in second["devices"] if d["failure"]}
     assert list(failures) == ["pi-03"], second
+    # its new process came online within the will's grace: the round gave its task up then,
+    # not at the deadline (the restart or the will, whichever the machine's speed shows first)
+    assert "deadline" not in failures["pi-03"], failures
     assert sorted(d for d in second["participants"] if d != "pi-03") == ["pi-01", "pi-02"]
     _no_batch_twice(deployment, watch)
 

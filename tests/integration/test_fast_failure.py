@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -68,7 +69,10 @@ def _digits(count: int, seed: int) -> Dataset:
     return Dataset(x, rng.integers(0, 10, size=count).astype(np.int64), 10)
 
 
-def test_a_gpu_server_ends_the_part_of_an_edge_whose_last_will_arrives() -> None:
+@pytest.mark.parametrize("restarted", [False, True], ids=["killed", "restarted-at-once"])
+def test_a_gpu_server_ends_the_part_of_an_edge_whose_last_will_arrives(restarted: bool) -> None:
+    # restarted: a new process of the edge says online within the will's grace; the round's
+    # part of the old one ends all the same, at once
     hub = InProcessHub()
     data = {"pi-01": _digits(32, 0), "pi-02": _digits(32, 1)}
     fleet = split_fleet.start_fleet(hub.connect, data["pi-01"], "ff-1", data)
@@ -76,7 +80,8 @@ def test_a_gpu_server_ends_the_part_of_an_edge_whose_last_will_arrives() -> None
     edges = (*split_fleet.EDGES, DEAD)
     fleet.tasks[gpu] = dataclasses.replace(fleet.tasks[gpu], edges=edges)
     control = hub.connect(f"{DEAD}-control", node_will(node_id_for(DEAD), DEAD))
-    control.publish(topics.presence(DEAD), f"online {node_id_for(DEAD)}".encode(), retain=True)
+    online = f"online {node_id_for(DEAD)}"
+    control.publish(topics.presence(DEAD), f"{online} {'a' * 16}".encode(), retain=True)
     dying, go = _dying_edge(hub, "ff-1"), threading.Event()
     step = _blocked_after(dying.segment, BEFORE, go)
     threading.Thread(target=lambda: dying.train_round(1, step=step), daemon=True).start()
@@ -91,7 +96,12 @@ def test_a_gpu_server_ends_the_part_of_an_edge_whose_last_will_arrives() -> None
     _until(lambda: fleet.back.stats.per_device[DEAD] == BEFORE * BATCH, 30.0)
 
     control.kill()  # the edge dies: the broker publishes its last will
+    killed = time.monotonic()
+    if restarted:
+        again = hub.connect(f"{DEAD}-control-2", node_will(node_id_for(DEAD), DEAD))
+        again.publish(topics.presence(DEAD), f"{online} {'b' * 16}".encode(), retain=True)
     asked.join(split_fleet.DEADLINE)
+    assert time.monotonic() - killed < 10.0, "the round ended within seconds of the kill"
     go.set()  # a batch the dead edge had in flight arrives after its will
     _until(lambda: fleet.back.stream.stats.rejected["gone"] >= 1, 30.0)
 

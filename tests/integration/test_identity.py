@@ -124,3 +124,38 @@ def test_a_reply_is_stamped_with_the_node_its_topic_names() -> None:
     _settle()
     (reply,) = grid.pull_messages([identifier])
     assert reply.metadata.src_node_id == node_id_for("pi-02")
+
+
+def test_a_node_back_as_a_new_process_fails_the_messages_its_old_one_had() -> None:
+    # an edge killed mid-round and restarted at once is online again within the will's grace;
+    # its new process never saw the task, so the grid answers for the old one at once
+    hub = InProcessHub()
+    grid = TransportGrid(hub.connect("coordinator"))
+    device, node = hub.connect("pi-02"), node_id_for("pi-02")
+    device.publish(topics.presence("pi-02"), f"online {node} {'a' * 16}".encode(), True)
+    assert grid.wait_for_nodes(1, timeout=5) == [node]
+    (identifier,) = grid.push_messages([grid.create_message(RecordDict(), "query", node, "g")])
+    device.publish(topics.presence("pi-02"), f"online {node} {'a' * 16}".encode(), True)
+    _settle()  # the same process reconnecting (a broker restart) is no restart
+    assert list(grid.pull_messages([identifier])) == []
+    device.publish(topics.presence("pi-02"), b"offline", True)
+    device.publish(topics.presence("pi-02"), f"online {node} {'b' * 16}".encode(), True)
+    _settle()
+    (reply,) = grid.pull_messages([identifier])
+    assert reply.has_error() and "pi-02 restarted" in reply.error.reason
+    assert reply.metadata.reply_to_message_id == identifier
+    assert list(grid.get_node_ids()) == [node]  # online for the work that follows
+
+
+def test_a_malformed_incarnation_is_no_restart() -> None:
+    hub = InProcessHub()
+    grid = TransportGrid(hub.connect("coordinator"))
+    device, node = hub.connect("pi-02"), node_id_for("pi-02")
+    device.publish(topics.presence("pi-02"), f"online {node} {'a' * 16}".encode(), True)
+    assert grid.wait_for_nodes(1, timeout=5) == [node]
+    (identifier,) = grid.push_messages([grid.create_message(RecordDict(), "query", node, "g")])
+    for lie in (b"Z" * 16, b"a" * 5000, b"", "é".encode() * 8):
+        device.publish(topics.presence("pi-02"), f"online {node} ".encode() + lie, True)
+    _settle()
+    assert list(grid.pull_messages([identifier])) == []
+    assert list(grid.get_node_ids()) == [node]

@@ -23,7 +23,7 @@ from wire import topics
 from wire.agreement import RoundLedger
 from wire.channel import Channel
 from wire.codec import Envelope, encode
-from wire.presence import WillGrace
+from wire.presence import WillGrace, incarnation_of, new_incarnation
 from wire.stream import StreamServer
 from wire.transport import InProcessHub
 
@@ -73,6 +73,39 @@ def test_no_will_counts_while_the_own_link_is_down_nor_soon_after_it_is_back() -
     assert grace.offline(["pi-01"], link=(True, back)) == []
     clock.now = back + 15.0
     assert grace.offline(["pi-01"], link=(True, back)) == ["pi-01"], "it stayed away"
+
+
+def test_a_device_back_as_a_new_process_is_gone_for_work_begun_before_it() -> None:
+    clock = _Clock()
+    grace = WillGrace(grace=2.0, clock=clock)
+    first, second = new_incarnation(), new_incarnation()
+    grace.came_online("pi-01", first)
+    begun = clock.now  # a GPU server starts waiting on pi-01's stream
+    clock.now += 1.0
+    grace.went_offline("pi-01")  # killed
+    clock.now += 0.5
+    grace.came_online("pi-01", second)  # restarted within the grace
+    assert grace.offline(["pi-01"], since=begun) == ["pi-01"], "its round died with it"
+    assert grace.offline(["pi-01"]) == [], "online for what follows"
+    assert grace.offline(["pi-01"], since=clock.now + 0.1) == []
+    grace.came_online("pi-01", second)  # a reconnection of the same process: no restart
+    later = clock.now + 1.0
+    clock.now += 5.0
+    assert grace.offline(["pi-01"], since=later) == []
+
+
+def test_an_incarnation_is_sixteen_hex_digits_or_none() -> None:
+    assert len(new_incarnation()) == 16 and new_incarnation() != new_incarnation()
+    assert incarnation_of(b"online 7 0123456789abcdef") == "0123456789abcdef"
+    for payload in (
+        b"online 7",
+        b"offline",
+        b"online 7 0123",
+        b"online 7 " + b"f" * 5000,
+        b"online 7 0123456789ABCDEF",
+        b"online 7 0123456789abcdef extra",
+    ):
+        assert incarnation_of(payload) == "", payload
 
 
 def test_a_ledger_says_which_senders_are_short_of_what_they_declared() -> None:
