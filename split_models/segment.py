@@ -104,11 +104,24 @@ class Segment:
         self.head = head
         self.start, self.end = start, end
         self.optimizer_config = optimizer
-        self.optimizer = optimizer.build(self.trainable_parameters())
+        self._optimizer: torch.optim.Optimizer | None = None  # built on first use
         self.proximal_mu = 0.0
         self.side_outputs = 0  # weight-free tensors crossing the cut after it with its output
         self._anchor: list[torch.Tensor] = []
         self._steps = 0  # optimizer steps since the round began (for the warm-up)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """Built on first use: a segment that only holds or evaluates weights (a
+        coordinator's, an export's) never loads what torch's optimizers import (``torch._dynamo``:
+        1.4 s of a coordinator's restart in a fresh process)."""
+        if self._optimizer is None:
+            self._optimizer = self.optimizer_config.build(self.trainable_parameters())
+        return self._optimizer
+
+    @optimizer.setter
+    def optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        self._optimizer = optimizer
 
     @classmethod
     def from_model(
@@ -149,7 +162,8 @@ class Segment:
         """
         if proximal_mu < 0 or proximal_mu != proximal_mu:
             raise ValueError(f"proximal_mu: must be >= 0, got {proximal_mu}")
-        self.optimizer.state.clear()
+        if self._optimizer is not None:
+            self._optimizer.state.clear()
         self._steps = 0
         self.proximal_mu = float(proximal_mu)
         params = self.trainable_parameters()
