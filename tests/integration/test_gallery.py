@@ -15,11 +15,11 @@ from coordinator.export import export_run
 from coordinator.service import Coordinator
 from edge_client.agent import EdgeAgent
 from gpu_server.agent import GpuAgent
+from simulation.baselines import model_profile
 from simulation.config import parse_sim_config
 from simulation.simulator import simulate
 from split_models import load_dataset
 from split_models.config import ModelConfig
-from split_models.isolated import profile_in_fresh_process
 from storage import open_store
 from tests.fixtures import gallery
 from wire.flower import node_will
@@ -175,7 +175,9 @@ def _fleet(hub: InProcessHub, tmp_path: Path, name: str) -> list[object]:
 )
 def test_gallery_model_resumes_after_a_coordinator_restart(name: str, tmp_path: Path) -> None:
     first = _run_config(name, tmp_path, rounds=1)
-    profile = profile_in_fresh_process(first.model, ("linear",), 16)
+    # measured in a fresh process once per model, loss and batch in this process: the
+    # simulation test above already profiled it (a minute for mobilenet_v3_small)
+    profile = model_profile(first.model, first.training)
     with open_store(f"sqlite:///{tmp_path / 'runs.db'}") as store:
         hub = InProcessHub()
         _fleet(hub, tmp_path, name)
