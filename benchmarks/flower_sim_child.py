@@ -115,37 +115,35 @@ def _client_app(config: SimConfig) -> Any:
     return app
 
 
-def run_flower(clients: int, rounds: int) -> dict[str, float]:
+def _server_app(config: SimConfig, clients: int, seen: dict[str, list[Any]]) -> Any:
+    """Flower's FedAvg over ``clients`` nodes from the model's initial weights, evaluating on
+    the test set before training and after each round; ``seen`` gets each evaluation's
+    (start, end) stamps and accuracy and each round's count of clients that trained."""
     from flwr.app import ArrayRecord, MetricRecord
     from flwr.serverapp import Grid, ServerApp
     from flwr.serverapp.strategy import FedAvg
-    from flwr.simulation import run_simulation
 
     from split_models.evaluation import evaluate_weights
     from split_models.segment import Segment
     from split_models.weights import segment_state
     from wire.flower import array_record
 
-    config = sim_config(Path("."), clients, rounds)
     built = config.model.build(seed=config.training.seed)
     initial = segment_state(Segment.from_model(built, 0, built.num_blocks))
-    stamps: list[tuple[float, float]] = []
-    accuracy: list[float] = []
 
     def evaluate(_round: int, arrays: ArrayRecord) -> MetricRecord:
         began = time.perf_counter()
         weights = {name: value.numpy() for name, value in arrays.items()}
         found = evaluate_weights(config.model, weights, _data()[1])
-        accuracy.append(found["accuracy"])
-        stamps.append((began, time.perf_counter()))
+        seen["accuracy"].append(found["accuracy"])
+        seen["stamps"].append((began, time.perf_counter()))
         return MetricRecord(found)
 
-    server = ServerApp()
-    replies: list[int] = []
-
     def count(records: list[Any], _key: str) -> MetricRecord:
-        replies.append(len(records))  # the clients that trained (errors are left out)
+        seen["replies"].append(len(records))  # the clients that trained (errors left out)
         return MetricRecord({"replies": len(records)})
+
+    server = ServerApp()
 
     @server.main()
     def main(grid: Grid, _context: Any) -> None:
@@ -157,22 +155,31 @@ def run_flower(clients: int, rounds: int) -> dict[str, float]:
         ).start(
             grid=grid,
             initial_arrays=array_record(initial),
-            num_rounds=rounds,
+            num_rounds=config.training.rounds,
             evaluate_fn=evaluate,
         )
 
+    return server
+
+
+def run_flower(clients: int, rounds: int) -> dict[str, float]:
+    from flwr.simulation import run_simulation
+
+    config = sim_config(Path("."), clients, rounds)
+    seen: dict[str, list[Any]] = {"stamps": [], "accuracy": [], "replies": []}
     run_simulation(
-        server_app=server,
+        server_app=_server_app(config, clients, seen),
         client_app=_client_app(config),
         num_supernodes=clients,
         backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0}},
     )
+    stamps, replies = seen["stamps"], seen["replies"]
     if replies != [clients] * rounds:
         raise SystemExit(f"Flower's clients that trained, per round: {replies}, not {clients}")
     if len(stamps) != rounds + 1:
         raise SystemExit(f"Flower's simulation evaluated {len(stamps)} times, not {rounds + 1}")
     training = sum(stamps[r][0] - stamps[r - 1][1] for r in range(1, len(stamps)))
-    return {"training": training, "accuracy": accuracy[-1]}
+    return {"training": training, "accuracy": seen["accuracy"][-1]}
 
 
 def main() -> None:
