@@ -113,7 +113,11 @@ def test_edge_killed_mid_round_is_left_out_and_rejoins(broker: Broker, tmp_path:
         second = status["rounds"][1]
         failures = {d["device"]: d["failure"] for d in second["devices"] if d["failure"]}
         assert list(failures) == ["pi-03"], second
-        assert failures["pi-03"] in ("offline", "no reply before the deadline"), failures
+        # its will, or its new process online first (the task died with the old one)
+        why = failures["pi-03"]
+        assert why in ("offline", "no reply before the deadline") or why.startswith(
+            "pi-03 restarted"
+        ), failures
         coordinator = deployment.processes["coordinator"]
         assert coordinator.wait(300) == 0, deployment.log("coordinator")
         third = deployment.status()["rounds"][2]
