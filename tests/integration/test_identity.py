@@ -4,6 +4,7 @@ publishes on (its account's, under the shipped ACL), never from what the payload
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 from flwr.app import ConfigRecord, Context, Message, RecordDict
@@ -126,15 +127,23 @@ def test_a_reply_is_stamped_with_the_node_its_topic_names() -> None:
     assert reply.metadata.src_node_id == node_id_for("pi-02")
 
 
-def test_a_node_back_as_a_new_process_fails_the_messages_its_old_one_had() -> None:
-    # an edge killed mid-round and restarted at once is online again within the will's grace;
-    # its new process never saw the task, so the grid answers for the old one at once
+def _awaiting_pi02() -> tuple[TransportGrid, Any, str]:
+    """A grid, pi-02's connection (online as incarnation a...a), and a message sent to it that
+    it has not answered."""
     hub = InProcessHub()
     grid = TransportGrid(hub.connect("coordinator"))
     device, node = hub.connect("pi-02"), node_id_for("pi-02")
     device.publish(topics.presence("pi-02"), f"online {node} {'a' * 16}".encode(), True)
     assert grid.wait_for_nodes(1, timeout=5) == [node]
     (identifier,) = grid.push_messages([grid.create_message(RecordDict(), "query", node, "g")])
+    return grid, device, identifier
+
+
+def test_a_node_back_as_a_new_process_fails_the_messages_its_old_one_had() -> None:
+    # an edge killed mid-round and restarted at once is online again within the will's grace;
+    # its new process never saw the task, so the grid answers for the old one at once
+    grid, device, identifier = _awaiting_pi02()
+    node = node_id_for("pi-02")
     device.publish(topics.presence("pi-02"), f"online {node} {'a' * 16}".encode(), True)
     _settle()  # the same process reconnecting (a broker restart) is no restart
     assert list(grid.pull_messages([identifier])) == []
@@ -148,12 +157,8 @@ def test_a_node_back_as_a_new_process_fails_the_messages_its_old_one_had() -> No
 
 
 def test_a_malformed_incarnation_is_no_restart() -> None:
-    hub = InProcessHub()
-    grid = TransportGrid(hub.connect("coordinator"))
-    device, node = hub.connect("pi-02"), node_id_for("pi-02")
-    device.publish(topics.presence("pi-02"), f"online {node} {'a' * 16}".encode(), True)
-    assert grid.wait_for_nodes(1, timeout=5) == [node]
-    (identifier,) = grid.push_messages([grid.create_message(RecordDict(), "query", node, "g")])
+    grid, device, identifier = _awaiting_pi02()
+    node = node_id_for("pi-02")
     for lie in (b"Z" * 16, b"a" * 5000, b"", "é".encode() * 8):
         device.publish(topics.presence("pi-02"), f"online {node} ".encode() + lie, True)
     _settle()
