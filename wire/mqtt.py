@@ -33,7 +33,14 @@ from paho.mqtt.properties import Properties
 from wire.errors import TransportError, UnreachableError
 from wire.transport import Handler, Transport, Will, _Mailbox, matches, split_shared
 
-__all__ = ["MqttConfig", "MqttTransport", "account_client_id", "redact_url"]
+__all__ = [
+    "MqttConfig",
+    "MqttTransport",
+    "account_client_id",
+    "connect_and_wait",
+    "paho_client",
+    "redact_url",
+]
 
 _UNCLAIMED_BYTES = 256 * 1024 * 1024
 
@@ -123,6 +130,57 @@ class MqttConfig:
         return replace(parsed_config, **overrides)
 
 
+def paho_client(
+    client_id: str, config: MqttConfig, will: Will | None = None, max_queued: int | None = None
+) -> mqtt.Client:
+    """A paho MQTT v5 client for ``config``: credentials, TLS, ``will``, the reconnect
+    back-off and ``max_queued`` outgoing messages (``config.max_queued`` when None); the
+    caller sets its callbacks."""
+    client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv5)
+    if config.username is not None:
+        client.username_pw_set(config.username, config.password)
+    if config.tls:
+        client.tls_set(
+            ca_certs=config.ca_file,
+            certfile=config.cert_file,
+            keyfile=config.key_file,
+            tls_version=ssl.PROTOCOL_TLS_CLIENT,
+        )
+    if will is not None:
+        client.will_set(will.topic, will.payload, qos=1, retain=will.retain)
+    client.reconnect_delay_set(config.reconnect_min, config.reconnect_max)
+    client.max_queued_messages_set(config.max_queued if max_queued is None else max_queued)
+    return client
+
+
+def connect_and_wait(
+    client: mqtt.Client, config: MqttConfig, connected: threading.Event, clean_start: Any
+) -> None:
+    """Connect ``client`` in the background and wait until its ``on_connect`` sets
+    ``connected``; :class:`UnreachableError` naming the broker when it cannot."""
+    properties = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
+    properties.SessionExpiryInterval = config.session_expiry
+    where = f"{config.host}:{config.port}"
+    try:
+        client.connect_async(
+            config.host,
+            config.port,
+            config.keepalive,
+            clean_start=clean_start,
+            properties=properties,
+        )
+    except (OSError, ValueError) as error:
+        raise UnreachableError(f"cannot reach the MQTT broker at {where}: {error}") from error
+    client.loop_start()
+    if not connected.wait(config.connect_timeout):
+        client.loop_stop()
+        raise UnreachableError(
+            f"no connection to the MQTT broker at {where} within "
+            f"{config.connect_timeout:.0f} s; is it running? "
+            "(`edgesplit broker` starts one for development)"
+        )
+
+
 class MqttTransport(Transport):
     """A connected MQTT v5 client."""
 
@@ -157,23 +215,7 @@ class MqttTransport(Transport):
         self._connect()
 
     def _build(self, will: Will | None) -> mqtt.Client:
-        client = mqtt.Client(
-            CallbackAPIVersion.VERSION2, client_id=self.client_id, protocol=mqtt.MQTTv5
-        )
-        config = self.config
-        if config.username is not None:
-            client.username_pw_set(config.username, config.password)
-        if config.tls:
-            client.tls_set(
-                ca_certs=config.ca_file,
-                certfile=config.cert_file,
-                keyfile=config.key_file,
-                tls_version=ssl.PROTOCOL_TLS_CLIENT,
-            )
-        if will is not None:
-            client.will_set(will.topic, will.payload, qos=1, retain=will.retain)
-        client.reconnect_delay_set(config.reconnect_min, config.reconnect_max)
-        client.max_queued_messages_set(config.max_queued)
+        client = paho_client(self.client_id, self.config, will)
         client.on_connect = self._on_connect
         client.on_disconnect = self._on_disconnect
         client.on_message = self._on_message
@@ -181,30 +223,9 @@ class MqttTransport(Transport):
         return client
 
     def _connect(self) -> None:
-        properties = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
-        properties.SessionExpiryInterval = self.config.session_expiry
-        try:
-            self._client.connect_async(
-                self.config.host,
-                self.config.port,
-                self.config.keepalive,
-                clean_start=mqtt.MQTT_CLEAN_START_FIRST_ONLY
-                if self.config.fresh_session
-                else self.config.clean_start,
-                properties=properties,
-            )
-        except (OSError, ValueError) as error:
-            raise UnreachableError(
-                f"cannot reach the MQTT broker at {self.config.host}:{self.config.port}: {error}"
-            ) from error
-        self._client.loop_start()
-        if not self._connected.wait(self.config.connect_timeout):
-            self._client.loop_stop()
-            raise UnreachableError(
-                f"no connection to the MQTT broker at {self.config.host}:{self.config.port} "
-                f"within {self.config.connect_timeout:.0f} s; is it running? "
-                "(`edgesplit broker` starts one for development)"
-            )
+        fresh = mqtt.MQTT_CLEAN_START_FIRST_ONLY if self.config.fresh_session else None
+        clean = self.config.clean_start if fresh is None else fresh
+        connect_and_wait(self._client, self.config, self._connected, clean)
 
     # ---------------------------------------------------------------- paho callbacks
     def _on_connect(

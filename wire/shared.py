@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import ssl
 import threading
 import time
 import uuid
@@ -40,13 +39,12 @@ from collections.abc import Callable
 from typing import Any
 
 import paho.mqtt.client as mqtt
-from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
-from wire.errors import TransportError, UnreachableError
-from wire.mqtt import MqttConfig, account_client_id
+from wire.errors import TransportError
+from wire.mqtt import MqttConfig, account_client_id, connect_and_wait, paho_client
 from wire.transport import Handler, Transport, Will, matches, split_shared
 
 __all__ = ["SharedMqtt", "SharedView"]
@@ -155,21 +153,7 @@ class _Connection:
         self._connect()
 
     def _build(self) -> mqtt.Client:
-        client = mqtt.Client(
-            CallbackAPIVersion.VERSION2, client_id=self.client_id, protocol=mqtt.MQTTv5
-        )
-        config = self.config
-        if config.username is not None:
-            client.username_pw_set(config.username, config.password)
-        if config.tls:
-            client.tls_set(
-                ca_certs=config.ca_file,
-                certfile=config.cert_file,
-                keyfile=config.key_file,
-                tls_version=ssl.PROTOCOL_TLS_CLIENT,
-            )
-        client.reconnect_delay_set(config.reconnect_min, config.reconnect_max)
-        client.max_queued_messages_set(self.max_queued)
+        client = paho_client(self.client_id, self.config, max_queued=self.max_queued)
         client.max_inflight_messages_set(_INFLIGHT)
         client.on_connect = self._on_connect
         client.on_disconnect = self._on_disconnect
@@ -178,26 +162,7 @@ class _Connection:
         return client
 
     def _connect(self) -> None:
-        properties = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
-        properties.SessionExpiryInterval = self.config.session_expiry
-        where = f"{self.config.host}:{self.config.port}"
-        try:
-            self._client.connect_async(
-                self.config.host,
-                self.config.port,
-                self.config.keepalive,
-                clean_start=self.config.clean_start,
-                properties=properties,
-            )
-        except (OSError, ValueError) as error:
-            raise UnreachableError(f"cannot reach the MQTT broker at {where}: {error}") from error
-        self._client.loop_start()
-        if not self._connected.wait(self.config.connect_timeout):
-            self._client.loop_stop()
-            raise UnreachableError(
-                f"no connection to the MQTT broker at {where} within "
-                f"{self.config.connect_timeout:.0f} s; is it running?"
-            )
+        connect_and_wait(self._client, self.config, self._connected, self.config.clean_start)
 
     # ---------------------------------------------------------------- paho callbacks
     def _on_connect(
