@@ -314,7 +314,8 @@ class Coordinator:
         """One attempt's messages: the strategy's sample of the edges, the online servers."""
         by_node = {a.node: a for a in placement.edges}
         sampled = self.runner.sample(number, list(by_node), weights)
-        selected = [by_node[node] for node in sampled]
+        # sent in name order: a simulation hands out its training slots in that order
+        selected = sorted((by_node[node] for node in sampled), key=lambda a: a.device)
         online = set(self.grid.get_node_ids())
         servers = [b for b in placement.servers if b.node in online]
         work = RoundWork([*(a.device for a in selected), *(b.device for b in servers)])

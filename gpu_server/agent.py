@@ -111,6 +111,7 @@ class GpuAgent:
                 encoding=training.compression,
                 ordered=training.deterministic,
                 max_activation=training.max_activation,
+                fill=training.batch_size if training.mode != "backprop" else 0,
             )
             self._backs[task.run] = (key, trainer)
         return self._backs[task.run][1]

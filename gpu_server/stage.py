@@ -9,6 +9,8 @@ the gradient of its input for the sender.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -18,7 +20,7 @@ from split_models.zoo import SplittableModel
 from wire.codec import Envelope, TensorSpec
 from wire.errors import WireError
 
-__all__ = ["MAX_ACTIVATION", "BackStage"]
+__all__ = ["MAX_ACTIVATION", "BackStage", "Fill", "Part"]
 
 # The largest magnitude an activation from the wire may hold. Finite values near float32's
 # limit (3e38) pass the codec's checks but overflow the back's first layer to infinity.
@@ -104,19 +106,79 @@ class BackStage:
             )
         return cut, crossing, y
 
+    def prepare(self, envelope: Envelope) -> Part:
+        """Validate a batch and move it to the device (:class:`WireError` when it does not
+        fit)."""
+        cut, crossing, y = self.validate(envelope)
+        tensors = [torch.from_numpy(t).to(self.device) for t in crossing]
+        return Part(envelope, cut, tensors, torch.from_numpy(y).to(self.device))
+
+    def step(
+        self, cut: int, tensors: list[torch.Tensor], labels: torch.Tensor, backprop: bool
+    ) -> StepResult:
+        """One step on a batch entering at ``cut``; a loss that is not finite raises
+        :class:`WireError` without a step."""
+        inputs: Activation = tensors[0] if len(tensors) == 1 else tuple(tensors)
+        try:
+            return self.segment.train_from(cut, inputs, labels, backprop, finite_only=True)
+        except NonFiniteLoss as error:
+            raise WireError("non_finite", f"batch not trained: {error}") from error
+
     def train(self, envelope: Envelope) -> tuple[StepResult, torch.Tensor]:
         """Validate and train one batch; the step's result and the labels (on the device).
         A ``backprop`` batch on the last piece gets its input gradient in the result."""
-        cut, crossing, y = self.validate(envelope)
-        tensors = [torch.from_numpy(t).to(self.device) for t in crossing]
-        inputs: Activation = tensors[0] if len(tensors) == 1 else tuple(tensors)
-        labels = torch.from_numpy(y).to(self.device)
+        part = self.prepare(envelope)
         backprop = envelope.meta.get("backprop") is True and self.segment.is_last
-        try:
-            step = self.segment.train_from(cut, inputs, labels, backprop, finite_only=True)
-        except NonFiniteLoss as error:
-            raise WireError("non_finite", f"batch not trained: {error}") from error
-        return step, labels
+        return self.step(part.cut, part.tensors, part.labels, backprop), part.labels
+
+    def train_parts(self, parts: list[Part]) -> StepResult:
+        """One step on several validated batches of the same cut, as one batch."""
+        tensors = [torch.cat(list(t)) for t in zip(*(p.tensors for p in parts), strict=True)]
+        return self.step(parts[0].cut, tensors, torch.cat([p.labels for p in parts]), False)
+
+
+@dataclass
+class Part:
+    """A validated batch on the device: the tensors crossing its cut and its labels."""
+
+    envelope: Envelope
+    cut: int
+    tensors: list[torch.Tensor]
+    labels: torch.Tensor
+
+    @property
+    def rows(self) -> int:
+        return len(self.labels)
+
+
+class Fill:
+    """Fills the server's steps up to ``rows`` examples from several senders' smaller
+    batches of the same cut (local-loss: no gradient goes back, so a step may serve several
+    edges). Hundreds of clients holding a few examples each would otherwise cost the server
+    a step per client; a full batch still trains alone and at once."""
+
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+        self.parts: dict[int, list[Part]] = {}  # by cut
+
+    def add(self, part: Part) -> list[list[Part]]:
+        """The groups to train now that ``part`` came (in order; often none)."""
+        held = self.parts.setdefault(part.cut, [])
+        ready = []
+        if held and sum(p.rows for p in held) + part.rows > self.rows:
+            ready.append(held[:])
+            held.clear()
+        held.append(part)
+        if sum(p.rows for p in held) >= self.rows:
+            ready.append(held[:])
+            held.clear()
+        return ready
+
+    def take(self) -> list[list[Part]]:
+        """What is held, by cut, to train now (the round's end); empties the fill."""
+        groups = [g for _, g in sorted(self.parts.items()) if g]
+        self.parts = {}
+        return groups
 
 
 def _specs(model: SplittableModel, start: int, end: int) -> dict[int, list[TensorSpec]]:

@@ -12,14 +12,16 @@ input gradient to its sender.
 from __future__ import annotations
 
 import collections
+import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
 from gpu_server.chain import ChainLink
-from gpu_server.stage import MAX_ACTIVATION, BackStage
+from gpu_server.stage import MAX_ACTIVATION, BackStage, Fill, Part
 from split_models.activations import activation_arrays
 from split_models.segment import OptimizerConfig, StepResult
 from split_models.weights import load_segment_state, segment_state
@@ -27,10 +29,14 @@ from split_models.zoo import SplittableModel
 from wire import topics
 from wire.channel import Channel
 from wire.codec import Envelope
+from wire.errors import WireError
 from wire.flow import CreditGranter
+from wire.logs import warn
 from wire.stream import StreamServer
 
 __all__ = ["BackStats", "BackTrainer"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -64,11 +70,14 @@ class BackTrainer:
         encoding: str = "fp32",
         ordered: bool = False,
         max_activation: float = MAX_ACTIVATION,
+        fill: int = 0,
     ) -> None:
         """``end`` below the model's last block makes this a piece of a chain: it trains with
         a ``local_loss`` head and passes its output on to the stream ``forward`` (at
         ``encoding``). ``ordered``: the stream hands batches on sender by sender, in name
-        order (``deterministic: true``)."""
+        order (``deterministic: true``). ``fill``: local-loss batches smaller than this many
+        examples are trained together, several senders' in one step (see
+        :class:`~gpu_server.stage.Fill`); 0 trains every batch alone."""
         end = model.num_blocks if end is None else end
         if (end < model.num_blocks) != (forward is not None):
             raise ValueError(
@@ -81,7 +90,8 @@ class BackTrainer:
         self.segment = self.stage.segment
         self.chain = None if forward is None else ChainLink(channel, run, forward, end, encoding)
         self.stream = StreamServer(channel, run, segment, self._train, window, group, ordered)
-        self.stream.on_complete = None if self.chain is None else self.chain.done
+        self.stream.on_complete = self._complete
+        self.fill = Fill(fill) if fill > 0 else None
         self.stats = BackStats(rejected=self.stream.stats.rejected)
         self._round_examples, self._round_losses = 0, list[float]()
         self._round_senders: collections.Counter[str] = collections.Counter()
@@ -123,6 +133,8 @@ class BackTrainer:
             self._round_examples, self._round_losses = 0, []
             self._round_senders = collections.Counter()
             self._round_batches = collections.defaultdict(collections.Counter)
+            if self.fill is not None:  # an earlier try's batches are not this round's
+                self.fill.take()
             if self.chain is not None:  # a retried round counts its batches afresh
                 self.chain.begin(round_number, attempt)
 
@@ -142,6 +154,7 @@ class BackTrainer:
         loss (a device that went offline: all of its batches that arrived before)."""
         self.stream.wait_round(timeout, cancelled, wanted=devices, offline=offline, quiet=quiet)
         with self.stream.exclusive():
+            self._flush()
             losses = list(self._round_losses)
             return self._round_examples, float(np.mean(losses)) if losses else float("nan")
 
@@ -174,18 +187,60 @@ class BackTrainer:
     def state(self) -> dict[str, np.ndarray]:
         """The back segment's tensors under their global names."""
         with self.stream.exclusive():  # not in the middle of a step
+            self._flush()
             return segment_state(self.segment)
 
     def _train(self, envelope: Envelope) -> None:
         """One batch of the current round (the stream calls this, one batch at a time)."""
+        if self.fill is not None and envelope.meta.get("backprop") is not True:
+            for parts in self.fill.add(self.stage.prepare(envelope)):
+                self._train_parts(parts)
+            return
         result, labels = self.stage.train(envelope)
         if result.input_gradient is not None:
             self._return_gradient(envelope, result)
-        self._count(envelope.sender, len(labels), result.loss)
-        self._round_batches[envelope.sender][envelope.meta.get("batch")] += 1
+        self._trained([(envelope, len(labels))], result, labels)
+
+    def _train_parts(self, parts: list[Part]) -> None:
+        """One step on batches the fill held; when its loss is not finite, each batch alone
+        (so one sender's bad batch costs the others nothing)."""
+        try:
+            result = self.stage.train_parts(parts)
+        except WireError as error:
+            if len(parts) > 1:
+                for part in parts:
+                    self._train_parts([part])
+                return
+            sender = parts[0].envelope.sender
+            self.stats.rejected[error.reason] += 1
+            warn(log, (sender, error.reason), "rejected activations from %s: %s", sender, error)
+            return
+        labels = torch.cat([p.labels for p in parts]) if len(parts) > 1 else parts[0].labels
+        self._trained([(p.envelope, p.rows) for p in parts], result, labels)
+
+    def _trained(
+        self, batches: list[tuple[Envelope, int]], result: StepResult, labels: torch.Tensor
+    ) -> None:
+        """Count ``batches`` (each with its examples) trained by one step; a chain passes the
+        step's output on."""
+        for envelope, examples in batches:
+            self._count(envelope.sender, examples, result.loss)
+            self._round_batches[envelope.sender][envelope.meta.get("batch")] += 1
         if self.chain is not None:
             output = activation_arrays(result.output)
-            self.chain.pass_on(output, labels.cpu().numpy(), envelope.round)
+            self.chain.pass_on(output, labels.cpu().numpy(), batches[0][0].round)
+
+    def _flush(self) -> None:
+        """Train what the fill holds (the round's last batches)."""
+        for parts in self.fill.take() if self.fill is not None else ():
+            self._train_parts(parts)
+
+    def _complete(self, number: int) -> None:
+        """Every sender finished: train what is held, then tell the next piece."""
+        with self.stream.exclusive():
+            self._flush()
+        if self.chain is not None:
+            self.chain.done(number)
 
     def _count(self, sender: str, examples: int, loss: float) -> None:
         self.stats.batches += 1

@@ -30,7 +30,7 @@ from edge_client.source import SegmentLease, SegmentSource
 from simulation.stack import SegmentStack, StepGroup, stackable
 from split_models.segment import Segment, StepResult
 
-__all__ = ["SegmentPool", "StackMember"]
+__all__ = ["SegmentPool", "StackMember", "Turns"]
 
 log = logging.getLogger(__name__)
 
@@ -53,19 +53,16 @@ class SegmentPool(SegmentSource, Generic[T]):
         self._slots = threading.BoundedSemaphore(workers)
         self._lock = threading.Lock()
         self._free: dict[str, list[T]] = {}
-        self._turn = threading.Condition()
-        self._queue: list[str] = []  # clients of the round still to take a slot, in turn
-        self._asking: set[str] = set()  # clients waiting for their turn or a slot
-        self.turn_wait = 10.0
+        self.turns = Turns(10.0)
         self.built = 0  # how many objects were built: at most ``workers`` per key
 
     @contextmanager
     def borrow(self, key: str, build: Callable[[], T], holder: str = "") -> Iterator[T]:
         """A training slot (in ``holder``'s turn, see :meth:`expect`) and an object for
         ``key`` (built on first need), returned after."""
-        self._wait_turn(holder)
+        self.turns.wait(holder)
         with self._slots:
-            self._took_turn(holder)
+            self.turns.took(holder)
             with self._lock:
                 free = self._free.setdefault(key, [])
                 item = free.pop() if free else None
@@ -107,41 +104,9 @@ class SegmentPool(SegmentSource, Generic[T]):
 
     def expect(self, holders: Iterable[str]) -> None:
         """The clients of the coming round: they get training slots in the order of their
-        names (a client not among them, or one whose predecessor has not asked within
-        ``turn_wait`` seconds, takes the next free slot), so with one worker the clients
-        train, and stream to the GPU server, in the same order in every run."""
-        with self._turn:
-            self._queue = sorted(holders)
-            self._turn.notify_all()
-
-    def _wait_turn(self, holder: str) -> None:
-        """Until ``holder`` is first of the round's clients still to take a slot. A client
-        ahead that is waiting for a slot (or training) is waited for; one that has not asked
-        within ``turn_wait`` seconds is passed."""
-        with self._turn:
-            self._asking.add(holder)
-            deadline = time.monotonic() + self.turn_wait
-            while holder in self._queue and self._queue[0] != holder:
-                if self._queue[0] in self._asking:
-                    deadline = time.monotonic() + self.turn_wait
-                    self._turn.wait(self.turn_wait)
-                    continue
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    log.warning(
-                        "%s took a training slot out of turn (%s did not ask for one)",
-                        holder,
-                        self._queue[0],
-                    )
-                    break
-                self._turn.wait(left)
-
-    def _took_turn(self, holder: str) -> None:
-        with self._turn:
-            self._asking.discard(holder)
-            if holder in self._queue:
-                self._queue.remove(holder)
-                self._turn.notify_all()
+        names (see :class:`Turns`), so with one worker the clients train, and stream to the
+        GPU server, in the same order in every run."""
+        self.turns.expect(holders)
 
     def can_stack(self, key: str, build: Callable[[], Segment]) -> bool:
         """Whether clients of ``key`` train stacked (the first call builds the stack)."""
@@ -177,6 +142,77 @@ class SegmentPool(SegmentSource, Generic[T]):
             "calls": sum(g.calls for g in groups),
             "client_steps": sum(g.client_steps for g in groups),
         }
+
+
+class Turns:
+    """The round's clients take their turns in name order. A client ahead that waits for a
+    slot (or asks later but within ``patience`` seconds of its turn coming) is waited for; one
+    that has not asked ``patience`` seconds after its turn came is passed over, once, and the rest
+    keep their order. Only the client whose turn comes is woken, so a round of thousands of
+    clients costs one wake-up per turn, not one per waiting client."""
+
+    def __init__(self, patience: float) -> None:
+        self.patience = patience
+        self._lock = threading.Lock()
+        self._order: list[str] = []  # the round's clients by name
+        self._head = 0  # index in _order of the first client still to take its turn
+        self._since = time.monotonic()  # when that client's turn came
+        self._left: set[str] = set()  # clients still to take their turn
+        self._asking: set[str] = set()  # clients waiting for their turn or for a slot
+        self._waiting: dict[str, threading.Condition] = {}
+
+    def expect(self, holders: Iterable[str]) -> None:
+        with self._lock:
+            self._order = sorted(set(holders))
+            self._left, self._head = set(self._order), 0
+            self._since = time.monotonic()
+            for condition in self._waiting.values():
+                condition.notify()
+
+    def _first(self) -> str | None:
+        """The client whose turn it is (``_since`` restarts when it changes)."""
+        head = self._head
+        while head < len(self._order) and self._order[head] not in self._left:
+            head += 1
+        if head != self._head:
+            self._head, self._since = head, time.monotonic()
+        return self._order[head] if head < len(self._order) else None
+
+    def _wake_first(self) -> None:
+        first = self._first()
+        if first is not None and (condition := self._waiting.get(first)) is not None:
+            condition.notify()
+
+    def wait(self, holder: str) -> None:
+        """Until it is ``holder``'s turn (at once for a client not of the round)."""
+        with self._lock:
+            self._asking.add(holder)
+            condition = self._waiting[holder] = threading.Condition(self._lock)
+            try:
+                while holder in self._left and (first := self._first()) != holder:
+                    assert first is not None  # holder itself is left
+                    late = time.monotonic() - self._since
+                    if first not in self._asking and late >= self.patience:
+                        log.warning(
+                            "%s did not ask for a training slot within %.0f s of its turn; "
+                            "the clients after it go on",
+                            first,
+                            self.patience,
+                        )
+                        self._left.discard(first)
+                        self._wake_first()
+                        continue
+                    condition.wait(self.patience if first in self._asking else self.patience - late)
+            finally:
+                del self._waiting[holder]
+
+    def took(self, holder: str) -> None:
+        """``holder`` has its slot: the next client's turn comes."""
+        with self._lock:
+            self._asking.discard(holder)
+            if holder in self._left:
+                self._left.discard(holder)
+                self._wake_first()
 
 
 class StackMember(SegmentLease):

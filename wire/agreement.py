@@ -80,10 +80,11 @@ class RoundLedger:
         """The senders that said what they sent but whose batches do not add up yet (not
         finished, not left), with how many are still to come: a gap in the stream when no
         more arrive (a broker that lost messages)."""
+        done = self.finished | self.gone
         return {
             sender: batches - sum(counts[sender] for counts in self.counts.values())
             for sender, batches in sorted(self.declared.items())
-            if sender not in self.finished | self.gone
+            if sender not in done
         }
 
     @property

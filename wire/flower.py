@@ -10,6 +10,8 @@ inbound payload is size-bounded, hash-checked and parsed defensively.
 from __future__ import annotations
 
 import collections
+import functools
+import io
 import logging
 import threading
 import time
@@ -38,6 +40,7 @@ __all__ = [
     "TRAINED_RECORD",
     "FlowerNode",
     "TransportGrid",
+    "array_numpy",
     "array_record",
     "attempt_of",
     "node_will",
@@ -66,7 +69,37 @@ def numpy_arrays(message: Message, key: str | None = "arrays") -> dict[str, np.n
         (record,) = records.values()
     else:
         record = records[key]
-    return {name: value.numpy() for name, value in record.items()}
+    return {name: array_numpy(value) for name, value in record.items()}
+
+
+@functools.lru_cache(maxsize=1024)
+def _npy_header(dtype: np.dtype[Any], shape: tuple[int, ...]) -> bytes:
+    """The header ``np.save`` writes for a C-ordered array of ``dtype`` and ``shape``."""
+    buffer = io.BytesIO()
+    header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": shape}
+    np.lib.format.write_array_header_1_0(buffer, header)
+    return buffer.getvalue()
+
+
+def array_numpy(array: Array) -> np.ndarray:
+    """``array.numpy()`` without parsing the ``.npy`` header when it is byte for byte the
+    one ``np.save`` writes for the array's declared dtype and shape, followed by exactly
+    that many bytes (what every edgesplit sender produces); anything else goes through
+    Flower's own parser. Parsing costs about 0.5 ms an array, which a coordinator of
+    1,000 clients pays per tensor and reply."""
+    try:
+        dtype = np.dtype(array.dtype)
+        shape = tuple(int(n) for n in array.shape)
+    except (TypeError, ValueError):
+        return array.numpy()
+    if dtype.kind not in "biufc" or dtype.hasobject or min(shape, default=0) < 0:
+        return array.numpy()
+    header = _npy_header(dtype, shape)
+    data = array.data
+    count = int(np.prod(shape, dtype=np.int64))
+    if len(data) != len(header) + count * dtype.itemsize or not data.startswith(header):
+        return array.numpy()
+    return np.frombuffer(data, dtype, count, len(header)).reshape(shape).copy()
 
 
 def round_of(message: Message) -> int:

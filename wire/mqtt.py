@@ -31,7 +31,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from wire.errors import TransportError, UnreachableError
-from wire.transport import Handler, Transport, Will, _Mailbox, matches, split_shared
+from wire.transport import Handler, Mailbox, Transport, Will, matches, split_shared
 
 __all__ = [
     "MqttConfig",
@@ -200,7 +200,7 @@ class MqttTransport(Transport):
         self._outstanding: set[int] = set()
         self._acked: set[int] = set()
         self._acks = threading.Condition()
-        self.mailbox = _Mailbox(self.client_id)
+        self.mailbox = Mailbox(self.client_id)
         self._closed = False
         self.refused: collections.Counter[str] = collections.Counter()  # PUBACK >= 0x80
         # Messages of a resumed session can arrive before their handler is registered again:

@@ -30,7 +30,6 @@ views' subscriptions.
 
 from __future__ import annotations
 
-import collections
 import logging
 import threading
 import time
@@ -45,72 +44,13 @@ from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from wire.errors import TransportError
 from wire.mqtt import MqttConfig, account_client_id, connect_and_wait, paho_client
-from wire.transport import Handler, Transport, Will, matches, split_shared
+from wire.transport import Handler, Mailbox, Transport, Will, matches, split_shared
 
 __all__ = ["SharedMqtt", "SharedView"]
 
 log = logging.getLogger(__name__)
 
-_LINGER = 0.5  # seconds a view's delivery thread waits for more before it ends
 _INFLIGHT = 64  # unacknowledged QoS 1 messages on the wire per connection
-
-
-def _deliver(handler: Handler, topic: str, payload: bytes) -> None:
-    try:
-        handler(topic, payload)
-    except TransportError as error:  # e.g. its reply's transport closed (shutdown)
-        log.warning("handler for %s stopped: %s", topic, error)
-    except Exception:  # a failing handler must not stop delivery to the others
-        log.exception("handler for %s failed", topic)
-
-
-class _LazyMailbox:
-    """A view's ordered deliveries; its thread runs only while there is something to deliver."""
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-        self._items: collections.deque[tuple[Handler, str, bytes]] = collections.deque()
-        self._condition = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self._stopped = False
-
-    @property
-    def running(self) -> bool:
-        return self._thread is not None
-
-    def put(self, handler: Handler, topic: str, payload: bytes) -> None:
-        with self._condition:
-            if self._stopped:
-                return
-            self._items.append((handler, topic, payload))
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name=f"deliver-{self._name}", daemon=True
-                )
-                self._thread.start()
-            else:
-                self._condition.notify()
-
-    def _run(self) -> None:
-        while True:
-            with self._condition:
-                if not self._items and not self._stopped:
-                    self._condition.wait(_LINGER)
-                if not self._items:
-                    self._thread = None
-                    return
-                handler, topic, payload = self._items.popleft()
-            _deliver(handler, topic, payload)
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """Deliver what is queued, then end; wait up to ``timeout`` s for the handler under
-        way. Messages put after this are dropped."""
-        with self._condition:
-            self._stopped = True
-            thread = self._thread
-            self._condition.notify_all()
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout)
 
 
 class _Subscription:
@@ -332,7 +272,7 @@ class SharedView(Transport):
     def __init__(self, connection: _Connection, name: str, will: Will | None = None) -> None:
         self.client_id, self.will = name, will
         self.max_payload = connection.config.max_payload
-        self.mailbox = _LazyMailbox(name)
+        self.mailbox = Mailbox(name)
         self.hooks: list[Callable[[], None]] = []
         self._connection = connection
         self._filters: set[str] = set()

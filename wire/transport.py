@@ -9,9 +9,9 @@ delivery thread of the subscriber, so a slow handler never blocks the publisher.
 from __future__ import annotations
 
 import abc
+import collections
 import itertools
 import logging
-import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +22,7 @@ __all__ = [
     "Handler",
     "InProcessHub",
     "InProcessTransport",
+    "Mailbox",
     "Transport",
     "Will",
     "matches",
@@ -29,6 +30,8 @@ __all__ = [
 ]
 
 Handler = Callable[[str, bytes], None]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -102,85 +105,185 @@ class Transport(abc.ABC):
             )
 
 
-class _Mailbox:
-    """A subscriber's ordered delivery queue and its thread."""
+_LINGER = 0.5  # seconds a delivery thread waits for more before it ends
+
+
+def _deliver(handler: Handler, topic: str, payload: bytes) -> None:
+    try:
+        handler(topic, payload)
+    except TransportError as error:  # e.g. its reply's transport closed (shutdown)
+        log.warning("handler for %s stopped: %s", topic, error)
+    except Exception:  # a failing handler must not stop delivery to the others
+        log.exception("handler for %s failed", topic)
+
+
+class Mailbox:
+    """A subscriber's ordered deliveries. Its thread runs only while there is something to
+    deliver (it ends after a short idle spell), so a process hosting thousands of idle
+    clients holds no thread for them, and a handler that blocks stalls its own client only."""
 
     def __init__(self, name: str) -> None:
-        self._queue: queue.Queue[tuple[Handler, str, bytes] | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name=f"deliver-{name}", daemon=True)
-        self._thread.start()
+        self._name = name
+        self._items: collections.deque[tuple[Handler, str, bytes]] = collections.deque()
+        self._condition = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopped = False
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None
 
     def put(self, handler: Handler, topic: str, payload: bytes) -> None:
-        self._queue.put((handler, topic, payload))
+        with self._condition:
+            if self._stopped:
+                return
+            self._items.append((handler, topic, payload))
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name=f"deliver-{self._name}", daemon=True
+                )
+                self._thread.start()
+            else:
+                self._condition.notify()
 
     def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            handler, topic, payload = item
-            try:
-                handler(topic, payload)
-            except TransportError as error:  # e.g. its reply's transport closed (shutdown)
-                logging.getLogger(__name__).warning("handler for %s stopped: %s", topic, error)
-            except Exception:  # a failing handler must not stop delivery to the others
-                logging.getLogger(__name__).exception("handler for %s failed", topic)
+        while True:
+            with self._condition:
+                if not self._items and not self._stopped:
+                    self._condition.wait(_LINGER)
+                if not self._items:
+                    self._thread = None
+                    return
+                handler, topic, payload = self._items.popleft()
+            _deliver(handler, topic, payload)
 
     def stop(self, timeout: float = 10.0) -> None:
         """Deliver what is queued, then end; wait up to ``timeout`` s for the handler under
-        way (closing a transport while a handler still publishes on another one fails it)."""
-        self._queue.put(None)
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
+        way (closing a transport while a handler still publishes on another one fails it).
+        Messages put after this are dropped."""
+        with self._condition:
+            self._stopped = True
+            thread = self._thread
+            self._condition.notify_all()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+
+@dataclass(eq=False)
+class _Subscription:
+    order: int  # subscriptions are served in the order they were made
+    client: InProcessTransport
+    group: str | None
+    plain: str
+    handler: Handler
+
+
+class _Level:
+    """A node of the subscription tree: one topic level."""
+
+    __slots__ = ("children", "here", "retained")
+
+    def __init__(self) -> None:
+        self.children: dict[str, _Level] = {}
+        self.here: list[_Subscription] = []  # subscriptions whose filter ends at this level
+        self.retained: bytes | None = None  # the message retained on the topic ending here
+
+
+def _candidates(level: _Level, levels: list[str], index: int, out: list[_Subscription]) -> None:
+    """Every subscription under ``level`` whose filter may match ``levels[index:]`` (a
+    superset: :func:`matches` decides)."""
+    if (rest := level.children.get("#")) is not None:
+        out.extend(rest.here)
+    if index == len(levels):
+        out.extend(level.here)
+        return
+    for key in (levels[index], "+"):
+        if (child := level.children.get(key)) is not None:
+            _candidates(child, levels, index + 1, out)
+
+
+def _stored(level: _Level, parts: list[str], path: list[str], out: list[tuple[str, bytes]]) -> None:
+    """The retained messages under ``level`` (reached by ``path``) whose topics may match
+    the filter levels ``parts`` (a superset: :func:`matches` decides)."""
+    if not parts:
+        if level.retained is not None:
+            out.append(("/".join(path), level.retained))
+        return
+    part, rest = parts[0], parts[1:]
+    if part == "#":
+        _stored(level, [], path, out)
+        for key, below in level.children.items():
+            _stored(below, parts, [*path, key], out)
+        return
+    keys = list(level.children) if part == "+" else [part]
+    for key in keys:
+        if (child := level.children.get(key)) is not None:
+            _stored(child, rest, [*path, key], out)
 
 
 class InProcessHub:
-    """The in-process broker: topics, retained messages, shared groups, last wills."""
+    """The in-process broker: topics, retained messages, shared groups, last wills.
+    Subscriptions sit in a tree of topic levels, so routing a publication costs the depth of
+    its topic, not the number of subscriptions (thousands in a large simulation)."""
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
-        self._subscriptions: list[tuple[InProcessTransport, str | None, str, Handler]] = []
-        self._retained: dict[str, bytes] = {}
+        self._root = _Level()
+        self._order = itertools.count()
+        self._retained = _Level()  # retained messages, by topic level
         self._turns: dict[str, itertools.count[int]] = {}
 
     def connect(self, client_id: str, will: Will | None = None) -> InProcessTransport:
         return InProcessTransport(self, client_id, will)
 
+    def _level(self, plain: str, root: _Level | None = None) -> _Level:
+        level = self._root if root is None else root
+        for part in plain.split("/"):
+            level = level.children.setdefault(part, _Level())
+        return level
+
     def _subscribe(self, client: InProcessTransport, topic_filter: str, handler: Handler) -> None:
         group, plain = split_shared(topic_filter)
         with self._lock:
-            self._subscriptions.append((client, group, plain, handler))
-            retained = (
-                [] if group else [(t, p) for t, p in self._retained.items() if matches(plain, t)]
-            )
+            subscription = _Subscription(next(self._order), client, group, plain, handler)
+            self._level(plain).here.append(subscription)
+            client.subscriptions.append(subscription)
+            retained: list[tuple[str, bytes]] = []
+            if group is None:
+                _stored(self._retained, plain.split("/"), [], retained)
+            retained = [(t, p) for t, p in retained if matches(plain, t)]
         for topic, payload in retained:
             client.mailbox.put(handler, topic, payload)
 
+    def _remove(self, client: InProcessTransport, keep: Callable[[_Subscription], bool]) -> None:
+        with self._lock:
+            gone = [s for s in client.subscriptions if not keep(s)]
+            client.subscriptions = [s for s in client.subscriptions if keep(s)]
+            for subscription in gone:
+                self._level(subscription.plain).here.remove(subscription)
+
     def _unsubscribe(self, client: InProcessTransport, topic_filter: str) -> None:
         group, plain = split_shared(topic_filter)
-        with self._lock:
-            self._subscriptions = [
-                s
-                for s in self._subscriptions
-                if not (s[0] is client and s[1] == group and s[2] == plain)
-            ]
+        self._remove(client, lambda s: not (s.group == group and s.plain == plain))
 
     def _drop(self, client: InProcessTransport) -> None:
-        with self._lock:
-            self._subscriptions = [s for s in self._subscriptions if s[0] is not client]
+        self._remove(client, lambda _s: False)
 
     def publish(self, topic: str, payload: bytes, retain: bool) -> None:
         with self._lock:
             if retain:
-                if payload:
-                    self._retained[topic] = payload
-                else:
-                    self._retained.pop(topic, None)
+                self._level(topic, self._retained).retained = payload or None
+            found: list[_Subscription] = []
+            _candidates(self._root, topic.split("/"), 0, found)
+            found.sort(key=lambda s: s.order)
             targets: list[tuple[InProcessTransport, Handler]] = []
             groups: dict[tuple[str, str], list[tuple[InProcessTransport, Handler]]] = {}
-            for client, group, plain, handler in self._subscriptions:
-                if matches(plain, topic):
-                    if group is None:
-                        targets.append((client, handler))
+            for s in found:
+                if matches(s.plain, topic):
+                    if s.group is None:
+                        targets.append((s.client, s.handler))
                     else:
-                        groups.setdefault((group, plain), []).append((client, handler))
+                        groups.setdefault((s.group, s.plain), []).append((s.client, s.handler))
             for key, members in groups.items():
                 turn = next(self._turns.setdefault(f"{key[0]}/{key[1]}", itertools.count()))
                 targets.append(members[turn % len(members)])
@@ -193,7 +296,8 @@ class InProcessTransport(Transport):
 
     def __init__(self, hub: InProcessHub, client_id: str, will: Will | None = None) -> None:
         self.hub, self.client_id, self.will = hub, client_id, will
-        self.mailbox = _Mailbox(client_id)
+        self.mailbox = Mailbox(client_id)
+        self.subscriptions: list[_Subscription] = []
         self._closed = False
 
     def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:

@@ -65,7 +65,7 @@ def test_a_pool_lends_borrowed_segments_or_stack_slots() -> None:
 
 def test_a_pool_hands_its_slots_to_the_rounds_clients_in_name_order() -> None:
     pool: SegmentPool[str] = SegmentPool(1)
-    pool.turn_wait = 0.3
+    pool.turns.patience = 0.3
     pool.expect(["c", "a", "b", "absent"])
     order: list[str] = []
 
