@@ -7,8 +7,11 @@ from __future__ import annotations
 import random
 import threading
 import time
+from typing import Any
 
-from wire.transport import InProcessHub, matches
+import numpy as np
+
+from wire.transport import Handler, InProcessHub, matches
 
 _PARTS = ["a", "b", "c", "$sys"]
 
@@ -22,6 +25,15 @@ def _filter(rng: random.Random) -> str:
 
 def _topic(rng: random.Random) -> str:
     return "/".join(rng.choice(_PARTS) for _ in range(rng.randint(1, 4)))
+
+
+def _recorder(into: list[Any], value: str | None = None) -> Handler:
+    """A handler appending ``value`` (else the message's topic and payload) to ``into``."""
+
+    def handler(topic: str, payload: bytes) -> None:
+        into.append(value if value is not None else (topic, payload))
+
+    return handler
 
 
 def test_the_tree_delivers_what_matching_every_filter_would() -> None:
@@ -60,7 +72,7 @@ def test_one_client_hears_its_matching_subscriptions_in_the_order_it_made_them()
     client = hub.connect("one")
     heard: list[str] = []
     for name, topic_filter in (("hash", "a/#"), ("exact", "a/b"), ("plus", "+/b")):
-        client.subscribe(topic_filter, lambda _t, _p, name=name: heard.append(name))
+        client.subscribe(topic_filter, _recorder(heard, name))
     hub.publish("a/b", b"", retain=False)
     client.close()
     assert heard == ["hash", "exact", "plus"]
@@ -68,10 +80,10 @@ def test_one_client_hears_its_matching_subscriptions_in_the_order_it_made_them()
 
 def test_shared_groups_take_turns_and_retained_messages_reach_late_subscribers() -> None:
     hub = InProcessHub()
-    heard: dict[str, list[str]] = {"x": [], "y": []}
+    heard: dict[str, list[Any]] = {"x": [], "y": []}
     members = [hub.connect(name) for name in heard]
     for member in members:
-        member.subscribe("$share/g/jobs/+", lambda t, _p, n=member.client_id: heard[n].append(t))
+        member.subscribe("$share/g/jobs/+", _recorder(heard[member.client_id]))
     for index in range(4):
         hub.publish(f"jobs/{index}", b"", retain=False)
     hub.publish("state/a", b"on", retain=True)
@@ -80,7 +92,7 @@ def test_shared_groups_take_turns_and_retained_messages_reach_late_subscribers()
     late.subscribe("state/+", lambda _t, p: seen.append(p))
     for client in (*members, late):
         client.close()
-    assert sorted(heard["x"] + heard["y"]) == [f"jobs/{i}" for i in range(4)]
+    assert sorted(t for t, _ in heard["x"] + heard["y"]) == [f"jobs/{i}" for i in range(4)]
     assert len(heard["x"]) == len(heard["y"]) == 2
     assert seen == [b"on"]
 
@@ -119,7 +131,29 @@ def test_a_new_subscription_gets_the_retained_messages_its_filter_matches() -> N
         topic_filter = _filter(rng) if index else "#"
         client = hub.connect(f"late-{index}")
         got: list[tuple[str, bytes]] = []
-        client.subscribe(topic_filter, lambda t, p, got=got: got.append((t, p)))
+        client.subscribe(topic_filter, _recorder(got))
         client.close()
         expected = sorted((t, p) for t, p in retained.items() if matches(topic_filter, t))
         assert sorted(got) == expected, topic_filter
+
+
+def test_flower_arrays_decode_as_flowers_own_parser_does() -> None:
+    from flwr.app import Array
+
+    from wire.flower import array_numpy
+
+    samples: list[np.ndarray] = [
+        np.arange(12, dtype=np.float32).reshape(3, 4),
+        np.array(2.5, dtype=np.float64),
+        np.ones((0, 5), dtype=np.int64),
+        np.asfortranarray(np.arange(6.0).reshape(2, 3)),  # another header: Flower's parser
+        np.arange(4, dtype=">f4"),
+        np.array([True, False]),
+    ]
+    for sample in samples:
+        array = Array(sample)
+        got, want = array_numpy(array), array.numpy()
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert np.array_equal(got, want) and got.flags.writeable
+    lying = Array(dtype="float32", shape=(4, 3), stype="numpy.ndarray", data=Array(samples[0]).data)
+    assert array_numpy(lying).shape == (3, 4)  # a header that disagrees: parsed, not trusted

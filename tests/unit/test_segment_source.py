@@ -4,6 +4,7 @@ round's weights and a fresh optimizer state."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from edge_client.source import OwnSegment, SegmentSource
-from simulation.pool import SegmentPool, StackMember
+from simulation.pool import SegmentPool, StackMember, Turns
 from split_models import OptimizerConfig, Segment, build_model
 from split_models.weights import segment_state
 
@@ -85,3 +86,26 @@ def test_a_pool_hands_its_slots_to_the_rounds_clients_in_name_order() -> None:
     pool.expect(["absent", "z"])
     client("z")  # 'absent' never asks: passed after turn_wait
     assert order[-1] == "z" and 0.25 < time.monotonic() - started < 2
+
+
+def test_a_silent_client_is_passed_over_once_and_the_rest_keep_their_order(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    turns = Turns(0.3)
+    turns.expect(["a", "b", "c", "d"])  # 'a' never asks
+    order: list[str] = []
+
+    def client(name: str) -> None:
+        turns.wait(name)
+        order.append(name)
+        turns.took(name)
+
+    threads = [threading.Thread(target=client, args=(n,)) for n in ("d", "c", "b")]
+    with caplog.at_level(logging.WARNING, logger="simulation.pool"):
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(10)
+    assert order == ["b", "c", "d"]
+    passed = [r for r in caplog.records if "did not ask" in r.getMessage()]
+    assert len(passed) == 1 and passed[0].getMessage().startswith("a ")
