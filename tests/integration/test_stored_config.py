@@ -50,3 +50,18 @@ def test_a_baseline_runs_stored_config_parses_as_the_simulation(tmp_path: Path) 
     training = stored_section(TrainingConfig, stored)
     assert (training.rounds, training.optimizer) == (1, config.training.optimizer)
     assert overview["rounds_planned"] == 1
+
+
+def test_fraction_train_samples_that_share_of_the_registered_clients_each_round(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("sklearn")
+    config = parse_sim_config(
+        _quick("local-loss")
+        | {"clients": 40, "rounds": 2, "strategy": {"name": "fedavg", "fraction_train": 0.1}}
+    )
+    summary = simulate(config, tmp_path, run_id="sampled")
+    assert [r["participants"] for r in summary["rounds"]] == [4, 4]
+    trained = [c for c in summary["clients"] if c["examples"]]
+    assert 4 <= len(trained) <= 8  # two rounds' samples (they may overlap), nobody else
+    assert summary["final_accuracy"] is not None
