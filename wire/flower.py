@@ -13,6 +13,7 @@ import collections
 import functools
 import io
 import logging
+import math
 import threading
 import time
 import uuid
@@ -96,7 +97,7 @@ def array_numpy(array: Array) -> np.ndarray:
         return array.numpy()
     header = _npy_header(dtype, shape)
     data = array.data
-    count = int(np.prod(shape, dtype=np.int64))
+    count = math.prod(shape)  # exact: a hostile shape cannot overflow it
     if len(data) != len(header) + count * dtype.itemsize or not data.startswith(header):
         return array.numpy()
     return np.frombuffer(data, dtype, count, len(header)).reshape(shape).copy()
@@ -205,8 +206,8 @@ class TransportGrid(Grid):
         self._frames = _Frames(transport)
         self._run = Run.create_empty(run_id)
         self._replies: dict[str, Message] = {}
-        self._sent: dict[str, str] = {}  # message id -> the name of the node it went to
-        self._pending: dict[str, Message] = {}  # message id -> the message, until answered
+        # message id -> the name of the node it went to and the message, until answered
+        self._sent: dict[str, tuple[str, Message]] = {}
         self._incarnations: dict[int, str] = {}  # node id -> the process last seen online
         self._online: set[int] = set()
         self._names: dict[int, str] = {}  # node id -> the name its topics carry
@@ -228,7 +229,7 @@ class TransportGrid(Grid):
             return
         reply_to = message.metadata.reply_to_message_id
         with self._condition:
-            addressee = self._sent.get(reply_to)
+            addressee, _ = self._sent.get(reply_to, (None, None))
             if addressee is None:
                 warn(
                     log,
@@ -244,7 +245,6 @@ class TransportGrid(Grid):
                 )
                 return
             del self._sent[reply_to]
-            self._pending.pop(reply_to, None)
             # its sender is the node the topic names, whatever the reply says (a device must
             # not pass for another, e.g. for a trusted GPU server, to whoever reads the reply)
             message.metadata.__dict__["_src_node_id"] = node_id_of(sender)
@@ -290,13 +290,11 @@ class TransportGrid(Grid):
             self._incarnations[node_id] = incarnation
         if not incarnation or known in (None, incarnation):
             return
-        lost = [i for i, addressee in self._sent.items() if addressee == name]
+        lost = [i for i, (addressee, _) in self._sent.items() if addressee == name]
         for identifier in lost:
-            del self._sent[identifier]
+            _, message = self._sent.pop(identifier)
             reason = f"{name} restarted (a new process came online): the message died with the old"
-            self._replies[identifier] = Message(
-                Error(code=4, reason=reason), reply_to=self._pending.pop(identifier)
-            )
+            self._replies[identifier] = Message(Error(code=4, reason=reason), reply_to=message)
         if lost:
             log.warning("%s restarted: %d message(s) to it count as failed", name, len(lost))
 
@@ -339,8 +337,7 @@ class TransportGrid(Grid):
             with self._condition:
                 name = self._names.get(node)
                 if name is not None:
-                    self._sent[identifier] = name
-                    self._pending[identifier] = message
+                    self._sent[identifier] = (name, message)
             if name is None:
                 raise ValueError(f"node {node} never announced itself; it cannot be reached")
             self._frames.send(topics.flower_in(name), message)
@@ -356,7 +353,6 @@ class TransportGrid(Grid):
         with self._condition:
             for identifier in message_ids:
                 self._sent.pop(identifier, None)
-                self._pending.pop(identifier, None)
                 self._replies.pop(identifier, None)
 
     def send_and_receive(
