@@ -12,7 +12,6 @@ input gradient to its sender.
 from __future__ import annotations
 
 import collections
-import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,12 +30,9 @@ from wire.channel import Channel
 from wire.codec import Envelope
 from wire.errors import WireError
 from wire.flow import CreditGranter
-from wire.logs import warn
 from wire.stream import StreamServer
 
 __all__ = ["BackStats", "BackTrainer"]
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -211,9 +207,7 @@ class BackTrainer:
                 for part in parts:
                     self._train_parts([part])
                 return
-            sender = parts[0].envelope.sender
-            self.stats.rejected[error.reason] += 1
-            warn(log, (sender, error.reason), "rejected activations from %s: %s", sender, error)
+            self.stream.rejected(parts[0].envelope.sender, error)
             return
         labels = torch.cat([p.labels for p in parts]) if len(parts) > 1 else parts[0].labels
         self._trained([(p.envelope, p.rows) for p in parts], result, labels)

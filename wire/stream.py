@@ -358,11 +358,15 @@ class StreamServer:
             try:
                 self._handle(envelope)
             except WireError as error:
-                self.stats.rejected[error.reason] += 1
-                warn(log, (sender, error.reason), "rejected activations from %s: %s", sender, error)
+                self.rejected(sender, error)
         if self._ledger.handled(sender):
             self.stats.handled[sender] += 1
             self._progress[sender] = time.monotonic()
+
+    def rejected(self, sender: str, error: WireError) -> None:
+        """Count and log a batch of ``sender`` that was handled but not trained."""
+        self.stats.rejected[error.reason] += 1
+        warn(log, (sender, error.reason), "rejected activations from %s: %s", sender, error)
 
     def _on_reject(self, rejection: Rejection) -> None:
         header = rejection.header
