@@ -196,6 +196,7 @@ TRAINING_KEYS = (
     "seed",
     "server_clip_norm",
     "max_activation",
+    "server_fill",
     "norm",
 )
 

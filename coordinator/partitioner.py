@@ -303,26 +303,42 @@ def _edge_errors(
     edges: Sequence[DeviceSpec],
     lowest: int,
 ) -> list[str]:
+    """Why edges cannot take part, one message per reason (edges of the same memory share
+    one: a fleet of thousands gets a line per profile, not per device)."""
     n, low = problem.num_blocks, config.min_edge_blocks
-    messages = []
+    groups: dict[tuple[int, int], list[str]] = {}  # (memory, largest holdable end) -> names
     for edge in edges:
         holdable = [s for s in range(low, n) if problem.edge_memory[s] <= edge.memory]
-        buffers = problem.edge_memory[low] - problem.memory[0][low]
-        if not holdable:
+        if not holdable or max(holdable) < lowest:
+            groups.setdefault((edge.memory, max(holdable, default=-1)), []).append(edge.name)
+    buffers = problem.edge_memory[low] - problem.memory[0][low]
+    messages = []
+    for (memory, largest), names in groups.items():
+        if largest < 0:
+            has, its = ("has", "its") if len(names) == 1 else ("have", "their")
             messages.append(
-                f"edge {edge.name!r} has {format_bytes(edge.memory)} but its smallest segment, "
+                f"{_names(names)} {has} {format_bytes(memory)} but {its} smallest segment, "
                 f"blocks [0, {low}) with a {config.local_loss} head, needs "
                 f"{_describe(profile, config, 0, low, buffers)}"
                 "; lower the batch size, give the device "
                 "more memory, or use a model with a smaller first block"
             )
-        elif max(holdable) < lowest:
+        else:
             messages.append(
-                f"edge {edge.name!r} can hold at most blocks [0, {max(holdable)}) but the GPU "
+                f"{_names(names)} can hold at most blocks [0, {largest}) but the GPU "
                 f"servers can only hold blocks [{lowest}, {n}); add GPU server memory or lower "
                 "the batch size"
             )
     return messages
+
+
+def _names(names: list[str], shown: int = 3) -> str:
+    """``edge 'a'``, or ``edges 'a', 'b', 'c' and 97 more``."""
+    if len(names) == 1:
+        return f"edge {names[0]!r}"
+    listed = ", ".join(repr(n) for n in names[:shown])
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return f"{len(names)} edges ({listed}{more})"
 
 
 # ---------------------------------------------------------------- entry point
@@ -359,12 +375,11 @@ def plan_split(
     splits = np.arange(n + 1)[None, :]
     allowed = (prefix_memory <= budgets) & (splits >= lowest) & (splits < n)
     messages = _edge_errors(problem, profile, config, edges, lowest)
+    if len(messages) == 1:
+        raise InfeasiblePlanError(messages[0])
     if messages:
-        if len(messages) == 1:
-            raise InfeasiblePlanError(messages[0])
         raise InfeasiblePlanError(
-            f"{len(messages)} edge devices cannot take part:\n"
-            + "\n".join(f"  - {m}" for m in messages)
+            "edge devices cannot take part:\n" + "\n".join(f"  - {m}" for m in messages)
         )
     times = _edge_times(problem, edges)
     choice = _sweep(times, allowed, problem.server_flops, _server_rate(problem, servers))

@@ -97,9 +97,16 @@ def exit_for(command: str, error: BaseException, show_traceback: bool = False) -
     code, prefix = _classify(error)
     if show_traceback:
         traceback.print_exception(error, file=sys.stderr)
-    line = f"edgesplit {command}: " + (f"{prefix}: " if prefix else "") + _describe(error)
-    print(line.replace("\n", " "), file=sys.stderr, flush=True)
+    line = f"edgesplit {command}: " + (f"{prefix}: " if prefix else "") + _one_line(error)
+    print(line, file=sys.stderr, flush=True)
     return code
+
+
+def _one_line(error: BaseException) -> str:
+    """The description on one line; a list under a heading (``"  - item"`` lines) numbered."""
+    head, *rest = _describe(error).splitlines() or [""]
+    items = [line.strip().removeprefix("- ") for line in rest if line.strip()]
+    return " ".join([head, *(f"({i}) {item}" for i, item in enumerate(items, 1))])
 
 
 def wants_traceback(environ: Mapping[str, str], verbose: bool = False) -> bool:

@@ -91,7 +91,7 @@ class GpuAgent:
         # segment_key() already says whether the piece passes its output on, and the
         # coordinator names the next piece's stream after this one's (seg-<k> -> seg-<k+1>)
         key = f"{task.segment_key()}|{[task.segment, training.compression]}"
-        key += f"|{training.deterministic}"
+        key += f"|{training.deterministic}|{training.server_fill}"
         known = self._backs.get(task.run)
         if known is None or known[0] != key:
             if known is not None:  # re-planned: the old piece leaves its streams first (the
@@ -111,7 +111,9 @@ class GpuAgent:
                 encoding=training.compression,
                 ordered=training.deterministic,
                 max_activation=training.max_activation,
-                fill=training.batch_size if training.mode != "backprop" else 0,
+                fill=training.batch_size
+                if training.server_fill and training.mode != "backprop"
+                else 0,
             )
             self._backs[task.run] = (key, trainer)
         return self._backs[task.run][1]

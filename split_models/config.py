@@ -485,6 +485,11 @@ class TrainingConfig:
     server_clip_norm: float | None = setting(1.0, above=0, what="a positive number (or null: off)")
     # GPU servers refuse activations of larger magnitude (finite, but overflowing the back)
     max_activation: float = setting(1e8, above=0, what="a positive number")
+    # local-loss: a GPU server merges the edges' batches smaller than batch_size into steps
+    # of batch_size (clients of a few examples each would cost it a step apiece); false: one
+    # step per edge batch, as many steps as the edges took (more progress a round with SGD
+    # and tiny clients; docs/benchmarks.md, "Clients at scale")
+    server_fill: bool = True
 
     def server_optimizer(self) -> OptimizerConfig:
         """The optimizer of a GPU server's piece: ``optimizer`` with the servers' clip."""

@@ -192,6 +192,20 @@ def test_edge_too_small_names_device_need_and_fix() -> None:
     assert "lower the batch size" in message
 
 
+def test_many_edges_too_small_get_one_line_per_memory_size() -> None:
+    small = [DeviceSpec(f"pi-{i:04d}", "edge", 1024, 1e9, 1e6) for i in range(500)]
+    smaller = [DeviceSpec(f"zero-{i}", "edge", 512, 1e9, 1e6) for i in range(2)]
+    fits = [DeviceSpec("big", "edge", 10**9, 1e9, 1e6)]
+    devices = [*small, *smaller, *fits, DeviceSpec("gpu-a", "gpu", 10**9, 1e12)]
+    with pytest.raises(InfeasiblePlanError) as caught:
+        plan_split(_small_profile(), devices, PartitionConfig(batch_size=8))
+    lines = str(caught.value).splitlines()
+    assert len(lines) == 3, lines  # a heading, then one line per memory size
+    assert "500 edges ('pi-0000', 'pi-0001', 'pi-0002' and 497 more) have 1.0 KiB" in lines[1]
+    assert "2 edges ('zero-0', 'zero-1') have 512 B" in lines[2]
+    assert "big" not in str(caught.value)
+
+
 def test_servers_too_small_is_reported() -> None:
     with pytest.raises(InfeasiblePlanError, match="GPU servers cannot hold"):
         plan_split(_small_profile(), _fleet(10**9, server_memory=1024), PartitionConfig())
@@ -265,3 +279,15 @@ def test_server_packing_finds_an_order_that_largest_first_misses() -> None:
     ]
     plan = plan_split(profile, devices, config)
     assert [(s.name, s.blocks) for s in plan.servers] == [("small", (1, 2)), ("big", (2, 3))]
+
+
+def test_the_command_prints_the_reasons_numbered_on_one_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from edgesplit.exits import EXIT_USAGE, exit_for
+
+    error = InfeasiblePlanError("edge devices cannot take part:\n  - 3 edges (a)\n  - edge 'b'")
+    assert exit_for("plan", error) == EXIT_USAGE
+    assert capsys.readouterr().err == (
+        "edgesplit plan: error: edge devices cannot take part: (1) 3 edges (a) (2) edge 'b'\n"
+    )

@@ -246,3 +246,24 @@ def test_block_indices_and_estimates_of_a_task_are_bounded() -> None:
         Task.parse(_task(end=10**9).to_json())
     with pytest.raises(WireError, match=r"task\.estimated_peak_bytes"):
         Task.parse(_task(estimated_peak_bytes=1 << 62).to_json())
+
+
+@pytest.mark.parametrize(
+    ("changes", "rows"),
+    [({}, 16), ({"server_fill": False}, 0), ({"mode": "backprop"}, 0)],
+)
+def test_a_gpu_server_fills_its_steps_unless_the_run_says_not_to(
+    changes: dict[str, object], rows: int
+) -> None:
+    from gpu_server.agent import GpuAgent
+
+    hub = InProcessHub()
+    gpu = GpuAgent(
+        Announcement("gpu-a", "gpu", 1 << 32, 1e9),
+        InProcessTransport(hub, "gpu-a-control"),
+        InProcessTransport(hub, "gpu-a-stream"),
+    )
+    training = dataclasses.replace(TRAINING, **changes)  # type: ignore[arg-type]
+    back = gpu.back(_task(start=1, training=training.to_dict()), (MODEL, training))
+    assert (back.fill.rows if back.fill is not None else 0) == rows
+    back.close()
