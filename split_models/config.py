@@ -477,18 +477,13 @@ class TrainingConfig:
     # strategy; "local" keeps each device's own between rounds (FedBN; the global model holds
     # their average, for central evaluation and export)
     norm: str = setting("average", choices=NORMS)
-    # The GPU servers clip the back's gradient norm to this (the smaller of it and
-    # optimizer.clip_norm, which every segment uses). The back trains on the outputs of many
-    # fronts that move under it within a round and jump at its start (the fronts are
-    # averaged); its gradient norm spikes there, and without the clip SGD momentum 0.9 at lr
-    # 0.05 diverges within 5 rounds (docs/benchmarks.md, "Stable split training").
+    # GPU servers clip the back's gradient norm to this (and optimizer.clip_norm): without
+    # it SGD momentum 0.9 at lr 0.05 diverges (docs/benchmarks.md, "Stable split training")
     server_clip_norm: float | None = setting(1.0, above=0, what="a positive number (or null: off)")
     # GPU servers refuse activations of larger magnitude (finite, but overflowing the back)
     max_activation: float = setting(1e8, above=0, what="a positive number")
-    # local-loss: a GPU server merges the edges' batches smaller than batch_size into steps
-    # of batch_size (clients of a few examples each would cost it a step apiece); false: one
-    # step per edge batch, as many steps as the edges took (more progress a round with SGD
-    # and tiny clients; docs/benchmarks.md, "Clients at scale")
+    # local-loss: GPU servers merge edge batches smaller than batch_size into steps of
+    # batch_size; false: a step per edge batch (docs/benchmarks.md, "Clients at scale")
     server_fill: bool = True
 
     def server_optimizer(self) -> OptimizerConfig:
