@@ -8,6 +8,8 @@ Each file is run through onnxruntime against torch on a sample batch.
 
 from __future__ import annotations
 
+import dataclasses
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +19,7 @@ from coordinator.planner import stored_plan
 from coordinator.recorder import LOCAL_PREFIX
 from split_models.config import ModelConfig, stored_section
 from split_models.errors import ConfigError
-from split_models.onnx_export import check_onnx, export_onnx
+from split_models.onnx_export import export_checked
 from split_models.segment import Segment
 from split_models.weights import load_segment_state
 from storage.base import RunStore
@@ -33,6 +35,7 @@ class ExportResult:
     blocks: tuple[int, int]
     path: Path
     max_abs_diff: float
+    exporter: str = ""  # split_models.onnx_export.EXPORTERS
 
     @property
     def ok(self) -> bool:
@@ -41,9 +44,10 @@ class ExportResult:
 
 def _export(segment: Segment, name: str, spec: ModelConfig, out: Path) -> ExportResult:
     shape, ids = spec.input_shape, spec.input_range
-    path = export_onnx(segment.module, shape, out / f"{name}.onnx", ids)
-    check = check_onnx(path, segment.module, shape, input_range=ids)
-    return ExportResult(name, (segment.start, segment.end), path, check.max_abs_diff)
+    check = export_checked(segment.module, shape, out / f"{name}.onnx", ids, TOLERANCE)
+    return ExportResult(
+        name, (segment.start, segment.end), check.path, check.max_abs_diff, check.exporter
+    )
 
 
 def export_run(
@@ -78,9 +82,15 @@ def export_run(
         plan = stored_plan(run)
         if plan is None or not plan.edges:
             raise ConfigError(f"run {run_id!r} has no stored plan, so no device segments")
+        done: dict[int, ExportResult] = {}  # by end block: devices of one cut share a file
         for edge in plan.edges:
-            segment = Segment.from_model(model, 0, edge.blocks[1])  # shares the weights
+            name, end = f"{run_id}-round{number}-{edge.name}", edge.blocks[1]
+            if not local and end in done:  # the same segment, the same weights: a copy
+                path = shutil.copyfile(done[end].path, out / f"{name}.onnx")
+                results.append(dataclasses.replace(done[end], name=name, path=path))
+                continue
+            segment = Segment.from_model(model, 0, end)  # shares the weights
             if local:  # the device's model: with norm: local, its own normalization layers
                 load_segment_state(whole, weights | local.get(edge.name, {}))
-            results.append(_export(segment, f"{run_id}-round{number}-{edge.name}", spec, out))
+            results.append(done.setdefault(end, _export(segment, name, spec, out)))
     return results

@@ -145,6 +145,7 @@ def export_command(args: argparse.Namespace) -> int:
         verdict = "ok" if result.ok else f"FAILS (> {TOLERANCE:g})"
         print(
             f"{result.path}  blocks [{result.blocks[0]}, {result.blocks[1]})  "
-            f"max |onnx - torch| = {result.max_abs_diff:.2e}  {verdict}"
+            f"max |onnx - torch| = {result.max_abs_diff:.2e}  {verdict}  "
+            f"({result.exporter} exporter)"
         )
     return 0 if all(r.ok for r in results) else 1

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from split_models import build_model
-from split_models.onnx_export import check_onnx, export_onnx
+from split_models.onnx_export import check_onnx, export_checked, export_onnx
 
 pytestmark = pytest.mark.integration
 
@@ -43,3 +43,48 @@ def test_check_detects_a_different_model(tmp_path: Path) -> None:
     other = build_model("mlp", (1, 8, 8), 10, seed=1).full()
     path = export_onnx(exported, (1, 8, 8), tmp_path / "mlp.onnx")
     assert check_onnx(path, other, (1, 8, 8)).max_abs_diff > 1e-3
+
+
+@pytest.mark.parametrize(
+    ("name", "shape", "ids", "end"),
+    [
+        ("cnn", (1, 28, 28), False, None),
+        ("resnet8", (3, 16, 16), False, None),
+        ("tests.fixtures.gallery:lstm_classifier", (12,), True, None),
+        ("tests.fixtures.gallery:masked_transformer", (12,), True, 1),  # a mask crosses
+    ],
+)
+def test_a_checked_export_takes_the_fast_exporter_when_its_file_matches_torch(
+    tmp_path: Path, name: str, shape: tuple[int, ...], ids: bool, end: int | None
+) -> None:
+    from split_models.zoo import ModelOptions
+    from tests.fixtures import gallery
+
+    tokens = (0, gallery.VOCAB) if ids else None
+    options = ModelOptions("int64", tokens) if ids else None
+    model = build_model(name, shape, 10, seed=0, options=options)
+    module = model.full() if end is None else model.segment(0, end)
+    result = export_checked(module, shape, tmp_path / "m.onnx", tokens)
+    assert result.exporter == "torchscript" and result.max_abs_diff <= 1e-4
+    check = check_onnx(result.path, module, shape, (2, 7), input_range=tokens)
+    assert check.max_abs_diff <= 1e-4
+
+
+@pytest.mark.parametrize("fault", ["raises", "wrong file"])
+def test_a_checked_export_falls_back_to_dynamo(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fault: str
+) -> None:
+    import split_models.onnx_export as onnx_export
+
+    module = build_model("mlp", (1, 8, 8), 10, seed=0).full()
+    other = build_model("mlp", (1, 8, 8), 10, seed=1).full()
+    fast = onnx_export._torchscript
+
+    def broken(wrapped: object, example: object, names: list[str], path: Path) -> None:
+        if fault == "raises":
+            raise RuntimeError("the TorchScript exporter is gone")
+        fast(onnx_export._Wrapped(other).eval(), example, names, path)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(onnx_export, "_torchscript", broken)
+    result = export_checked(module, (1, 8, 8), tmp_path / "m.onnx")
+    assert result.exporter == "dynamo" and result.max_abs_diff <= 1e-4
