@@ -3,12 +3,15 @@
 Opens check the revision first and run alembic only when the database is behind, one at a
 time: alembic's context is one global per process (two threads at once failed with
 ``KeyError: 'script'``), and across processes SQLite's write lock (``BEGIN IMMEDIATE``) or a
-PostgreSQL advisory lock (in ``migrations/env.py``) serialises them.
+PostgreSQL advisory lock (in ``migrations/env.py``) serialises them. An open that still finds
+a table of a migration it runs already there (seen when a test polled a simulation's new
+store: ``table run_profiles already exists``) waits for the other process to reach head.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -75,9 +78,23 @@ def upgrade(engine: Engine, revision: str = "head") -> None:
         command.upgrade(alembic_config(engine), revision)
 
 
-def ensure_current(engine: Engine) -> None:
-    """Migrate the database unless it is at head already (then nothing is written)."""
-    with engine.connect() as connection:
-        current = current_revision(connection)
-    if current != head():
-        upgrade(engine)
+def ensure_current(engine: Engine, patience: float = 30.0) -> None:
+    """Migrate the database unless it is at head already (then nothing is written). When
+    the migration finds a table of it already there, another process is migrating the same
+    database (a status query while a simulation creates its store): wait up to ``patience``
+    seconds for that one to bring it to head."""
+    from sqlalchemy.exc import OperationalError, ProgrammingError
+
+    deadline = time.monotonic() + patience
+    while True:
+        with engine.connect() as connection:
+            current = current_revision(connection)
+        if current == head():
+            return
+        try:
+            upgrade(engine)
+            return
+        except (OperationalError, ProgrammingError) as error:
+            if "already exists" not in str(error) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)

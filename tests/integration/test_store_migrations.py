@@ -36,3 +36,43 @@ def test_sqlite_migrations_match_orm(tmp_path: Path) -> None:
 
 def test_postgres_migrations_match_orm(postgres_url: str) -> None:
     assert _differences(postgres_url) == []
+
+
+def _half_made(url: str) -> None:
+    """What an open sees while another process migrates: the tables, no version yet; the
+    other process stamps it a second later."""
+    import threading
+    import time
+
+    from sqlalchemy import text
+
+    from storage import open_store
+    from storage.migrate import current_revision, head
+
+    engine = create_store_engine(url)
+    Base.metadata.create_all(engine)
+
+    def stamp() -> None:
+        time.sleep(1.0)
+        with engine.begin() as connection:
+            connection.execute(text("CREATE TABLE alembic_version (version_num VARCHAR(32))"))
+            connection.execute(text("INSERT INTO alembic_version VALUES (:v)"), {"v": head()})
+
+    other = threading.Thread(target=stamp)
+    other.start()
+    try:
+        with open_store(url) as store:
+            assert store.list_runs() == []
+    finally:
+        other.join()
+    with engine.connect() as connection:
+        assert current_revision(connection) == head()
+    engine.dispose()
+
+
+def test_an_open_during_another_migration_waits_for_it_on_sqlite(tmp_path: Path) -> None:
+    _half_made(f"sqlite:///{tmp_path / 'm.db'}")
+
+
+def test_an_open_during_another_migration_waits_for_it_on_postgres(postgres_url: str) -> None:
+    _half_made(postgres_url)
