@@ -14,4 +14,5 @@ echo "== ruff" >&2
 echo "== mypy" >&2
 .venv/bin/mypy
 echo "== pytest" >&2
-.venv/bin/python -m pytest "$@"
+# two workers: much of the suite waits on brokers, databases and child processes
+.venv/bin/python -m pytest -n "${EDGESPLIT_TEST_WORKERS:-2}" --dist worksteal "$@"
