@@ -42,6 +42,13 @@ KINDS = frozenset({"activations", "gradients", "credit", "round_control"})
 ENCODINGS = ("fp32", "fp16", "bf16", "int8")
 _LOGICAL = {"float32", "float16", "float64", "int64", "int32", "uint8", "int8", "bool"}
 _SCALE = "::scale"
+# str(dtype) runs Python code in numpy (about 4 us, several times a message); a dict lookup
+# by dtype does not
+_NAMES = {np.dtype(n): n for n in (*_LOGICAL, "uint16")}
+
+
+def _name(dtype: np.dtype[Any]) -> str:
+    return _NAMES.get(dtype) or str(dtype)
 
 
 @dataclass(frozen=True)
@@ -65,7 +72,7 @@ class TensorSpec:
     shape: tuple[int | None, ...]
 
     def check(self, name: str, array: np.ndarray) -> None:
-        if str(array.dtype) != self.dtype:
+        if _name(array.dtype) != self.dtype:
             raise WireError("dtype", f"tensor {name!r} is {array.dtype}, expected {self.dtype}")
         if len(array.shape) != len(self.shape) or any(
             want is not None and want != got
@@ -117,7 +124,8 @@ def _wire_arrays(name: str, array: np.ndarray, encoding: str) -> dict[str, np.nd
     # Row-major first: safetensors writes the buffer in memory order under the logical shape,
     # and ``astype`` keeps the source's layout (a channels-last activation would arrive
     # scrambled, with every value present but in the wrong place).
-    array = np.require(array, requirements="C")  # keeps 0-d arrays 0-d
+    if not array.flags.c_contiguous:
+        array = np.require(array, requirements="C")  # keeps 0-d arrays 0-d
     if encoding == "fp32" or array.dtype.kind != "f":
         return {name: array}
     if encoding == "fp16":
@@ -142,7 +150,7 @@ def encode(envelope: Envelope, encoding: str = "fp32") -> bytes:
         if _SCALE in name:
             raise ValueError(f"tensor name {name!r} may not contain {_SCALE!r}")
         used = encoding if array.dtype.kind == "f" else "fp32"
-        specs[name] = {"dtype": str(array.dtype), "shape": list(array.shape), "encoding": used}
+        specs[name] = {"dtype": _name(array.dtype), "shape": list(array.shape), "encoding": used}
         arrays.update(_wire_arrays(name, array, used))
     header = json.dumps(
         {
@@ -241,7 +249,7 @@ def _restore(name: str, spec: Any, arrays: Mapping[str, np.ndarray]) -> np.ndarr
         raise WireError("payload", f"tensor {name!r} is missing from the payload")
     raw = arrays[name]
     wire_dtype = {"fp32": dtype, "fp16": "float16", "bf16": "uint16", "int8": "int8"}[encoding]
-    if str(raw.dtype) != wire_dtype:
+    if _name(raw.dtype) != wire_dtype:
         raise WireError(
             "dtype", f"tensor {name!r} travels as {raw.dtype}, header says {wire_dtype}"
         )
