@@ -22,8 +22,8 @@ os.environ.setdefault("EDGESPLIT_PROFILE_CACHE", _PROFILES)
 
 
 # Modules holding the suite's longest tests (30-170 s each on two cores): collected first, so
-# the two xdist workers (scripts/check.sh) start on them and the run does not end with one
-# worker alone on a long test while the other idles.
+# the two xdist workers (scripts/check.sh) start on them rather than meet them last. In CI it
+# changed little: pytest 1,331 s against 1,349 s without it (one run each).
 _LONG = frozenset(
     {
         "test_gallery.py",
