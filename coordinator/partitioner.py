@@ -308,9 +308,10 @@ def _edge_errors(
     n, low = problem.num_blocks, config.min_edge_blocks
     groups: dict[tuple[int, int], list[str]] = {}  # (memory, largest holdable end) -> names
     for edge in edges:
-        holdable = [s for s in range(low, n) if problem.edge_memory[s] <= edge.memory]
-        if not holdable or max(holdable) < lowest:
-            groups.setdefault((edge.memory, max(holdable, default=-1)), []).append(edge.name)
+        fits = (s for s in range(low, n) if problem.edge_memory[s] <= edge.memory)
+        largest = max(fits, default=-1)  # -1: not even the smallest segment
+        if largest < lowest:
+            groups.setdefault((edge.memory, largest), []).append(edge.name)
     buffers = problem.edge_memory[low] - problem.memory[0][low]
     messages = []
     for (memory, largest), names in groups.items():
