@@ -81,8 +81,9 @@ def upgrade(engine: Engine, revision: str = "head") -> None:
 def ensure_current(engine: Engine, patience: float = 30.0) -> None:
     """Migrate the database unless it is at head already (then nothing is written). When
     the migration finds a table of it already there, another process is migrating the same
-    database (a status query while a simulation creates its store): wait up to ``patience``
-    seconds for that one to bring it to head."""
+    database: wait up to ``patience`` seconds for that one to bring it to head. (Migrations run
+    in one transaction now, so edgesplit's own processes no longer meet this; an older
+    version's process, which committed step by step, still can.)"""
     from sqlalchemy.exc import OperationalError, ProgrammingError
 
     deadline = time.monotonic() + patience

@@ -76,3 +76,28 @@ def test_an_open_during_another_migration_waits_for_it_on_sqlite(tmp_path: Path)
 
 def test_an_open_during_another_migration_waits_for_it_on_postgres(postgres_url: str) -> None:
     _half_made(postgres_url)
+
+
+def _commits_of_an_upgrade(url: str) -> int:
+    from sqlalchemy import event
+
+    engine = create_store_engine(url)
+    commits = []
+    event.listen(engine, "commit", lambda _connection: commits.append(1))
+    try:
+        upgrade(engine)
+        with engine.connect() as connection:
+            assert set(Base.metadata.tables) <= set(inspect(connection).get_table_names())
+    finally:
+        engine.dispose()
+    return len(commits)
+
+
+def test_every_migration_step_commits_together_on_sqlite(tmp_path: Path) -> None:
+    # A commit between two steps let a second process run the later step again ("table
+    # run_profiles already exists"): the upgrade from nothing is one transaction.
+    assert _commits_of_an_upgrade(f"sqlite:///{tmp_path / 'm.db'}") == 1
+
+
+def test_every_migration_step_commits_together_on_postgres(postgres_url: str) -> None:
+    assert _commits_of_an_upgrade(postgres_url) == 1
