@@ -28,13 +28,13 @@ from itertools import combinations
 
 import numpy as np
 
+from coordinator.plan_config import COMPRESSION_BYTES as COMPRESSION_BYTES
+from coordinator.plan_config import PartitionConfig as PartitionConfig
 from split_models.devices import DeviceSpec
 from split_models.errors import ConfigError, InfeasiblePlanError
-from split_models.heads import LOCAL_LOSSES
 from split_models.memory import estimate_segment_memory, segment_memory_table
 from split_models.plan import EdgeAssignment, Plan, ServerAssignment
 from split_models.profiler import ModelProfile
-from split_models.segment import OPTIMIZERS
 from split_models.units import format_bytes
 
 __all__ = [
@@ -46,37 +46,11 @@ __all__ = [
     "stream_buffer_bytes",
 ]
 
-COMPRESSION_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0}
 TRAIN_FLOPS_FACTOR = 3
 LABEL_BYTES = 8
 STREAM_COPIES = 3
 STREAM_FIXED_BYTES = 512 * 1024
 _MAX_EXACT_SERVERS = 10
-
-
-@dataclass(frozen=True)
-class PartitionConfig:
-    """What the plan is for: training batch, optimizer, local loss and cut compression."""
-
-    batch_size: int = 64
-    optimizer: str = "sgd-momentum"
-    local_loss: str = "linear"
-    compression: str = "fp32"
-    min_edge_blocks: int = 1
-
-    def __post_init__(self) -> None:
-        if self.batch_size < 1:
-            raise ConfigError(f"batch_size: must be >= 1, got {self.batch_size}")
-        if self.optimizer not in OPTIMIZERS:
-            raise ConfigError(f"optimizer: unknown {self.optimizer!r}; use one of {OPTIMIZERS}")
-        if self.local_loss not in LOCAL_LOSSES:
-            raise ConfigError(f"local_loss: unknown {self.local_loss!r}; use one of {LOCAL_LOSSES}")
-        if self.compression not in COMPRESSION_BYTES:
-            raise ConfigError(
-                f"compression: unknown {self.compression!r}; use one of {list(COMPRESSION_BYTES)}"
-            )
-        if self.min_edge_blocks < 1:
-            raise ConfigError(f"min_edge_blocks: must be >= 1, got {self.min_edge_blocks}")
 
 
 @dataclass(frozen=True)

@@ -64,9 +64,8 @@ from split_models.config import (
 )
 from split_models.data import PARTITIONS, resolve_spec
 from split_models.errors import ConfigError
+from split_models.options import OptimizerConfig, add_model_path
 from split_models.sections import flat_model_section
-from split_models.segment import OptimizerConfig
-from split_models.zoo import add_model_path
 from wire.topics import check_name
 
 __all__ = [

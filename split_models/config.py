@@ -29,15 +29,22 @@ import re
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from split_models.errors import ConfigError
-from split_models.heads import LOCAL_LOSSES
-from split_models.segment import OptimizerConfig
-from split_models.units import parse_bandwidth, parse_flops, parse_memory
-from split_models.zoo import INPUT_DTYPES, TASKS, ModelOptions, SplittableModel, build_model
+from split_models.options import (
+    INPUT_DTYPE_NAMES,
+    LOCAL_LOSSES,
+    TASKS,
+    ModelOptions,
+    OptimizerConfig,
+)
+from split_models.units import parse_bandwidth, parse_duration, parse_flops, parse_memory
 from wire.codec import ENCODINGS
 from wire.topics import check_name
+
+if TYPE_CHECKING:
+    from split_models.zoo import SplittableModel
 
 __all__ = [
     "MODES",
@@ -58,36 +65,12 @@ MODES = ("local-loss", "backprop")
 # device as its own (FedBN: every device trains and evaluates with its own normalization).
 NORMS = ("average", "local")
 # Bounds on what a config (or a task from the network) may ask for: a device must be able to
-# refuse an absurd request by name instead of waiting, allocating or looping for ever.
-MAX_DURATION_SECONDS = 7 * 24 * 3600.0
+# refuse an absurd request by name instead of waiting, allocating or looping for ever (and
+# split_models.units.MAX_DURATION_SECONDS).
 MAX_SAMPLE_ELEMENTS = 1 << 26  # values per sample (a 3x4096x4096 image is 50 M)
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
 _EXPONENT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")  # PyYAML reads 1e8 as text
-_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
 _ABSENT = object()
 T = TypeVar("T")
-
-
-def parse_duration(value: object, field_name: str) -> float:
-    """Seconds from ``120``, ``"120s"``, ``"5m"``, ``"1h"`` or ``"500ms"``."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{field_name}: expected a duration such as 120s, got {value!r}")
-    if isinstance(value, int | float):
-        seconds = float(value)
-    else:
-        match = _DURATION.match(str(value))
-        if match is None:
-            raise ConfigError(
-                f"{field_name}: expected a duration such as 120s or 5m, got {value!r}"
-            )
-        seconds = float(match.group(1)) * _SECONDS[match.group(2)]
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise ConfigError(f"{field_name}: must be positive, got {value!r}")
-    if seconds > MAX_DURATION_SECONDS:
-        raise ConfigError(
-            f"{field_name}: {value!r} is longer than the 7 days a wait or deadline may take"
-        )
-    return seconds
 
 
 def setting(
@@ -432,7 +415,7 @@ class ModelConfig:
     name: str = setting(key="model", what="a zoo name or package.module:function")
     input_shape: tuple[int, ...] = setting(kind="shape")
     num_classes: int = setting(minimum=2, maximum=10_000_000)
-    input_dtype: str = setting("float32", choices=tuple(INPUT_DTYPES))
+    input_dtype: str = setting("float32", choices=INPUT_DTYPE_NAMES)
     # token ids lie in [low, high); a single number N means [0, N)
     input_range: tuple[int, int] | None = setting(None, parse=_input_range, dump=_listed)
     # module names the model may be cut before (else every legal cut, split_models.autosplit)
@@ -449,6 +432,8 @@ class ModelConfig:
 
     def build(self, seed: int | None = None) -> SplittableModel:
         """The model this section names, built (``seed``: its initial weights)."""
+        from split_models.zoo import build_model
+
         return build_model(self.name, self.input_shape, self.num_classes, seed, self.options)
 
 

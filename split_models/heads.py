@@ -19,10 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from split_models.errors import ConfigError
+from split_models.options import LOCAL_LOSSES as LOCAL_LOSSES
 
 __all__ = ["LOCAL_LOSSES", "LocalHead", "TaskLoss", "make_head", "task_cross_entropy"]
 
-LOCAL_LOSSES = ("linear", "mlp", "supcon")
 _HIDDEN = 128
 _PROJECTION = 64
 _TEMPERATURE = 0.1

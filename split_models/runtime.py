@@ -29,10 +29,14 @@ RUNTIME_ENV = {
 }
 
 
-def configure_process(threads: int = 1) -> None:
-    """Apply :data:`RUNTIME_ENV` (without overriding) and limit torch to ``threads`` threads."""
+def configure_process(threads: int = 1, torch_too: bool = True) -> None:
+    """Apply :data:`RUNTIME_ENV` (without overriding) and limit torch to ``threads`` threads.
+    ``torch_too=False``: for a command that never trains (reading a store), which then need
+    not wait 1-2 s for torch to load; torch loaded later still finds the environment."""
     for key, value in RUNTIME_ENV.items():
         os.environ.setdefault(key, value)
+    if not torch_too:
+        return
     import torch
 
     torch.set_num_threads(threads)

@@ -8,7 +8,7 @@ from typing import Any
 
 from split_models.config import ModelConfig, TrainingConfig, config_keys, parse_config
 from split_models.errors import ConfigError
-from split_models.zoo import ZOO_NAMES
+from split_models.options import ZOO_NAMES
 
 __all__ = ["flat_model_section", "task_sections"]
 

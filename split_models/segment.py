@@ -9,70 +9,19 @@ each edge's batch from that edge's cut), optionally returning the gradient of th
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from split_models.activations import Activation, detached, primary, side
-from split_models.errors import ConfigError, ModelError
+from split_models.errors import ModelError
 from split_models.heads import LocalHead, TaskLoss, make_head
+from split_models.options import OPTIMIZERS as OPTIMIZERS
+from split_models.options import OptimizerConfig as OptimizerConfig
 from split_models.zoo import SplittableModel
 
 __all__ = ["OPTIMIZERS", "OptimizerConfig", "Segment", "StepResult"]
-
-OPTIMIZERS = ("sgd", "sgd-momentum", "adam")
-
-
-@dataclass(frozen=True)
-class OptimizerConfig:
-    """Which optimizer trains a segment; ``build`` creates it for the given parameters.
-
-    ``clip_norm``: each step's gradient is scaled down to this global L2 norm when above it
-    (off by default); ``warmup_steps``: the learning rate ramps up linearly over the first
-    steps of every round (each round starts a fresh optimizer state, so momentum and Adam's
-    moments restart with it)."""
-
-    name: str = "sgd-momentum"
-    lr: float = 0.01
-    momentum: float = 0.9
-    weight_decay: float = 0.0
-    clip_norm: float | None = None
-    warmup_steps: int = 0
-
-    def __post_init__(self) -> None:
-        if self.name not in OPTIMIZERS:
-            raise ConfigError(f"optimizer.name: unknown {self.name!r}; use one of {OPTIMIZERS}")
-        if not 0 < self.lr <= 100:
-            raise ConfigError(f"optimizer.lr: must be positive (at most 100), got {self.lr}")
-        if not 0 <= self.momentum < 1:
-            raise ConfigError(f"optimizer.momentum: must be in [0, 1), got {self.momentum}")
-        if not 0 <= self.weight_decay < math.inf:
-            raise ConfigError(f"optimizer.weight_decay: must be >= 0, got {self.weight_decay}")
-        if self.clip_norm is not None and not 0 < self.clip_norm < math.inf:
-            raise ConfigError(
-                f"optimizer.clip_norm: must be positive (or absent: no clipping), got "
-                f"{self.clip_norm}"
-            )
-        if not 0 <= self.warmup_steps <= 10**9:
-            raise ConfigError(
-                f"optimizer.warmup_steps: must be in [0, 1e9], got {self.warmup_steps}"
-            )
-
-    def lr_at(self, step: int) -> float:
-        """The learning rate of a round's ``step``-th optimizer step (from 0)."""
-        if step >= self.warmup_steps:
-            return self.lr
-        return self.lr * (step + 1) / (self.warmup_steps + 1)
-
-    def build(self, parameters: list[nn.Parameter]) -> torch.optim.Optimizer:
-        if self.name == "adam":
-            return torch.optim.Adam(parameters, lr=self.lr, weight_decay=self.weight_decay)
-        momentum = self.momentum if self.name == "sgd-momentum" else 0.0
-        return torch.optim.SGD(
-            parameters, lr=self.lr, momentum=momentum, weight_decay=self.weight_decay
-        )
 
 
 class NonFiniteLoss(ModelError):

@@ -13,7 +13,18 @@ import re
 
 from split_models.errors import ConfigError
 
-__all__ = ["format_bytes", "parse_bandwidth", "parse_flops", "parse_memory"]
+__all__ = [
+    "MAX_DURATION_SECONDS",
+    "format_bytes",
+    "parse_bandwidth",
+    "parse_duration",
+    "parse_flops",
+    "parse_memory",
+]
+
+MAX_DURATION_SECONDS = 7 * 24 * 3600.0  # the longest wait or deadline a config may ask for
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
+_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
 
 _MEMORY_UNITS = {
     "B": 1,
@@ -94,3 +105,25 @@ def format_bytes(count: float) -> str:
             return f"{size:.0f} B" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
     raise AssertionError("unreachable")
+
+
+def parse_duration(value: object, field_name: str) -> float:
+    """Seconds from ``120``, ``"120s"``, ``"5m"``, ``"1h"`` or ``"500ms"``."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{field_name}: expected a duration such as 120s, got {value!r}")
+    if isinstance(value, int | float):
+        seconds = float(value)
+    else:
+        match = _DURATION.match(str(value))
+        if match is None:
+            raise ConfigError(
+                f"{field_name}: expected a duration such as 120s or 5m, got {value!r}"
+            )
+        seconds = float(match.group(1)) * _SECONDS[match.group(2)]
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ConfigError(f"{field_name}: must be positive, got {value!r}")
+    if seconds > MAX_DURATION_SECONDS:
+        raise ConfigError(
+            f"{field_name}: {value!r} is longer than the 7 days a wait or deadline may take"
+        )
+    return seconds

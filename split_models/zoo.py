@@ -24,6 +24,10 @@ from torch import nn
 from split_models.activations import Activation
 from split_models.autosplit import auto_blocks, disable_inplace
 from split_models.errors import ConfigError, ModelError
+from split_models.options import TASKS as TASKS
+from split_models.options import ZOO_NAMES as ZOO_NAMES
+from split_models.options import ModelOptions as ModelOptions
+from split_models.options import add_model_path as add_model_path
 
 __all__ = [
     "INPUT_DTYPES",
@@ -37,71 +41,8 @@ __all__ = [
 ]
 
 INPUT_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "int64": torch.int64}
-# classification: a label per sample; language-model: token ids in, the next token at every
-# position out (labels [length], logits [length, vocabulary])
-TASKS = ("classification", "language-model")
 
 
-@dataclass(frozen=True)
-class ModelOptions:
-    """What a model takes besides its shape: ``input_dtype`` (``int64`` for token ids, which
-    lie in ``input_range`` = [low, high)), the module names it may be cut before, and its
-    task (a label per sample, or a token per position for a language model)."""
-
-    input_dtype: str = "float32"
-    input_range: tuple[int, int] | None = None
-    split_points: tuple[str, ...] = ()
-    task: str = "classification"
-
-    def __post_init__(self) -> None:
-        if self.input_dtype not in INPUT_DTYPES:
-            raise ConfigError(
-                f"input_dtype: unknown {self.input_dtype!r}; use one of {list(INPUT_DTYPES)}"
-            )
-        integer = not INPUT_DTYPES[self.input_dtype].is_floating_point
-        if integer and self.input_range is None:
-            raise ConfigError(
-                f"input_range: input_dtype {self.input_dtype} needs the range of its ids, "
-                "e.g. input_range: 1000 (a vocabulary of 1000 tokens) or [0, 1000]"
-            )
-        if self.task not in TASKS:
-            raise ConfigError(f"task: unknown {self.task!r}; use one of {list(TASKS)}")
-        if self.task == "language-model" and not integer:
-            raise ConfigError(
-                "task: a language-model takes token ids: set input_dtype: int64 and input_range"
-            )
-        if self.input_range is not None:
-            low, high = self.input_range
-            if not integer or not low < high:
-                raise ConfigError(
-                    f"input_range: expected [low, high) with low < high for integer inputs, "
-                    f"got {list(self.input_range)} with input_dtype {self.input_dtype}"
-                )
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return INPUT_DTYPES[self.input_dtype]
-
-    def to_dict(self) -> dict[str, object]:
-        return {
-            "input_dtype": self.input_dtype,
-            "input_range": None if self.input_range is None else list(self.input_range),
-            "split_points": list(self.split_points),
-            "task": self.task,
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, object]) -> ModelOptions:
-        bounds = data.get("input_range")
-        return cls(
-            input_dtype=str(data.get("input_dtype", "float32")),
-            input_range=None if bounds is None else tuple(bounds),  # type: ignore[arg-type]
-            split_points=tuple(data.get("split_points", ())),  # type: ignore[arg-type]
-            task=str(data.get("task", "classification")),
-        )
-
-
-ZOO_NAMES = ("mlp", "cnn", "resnet8", "resnet20", "resnet32")
 _RESNET = re.compile(r"^resnet(\d+)$")
 
 
@@ -113,7 +54,7 @@ class SplittableModel:
     blocks: nn.ModuleList
     input_shape: tuple[int, ...]
     num_classes: int
-    options: ModelOptions = ModelOptions()
+    options: ModelOptions = ModelOptions()  # noqa: RUF009 (frozen: one shared default is safe)
 
     @property
     def num_blocks(self) -> int:
@@ -276,13 +217,6 @@ def _import_factory(path: str) -> Callable[..., object]:
     if not callable(factory):
         raise ModelError(f"model: {module_name!r} has no callable named {attribute!r}")
     return factory  # type: ignore[no-any-return]
-
-
-def add_model_path(folder: str | os.PathLike[str]) -> None:
-    """Let ``package.module:function`` models be found in ``folder`` (a config file's)."""
-    path = os.path.abspath(folder)
-    if path not in sys.path:
-        sys.path.insert(0, path)
 
 
 def _import(module_name: str) -> object:

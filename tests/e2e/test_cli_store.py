@@ -65,3 +65,25 @@ def test_status_errors_exit_2(tmp_path: Path) -> None:
     assert run("db", "upgrade", "--db", str(database)).returncode == 0
     unknown = run("status", "--db", str(database), "--run", "ghost")
     assert unknown.returncode == 2 and "ghost" in unknown.stderr
+
+
+def test_store_commands_start_without_loading_torch(tmp_path: Path) -> None:
+    # status, runs and db only read or change a store: loading torch made each take 2 s
+    import subprocess
+    import sys
+
+    url = str(tmp_path / "runs.db")
+    _populate(url, tmp_path / "runs.db.checkpoints")
+    probe = (
+        "import sys\n"
+        "from edgesplit.cli import main\n"
+        "for argv in sys.argv[1:]:\n"
+        "    assert main(argv.split('|')) == 0, argv\n"
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
+    )
+    commands = [f"status|--db|{url}", f"status|--db|{url}|--run|demo-1", f"db|upgrade|--db|{url}"]
+    done = subprocess.run(
+        [sys.executable, "-c", probe, *commands], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout[-2000:]

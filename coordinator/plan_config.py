@@ -1,0 +1,38 @@
+"""What a plan is made for (batch, optimizer, local loss, compression), without torch: the
+command line reads its defaults at start. :mod:`coordinator.partitioner` makes the plan."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from split_models.errors import ConfigError
+from split_models.options import LOCAL_LOSSES, OPTIMIZERS
+
+__all__ = ["COMPRESSION_BYTES", "PartitionConfig"]
+
+COMPRESSION_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0}
+
+
+@dataclass(frozen=True)
+class PartitionConfig:
+    """What the plan is for: training batch, optimizer, local loss and cut compression."""
+
+    batch_size: int = 64
+    optimizer: str = "sgd-momentum"
+    local_loss: str = "linear"
+    compression: str = "fp32"
+    min_edge_blocks: int = 1
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ConfigError(f"batch_size: must be >= 1, got {self.batch_size}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"optimizer: unknown {self.optimizer!r}; use one of {OPTIMIZERS}")
+        if self.local_loss not in LOCAL_LOSSES:
+            raise ConfigError(f"local_loss: unknown {self.local_loss!r}; use one of {LOCAL_LOSSES}")
+        if self.compression not in COMPRESSION_BYTES:
+            raise ConfigError(
+                f"compression: unknown {self.compression!r}; use one of {list(COMPRESSION_BYTES)}"
+            )
+        if self.min_edge_blocks < 1:
+            raise ConfigError(f"min_edge_blocks: must be >= 1, got {self.min_edge_blocks}")

@@ -1,0 +1,160 @@
+"""The names and settings that configs, the command line and plans check against, without
+torch: reading a config or a store (``edgesplit status``) must not wait 1-2 s for torch to load.
+The modules that build things (:mod:`split_models.segment`, :mod:`split_models.zoo`,
+:mod:`split_models.heads`) use and re-export these."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from split_models.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+__all__ = [
+    "INPUT_DTYPE_NAMES",
+    "LOCAL_LOSSES",
+    "OPTIMIZERS",
+    "TASKS",
+    "ZOO_NAMES",
+    "ModelOptions",
+    "OptimizerConfig",
+    "add_model_path",
+]
+
+LOCAL_LOSSES = ("linear", "mlp", "supcon")
+ZOO_NAMES = ("mlp", "cnn", "resnet8", "resnet20", "resnet32")
+INPUT_DTYPE_NAMES = ("float32", "int64")  # torch's dtypes: split_models.zoo.INPUT_DTYPES
+_INTEGER_DTYPES = frozenset({"int64"})
+# classification: a label per sample; language-model: token ids in, the next token at every
+# position out (labels [length], logits [length, vocabulary])
+TASKS = ("classification", "language-model")
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """What a model takes besides its shape: ``input_dtype`` (``int64`` for token ids, which
+    lie in ``input_range`` = [low, high)), the module names it may be cut before, and its
+    task (a label per sample, or a token per position for a language model)."""
+
+    input_dtype: str = "float32"
+    input_range: tuple[int, int] | None = None
+    split_points: tuple[str, ...] = ()
+    task: str = "classification"
+
+    def __post_init__(self) -> None:
+        if self.input_dtype not in INPUT_DTYPE_NAMES:
+            raise ConfigError(
+                f"input_dtype: unknown {self.input_dtype!r}; use one of {list(INPUT_DTYPE_NAMES)}"
+            )
+        integer = self.input_dtype in _INTEGER_DTYPES
+        if integer and self.input_range is None:
+            raise ConfigError(
+                f"input_range: input_dtype {self.input_dtype} needs the range of its ids, "
+                "e.g. input_range: 1000 (a vocabulary of 1000 tokens) or [0, 1000]"
+            )
+        if self.task not in TASKS:
+            raise ConfigError(f"task: unknown {self.task!r}; use one of {list(TASKS)}")
+        if self.task == "language-model" and not integer:
+            raise ConfigError(
+                "task: a language-model takes token ids: set input_dtype: int64 and input_range"
+            )
+        if self.input_range is not None:
+            low, high = self.input_range
+            if not integer or not low < high:
+                raise ConfigError(
+                    f"input_range: expected [low, high) with low < high for integer inputs, "
+                    f"got {list(self.input_range)} with input_dtype {self.input_dtype}"
+                )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        from split_models.zoo import INPUT_DTYPES
+
+        return INPUT_DTYPES[self.input_dtype]
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "input_dtype": self.input_dtype,
+            "input_range": None if self.input_range is None else list(self.input_range),
+            "split_points": list(self.split_points),
+            "task": self.task,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, object]) -> ModelOptions:
+        bounds = data.get("input_range")
+        return cls(
+            input_dtype=str(data.get("input_dtype", "float32")),
+            input_range=None if bounds is None else tuple(bounds),  # type: ignore[arg-type]
+            split_points=tuple(data.get("split_points", ())),  # type: ignore[arg-type]
+            task=str(data.get("task", "classification")),
+        )
+
+
+OPTIMIZERS = ("sgd", "sgd-momentum", "adam")
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """Which optimizer trains a segment; ``build`` creates it for the given parameters.
+
+    ``clip_norm``: each step's gradient is scaled down to this global L2 norm when above it
+    (off by default); ``warmup_steps``: the learning rate ramps up linearly over the first
+    steps of every round (each round starts a fresh optimizer state, so momentum and Adam's
+    moments restart with it)."""
+
+    name: str = "sgd-momentum"
+    lr: float = 0.01
+    momentum: float = 0.9
+    weight_decay: float = 0.0
+    clip_norm: float | None = None
+    warmup_steps: int = 0
+
+    def __post_init__(self) -> None:
+        if self.name not in OPTIMIZERS:
+            raise ConfigError(f"optimizer.name: unknown {self.name!r}; use one of {OPTIMIZERS}")
+        if not 0 < self.lr <= 100:
+            raise ConfigError(f"optimizer.lr: must be positive (at most 100), got {self.lr}")
+        if not 0 <= self.momentum < 1:
+            raise ConfigError(f"optimizer.momentum: must be in [0, 1), got {self.momentum}")
+        if not 0 <= self.weight_decay < math.inf:
+            raise ConfigError(f"optimizer.weight_decay: must be >= 0, got {self.weight_decay}")
+        if self.clip_norm is not None and not 0 < self.clip_norm < math.inf:
+            raise ConfigError(
+                f"optimizer.clip_norm: must be positive (or absent: no clipping), got "
+                f"{self.clip_norm}"
+            )
+        if not 0 <= self.warmup_steps <= 10**9:
+            raise ConfigError(
+                f"optimizer.warmup_steps: must be in [0, 1e9], got {self.warmup_steps}"
+            )
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of a round's ``step``-th optimizer step (from 0)."""
+        if step >= self.warmup_steps:
+            return self.lr
+        return self.lr * (step + 1) / (self.warmup_steps + 1)
+
+    def build(self, parameters: list[nn.Parameter]) -> torch.optim.Optimizer:
+        import torch
+
+        if self.name == "adam":
+            return torch.optim.Adam(parameters, lr=self.lr, weight_decay=self.weight_decay)
+        momentum = self.momentum if self.name == "sgd-momentum" else 0.0
+        return torch.optim.SGD(
+            parameters, lr=self.lr, momentum=momentum, weight_decay=self.weight_decay
+        )
+
+
+def add_model_path(folder: str | os.PathLike[str]) -> None:
+    """Let ``package.module:function`` models be found in ``folder`` (a config file's)."""
+    path = os.path.abspath(folder)
+    if path not in sys.path:
+        sys.path.insert(0, path)
