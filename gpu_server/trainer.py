@@ -113,16 +113,19 @@ class BackTrainer:
         peers: Iterable[str] = (),
         proximal_mu: float = 0.0,
         attempt: int = 1,
+        lr_scale: float = 1.0,
     ) -> None:
         """Load the round's weights, then open every device's credit window for the round.
 
         ``peers``: the other servers sharing the edges' streams this round (by name). Credits
         are granted only after the weights are in place, so no batch of the round is trained
         on the previous round's weights. ``proximal_mu``: FedProx's proximal weight, anchored
-        at the round's weights.
+        at the round's weights. ``lr_scale``: the round's factor of the learning rate (its
+        decay across rounds).
         """
 
         def setup() -> None:
+            self.segment.lr_scale = lr_scale
             if weights is not None:
                 load_segment_state(self.segment, weights)
                 self.segment.reset_optimizer(proximal_mu)

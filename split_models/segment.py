@@ -58,6 +58,9 @@ class Segment:
         self.side_outputs = 0  # weight-free tensors crossing the cut after it with its output
         self._anchor: list[torch.Tensor] = []
         self._steps = 0  # optimizer steps since the round began (for the warm-up)
+        # the round's factor of the learning rate (OptimizerConfig.round_scale), set by the
+        # edge, GPU server or baseline that trains the round
+        self.lr_scale = 1.0
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -131,7 +134,7 @@ class Segment:
         if config.clip_norm is not None:
             torch.nn.utils.clip_grad_norm_(params, config.clip_norm)
         for group in self.optimizer.param_groups:
-            group["lr"] = config.lr_at(self._steps)
+            group["lr"] = config.lr_at(self._steps) * self.lr_scale
         self.optimizer.step()
         self._steps += 1
 

@@ -85,3 +85,34 @@ def test_a_first_round_that_blows_up_is_not_committed(tmp_path: Path) -> None:
         assert store.resume("blown") is None, "nothing committed"
     assert len(reasons) == 3, reasons  # judged against the initial weights' loss (about 3)
     assert all(re.search(r"evaluation loss jumped from [23]\.\d+ to \d{2,}", r) for r in reasons)
+
+
+
+@pytest.mark.parametrize("method", ["local-loss", "fedavg"])
+def test_a_decaying_learning_rate_reaches_every_trainer(
+    tmp_path: Path, method: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # round 1 trains at the full rate, round 2 of 2 at half with cosine decay: every step's
+    # rate, seen by the front segments (edges) and the last (the GPU server's back, or a
+    # whole-model client)
+    from split_models.segment import Segment
+
+    rates: dict[bool, set[float]] = {True: set(), False: set()}
+    step = Segment._step
+
+    def recording(segment: Segment) -> None:
+        step(segment)
+        rates[segment.is_last].add(round(segment.optimizer.param_groups[0]["lr"], 9))
+
+    monkeypatch.setattr(Segment, "_step", recording)
+    sgd = {"name": "sgd", "lr": 0.05}
+    _, constant = _simulate(tmp_path, "constant", method=method, optimizer=sgd)
+    assert rates[True] == {0.05}
+    rates[True].clear(), rates[False].clear()
+    _, decayed = _simulate(
+        tmp_path, "decayed", method=method, optimizer={**sgd, "lr_decay": "cosine"}
+    )
+    assert rates[True] == {0.05, 0.025}, "the GPU server's back (or the client) decays"
+    if method == "local-loss":
+        assert rates[False] == {0.05, 0.025}, "and so do the edges"
+    assert any(not np.array_equal(constant[k], decayed[k]) for k in constant)

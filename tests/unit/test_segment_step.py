@@ -1,4 +1,5 @@
-"""A segment's optimizer step: FedProx's proximal term, gradient clipping and the warm-up."""
+"""A segment's optimizer step: FedProx's proximal term, gradient clipping, the warm-up and
+the learning rate's decay across rounds."""
 
 from __future__ import annotations
 
@@ -78,10 +79,30 @@ def test_clipping_bounds_the_step_and_warmup_ramps_the_learning_rate() -> None:
 
 @pytest.mark.parametrize(
     ("options", "message"),
-    [({"clip_norm": 0.0}, "clip_norm"), ({"warmup_steps": -1}, "warmup_steps")],
+    [
+        ({"clip_norm": 0.0}, "clip_norm"),
+        ({"warmup_steps": -1}, "warmup_steps"),
+        ({"lr_decay": "linear"}, "lr_decay"),
+    ],
 )
 def test_bad_step_options_are_named(options: dict[str, float], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         OptimizerConfig("sgd", **options)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="proximal_mu"):
         _segment(OptimizerConfig()).reset_optimizer(-1.0)
+
+
+def test_cosine_decay_scales_each_round_and_the_segment_applies_the_scale() -> None:
+    constant, cosine = OptimizerConfig("sgd", lr=0.2), OptimizerConfig("sgd", lr_decay="cosine")
+    assert [constant.round_scale(r, 4) for r in range(1, 5)] == [1.0] * 4
+    scales = [cosine.round_scale(r, 4) for r in range(1, 5)]
+    assert scales == pytest.approx([1.0, 0.853553, 0.5, 0.146447], abs=1e-6)
+    assert cosine.round_scale(5, 4) == 1.0, "a round beyond the plan (more rounds on resume)"
+    start = [p.detach().clone() for p in _segment(constant).trainable_parameters()]
+    full = _trained(_segment(constant), 1)
+    halved = _segment(constant)
+    halved.lr_scale = 0.5
+    segment_steps = _trained(halved, 1)
+    assert halved.optimizer.param_groups[0]["lr"] == pytest.approx(0.1)
+    for got, whole, first in zip(segment_steps, full, start, strict=True):
+        torch.testing.assert_close(got - first, (whole - first) / 2)
