@@ -226,7 +226,7 @@ def _accuracies(
             method,
             PARTITIONS[partition],
             args.rounds,
-            optimizer=SWEEP[setting],
+            optimizer={**SWEEP[setting], **json.loads(args.optimizer)},
             seed=seed,
             measure=False,
             extra=json.loads(args.extra),
@@ -246,9 +246,10 @@ def _sweep(work: Path, args: argparse.Namespace) -> None:
     report = Report(
         f"\n### Optimizer sweep ({machine()})\n\n`python benchmarks/compare.py --sweep "
         f"--rounds {args.rounds} --seeds {args.seeds} --settings '{args.settings}' "
-        f"--partitions {args.partitions} --extra '{args.extra}'`: mnist8k 6,000 train / "
-        "2,000 test, 8 clients of the two profiles (two cuts), cnn, batch 32, default "
-        "training options; accuracy after the last round (best round in brackets).\n\n"
+        f"--partitions {args.partitions} --extra '{args.extra}' --optimizer '{args.optimizer}'`: "
+        "mnist8k 6,000 train / 2,000 test, 8 clients of the two profiles (two cuts), cnn, "
+        "batch 32, default training options; accuracy after the last round (best round in "
+        "brackets).\n\n"
         "| optimizer | partition | seed | centralized | local-loss | vs central | splitfed "
         "| vs central | holds |\n"
         "|---|---|---|---|---|---|---|---|---|"
@@ -285,6 +286,11 @@ def main() -> None:
     parser.add_argument("--partitions", default="iid,dirichlet")
     parser.add_argument(
         "--extra", default="{}", help='sweep: SIM.yaml keys as JSON, e.g. {"workers": 1}'
+    )
+    parser.add_argument(
+        "--optimizer",
+        default="{}",
+        help='sweep: optimizer keys added to each setting, e.g. {"lr_decay": "cosine"}',
     )
     args = parser.parse_args()
     args.rounds = args.rounds or (5 if args.sweep else 3)
