@@ -33,12 +33,12 @@ __all__ = ["SegmentStack", "StepGroup", "stackable"]
 
 def stackable(segment: Segment) -> bool:
     """Whether ``segment`` can be stacked: no buffers, a loss that vmap can batch, a plain
-    optimizer step (no clipping, warm-up or decay, which the stacked update does not do) and one
+    optimizer step (no clipping or warm-up, which the stacked update does not do) and one
     tensor at its cut (side tensors such as a mask are not stacked yet)."""
     modules = (segment.module, segment.head)
     no_buffers = not any(True for m in modules for _ in m.buffers())
     config = segment.optimizer_config
-    plain = config.clip_norm is None and config.warmup_steps == 0 and config.lr_decay == "none"
+    plain = config.clip_norm is None and config.warmup_steps == 0
     per_position = getattr(segment.head, "per_position", False)
     kind = getattr(segment.head, "kind", "")
     single = segment.side_outputs == 0
@@ -135,6 +135,9 @@ class SegmentStack:
         grads: dict[str, torch.Tensor],
     ) -> None:
         config = self.optimizer
+        # the round's decay: the agent sets it on the template, which every slot shares (the
+        # clients of one stack train the same round)
+        lr = config.lr * self.segment.lr_scale
         self._steps[index] += 1
         steps = self._steps[index]
         for name, param in params.items():
@@ -150,14 +153,14 @@ class SegmentStack:
                 bias1 = (1 - 0.9**steps).to(param.dtype).view(shape)
                 bias2 = (1 - 0.999**steps).to(param.dtype).view(shape)
                 denom = v.sqrt() / bias2.sqrt() + 1e-8
-                param = param - (config.lr / bias1) * m / denom
+                param = param - (lr / bias1) * m / denom
             elif config.name == "sgd-momentum":
                 buffer = self._state[0][name]
                 update = config.momentum * buffer[index] + grad
                 buffer[index] = update
-                param = param - config.lr * update
+                param = param - lr * update
             else:
-                param = param - config.lr * grad
+                param = param - lr * grad
             self.params[name][index] = param
 
 

@@ -87,7 +87,6 @@ def test_a_first_round_that_blows_up_is_not_committed(tmp_path: Path) -> None:
     assert all(re.search(r"evaluation loss jumped from [23]\.\d+ to \d{2,}", r) for r in reasons)
 
 
-
 @pytest.mark.parametrize("method", ["local-loss", "fedavg"])
 def test_a_decaying_learning_rate_reaches_every_trainer(
     tmp_path: Path, method: str, monkeypatch: pytest.MonkeyPatch

@@ -34,10 +34,12 @@ def _assert_same_weights(got: dict[str, np.ndarray], want: dict[str, np.ndarray]
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "sgd-momentum", "adam"])
-@pytest.mark.parametrize("model", ["cnn", "mlp"])
-def test_each_slot_trains_as_its_own_segment(model: str, optimizer: str) -> None:
+@pytest.mark.parametrize(("model", "lr_scale"), [("cnn", 1.0), ("mlp", 1.0), ("cnn", 0.3)])
+def test_each_slot_trains_as_its_own_segment(model: str, optimizer: str, lr_scale: float) -> None:
     reference = _segments(model, optimizer, 3)
     stack = SegmentStack(_segments(model, optimizer, 4)[3], slots=4)
+    for segment in (*reference, stack.segment):  # a round's decay (set on the template)
+        segment.lr_scale = lr_scale
     for slot, segment in enumerate(reference):
         stack.load(slot, segment_state(segment))
     generator = torch.Generator().manual_seed(0)
