@@ -287,7 +287,7 @@ class EdgeAgent:
         stackable = job.training.mode != "backprop" and not job.training.deterministic
         leased = self.source.lease(key, build, weights, stackable, job.proximal_mu, self.device)
         with leased as lease:
-            lease.segment.lr_scale = job.training.optimizer.round_scale(number, job.training.rounds)
+            lease.segment.lr_scale = job.training.lr_scale(number)
             trainer = self._trainer(job, lease.segment)
             with self._peak() as peak:
                 report = trainer.train_round(

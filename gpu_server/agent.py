@@ -167,7 +167,7 @@ class GpuAgent:
         number = round_of(message)
         peers = [s for s in task.servers if s != self.device]
         cancelled = self.sessions.follow(task.run, task.session, (number, options[1]))
-        scale = sections[1].optimizer.round_scale(number, sections[1].rounds)
+        scale = sections[1].lr_scale(number)
         back.begin_round(number, task.edges, weights, peers, *options, lr_scale=scale)
         wait = server_wait_seconds(sections[1].round_deadline_seconds)
         offline = self._offline(task, peers)

@@ -102,7 +102,7 @@ def _client(config: SimConfig, data: Dataset, reset: bool, upload: bool) -> Clie
         load_segment_state(segment, numpy_arrays(message))
         if reset:  # the centralized baseline keeps its optimizer state (one client)
             segment.reset_optimizer(proximal_mu_of(message))
-        segment.lr_scale = training.optimizer.round_scale(round_of(message), training.rounds)
+        segment.lr_scale = training.lr_scale(round_of(message))
         loss = _epochs(segment, data, training, training.seed + round_of(message))
         arrays = segment_state(segment)
         metrics = MetricRecord(

@@ -476,6 +476,10 @@ class TrainingConfig:
         clips = [c for c in (self.optimizer.clip_norm, self.server_clip_norm) if c is not None]
         return dataclasses.replace(self.optimizer, clip_norm=min(clips) if clips else None)
 
+    def lr_scale(self, round_number: int) -> float:
+        """The factor of the learning rate in ``round_number`` (``optimizer.lr_decay``)."""
+        return self.optimizer.round_scale(round_number, self.rounds)
+
     def to_dict(self) -> dict[str, Any]:
         return config_to_dict(self)
 

@@ -3,9 +3,10 @@
 Opens check the revision first and run alembic only when the database is behind, one at a
 time: alembic's context is one global per process (two threads at once failed with
 ``KeyError: 'script'``), and across processes SQLite's write lock (``BEGIN IMMEDIATE``) or a
-PostgreSQL advisory lock (in ``migrations/env.py``) serialises them. An open that still finds
-a table of a migration it runs already there (seen when a test polled a simulation's new
-store: ``table run_profiles already exists``) waits for the other process to reach head.
+PostgreSQL advisory lock (in ``migrations/env.py``) serialises them, and every step of an
+upgrade commits together. An open that still finds a table of a migration it runs already
+there (a process of an older version, which committed step by step) waits for the other
+process to reach head.
 """
 
 from __future__ import annotations
