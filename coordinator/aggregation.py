@@ -227,11 +227,26 @@ def _bound_updates(strategy: Any, replies: list[Message]) -> list[dict[str, np.n
 
 
 def _train_metrics(strategy: Any, replies: list[Message]) -> MetricRecord:
-    """The replies' metrics weighted by their examples (none when every weight is 0: an edge
-    capped to what the GPU servers trained may have none)."""
+    """The replies' numeric metrics that every reply holds, weighted by their examples (none
+    when every weight is 0: an edge capped to what the GPU servers trained may have none).
+    Lists (a device's timed steps per cut) are left out: Flower averages them element by
+    element, and lists of different lengths, from devices at different cuts or from a device
+    that lies, would fail the round."""
     if sum(_weight(m) for m in replies) <= 0:
         return MetricRecord()
-    return strategy.train_metrics_aggr_fn([m.content for m in replies], WEIGHT_KEY)  # type: ignore[no-any-return]
+    records = [m.content.metric_records["metrics"] for m in replies]
+    common = set.intersection(*(set(r) for r in records))
+    scalars = [
+        RecordDict(
+            {
+                "metrics": MetricRecord(
+                    {k: v for k, v in r.items() if k in common and not isinstance(v, list)}
+                )
+            }
+        )
+        for r in records
+    ]
+    return strategy.train_metrics_aggr_fn(scalars, WEIGHT_KEY)  # type: ignore[no-any-return]
 
 
 def _median_if_too_few(

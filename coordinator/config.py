@@ -97,6 +97,11 @@ class DevicesConfig:
     edges: int | tuple[str, ...] = setting(parse=_edges)
     gpu_servers: int = setting(1, minimum=1)
     wait_seconds: float = setting(120.0, key="wait", aliases=("wait_seconds",), kind="duration")
+    # re-plan between rounds when a device's measured speed is off the one the plan used by
+    # more than this share (coordinator.speed); null: keep the plan
+    replan_drift: float | None = setting(
+        0.25, above=0, what="a share such as 0.25 (or null: never re-plan from speeds)"
+    )
 
     @property
     def edge_count(self) -> int:

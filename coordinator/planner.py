@@ -31,7 +31,7 @@ from storage.records import Event, RunRecord
 from wire.flower import TransportGrid
 from wire.roles import Announcement
 
-__all__ = ["Placement", "Planner", "profile_key", "stored_plan"]
+__all__ = ["Placement", "Planner", "device_specs", "profile_key", "stored_plan"]
 
 log = logging.getLogger(__name__)
 _ASK_TIMEOUT = 60.0
@@ -125,20 +125,10 @@ class Planner:
 
     def plan(self, edges: list[Announcement], servers: list[Announcement]) -> Placement:
         """Plan, ask the edges, plan again around refusals; the edges' and servers' blocks."""
-        config = self.config
-        partition = PartitionConfig(
-            batch_size=config.training.batch_size,
-            optimizer=config.training.optimizer.name,
-            local_loss=config.training.local_loss,
-            compression=config.training.compression,
-        )
-        profile = self.profile()
+        partition, profile = self.partition(), self.profile()
         candidates = list(edges)
         for _ in range(2 * len(edges) + 2):  # each pass drops an edge or lowers a budget
-            specs = [
-                DeviceSpec(a.device, "edge", a.memory, a.flops, a.uplink or 1e9) for a in candidates
-            ] + [DeviceSpec(s.device, "gpu", s.memory, s.flops) for s in servers]
-            plan = plan_split(profile, specs, partition)
+            plan = plan_split(profile, device_specs(candidates, servers), partition)
             assigned = _edges_of(plan)
             refusals = self.ask(assigned)
             if not refusals:
@@ -149,6 +139,16 @@ class Planner:
         raise CoordinatorError(
             "the edges kept refusing their blocks: "
             + "; ".join(f"{d}: {r}" for d, r in self.refusals.items())
+        )
+
+    def partition(self) -> PartitionConfig:
+        """What the partitioner needs of the run's training config."""
+        training = self.config.training
+        return PartitionConfig(
+            batch_size=training.batch_size,
+            optimizer=training.optimizer.name,
+            local_loss=training.local_loss,
+            compression=training.compression,
         )
 
     def profile(self) -> ModelProfile:
@@ -262,6 +262,13 @@ class Planner:
             Assignment(p.name, p.blocks[0], p.blocks[1], p.estimated_peak_bytes, "gpu")
             for p in pieces
         ]
+
+
+def device_specs(edges: list[Announcement], servers: list[Announcement]) -> list[DeviceSpec]:
+    """The partitioner's view of the announced ``edges`` and ``servers``."""
+    return [DeviceSpec(a.device, "edge", a.memory, a.flops, a.uplink or 1e9) for a in edges] + [
+        DeviceSpec(s.device, "gpu", s.memory, s.flops) for s in servers
+    ]
 
 
 def _with_servers(plan: Plan, backs: list[Assignment], memory: dict[str, int]) -> Plan:

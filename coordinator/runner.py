@@ -153,6 +153,7 @@ class RoundRunner:
         transport = getattr(grid, "transport", None)
         self.link = LinkWatch(transport, clock, sleep)
         self._nodes = GracefulNodes(grid, transport, WillGrace(clock=clock))
+        self.reported: dict[str, dict[str, Any]] = {}  # the last committed round's metrics
         # raises to stop the run (a stop request): called at each try and while collecting
         self.stop_check: Callable[[], None] = lambda: None
 
@@ -296,6 +297,7 @@ class RoundRunner:
         if diverged is not None:
             return None, f"not committed: {diverged}"
         self.recorder.commit(number, merged, outcome, evaluation, list(work.servers))
+        self.reported = {d: dict(replies[d].content.metric_records["metrics"]) for d in ok}
         return merged, ""
 
     def collect(

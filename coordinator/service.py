@@ -46,6 +46,7 @@ from coordinator.errors import CoordinatorError, RunCancelled
 from coordinator.planner import Placement, Planner
 from coordinator.recorder import WEIGHTS_SEGMENT, Evaluate, RoundObserver, RoundRecorder
 from coordinator.runner import RoundRunner, RoundWork
+from coordinator.speed import Replanner
 from coordinator.stopping import StopWatch, mark_cancelled
 from split_models.data import Dataset, load_dataset
 from split_models.errors import ConfigError, SplitError
@@ -98,6 +99,12 @@ def initial_weights(
     return weights
 
 
+def head_cuts(placement: Placement) -> list[int]:
+    """The cuts with a local head: every edge's, and a chained piece's before the last."""
+    last = placement.plan.num_blocks
+    return [a.end for a in placement.edges] + [b.end for b in placement.servers if b.end < last]
+
+
 def local_keys(config: RunConfig, model: SplittableModel) -> frozenset[str]:
     """The tensors each device keeps as its own: the BatchNorm layers with ``norm: local``."""
     if config.training.norm != "local":
@@ -147,6 +154,7 @@ class Coordinator:
         self.devices = DeviceRegistry(transport, self.grid)
         profile = profile or functools.partial(_profile_fresh, cache=profile_cache)
         self.planner = Planner(config, store, self.grid, self.session, profile, self.min_edges)
+        self.replanner = Replanner(self.planner, store, config.devices.replan_drift)
         eval_data = load_dataset(config.data.eval_data) if config.data.eval_data else None
         evaluate = _central(config, eval_data) if eval_data is not None else None
         recorder = RoundRecorder(
@@ -177,7 +185,7 @@ class Coordinator:
         Interrupted (Ctrl-C, a signal the caller turned into ``KeyboardInterrupt``) or asked to
         stop (``edgesplit runs stop``), it marks the run ``cancelled`` and raises
         :class:`RunCancelled`; the same call later resumes it."""
-        self._create_or_check()
+        create_or_check(self.store, self.config, self.allow_config_change)
         watch = StopWatch(self.store, self.config.run_id).start()
         self.runner.stop_check = watch.check
         try:
@@ -226,9 +234,7 @@ class Coordinator:
             return 0
         store.set_run_status(config.run_id, "planning")
         placement = self._placement(resumed is not None)
-        cuts = [a.end for a in placement.edges] + [
-            b.end for b in placement.servers if b.end < placement.plan.num_blocks
-        ]
+        cuts = head_cuts(placement)
         model = config.model.build(seed=config.training.seed)
         stored = {} if resumed is None else resumed.weights[WEIGHTS_SEGMENT]
         seed = config.training.seed
@@ -240,42 +246,27 @@ class Coordinator:
         try:
             for number in range(done + 1, config.training.rounds + 1):
                 weights = self._round(number, weights, placement)
+                if number < config.training.rounds:
+                    placement, weights = self._replan(number, placement, weights)
         except CoordinatorError:
             store.set_run_status(config.run_id, "failed")
             raise
         store.set_run_status(config.run_id, "finished")
         return config.training.rounds - done
 
-    def _create_or_check(self) -> None:
-        """Create the run, or check that the stored one trains the same model."""
-        config, store = self.config, self.store
-        try:
-            run = store.get_run(config.run_id)
-        except NotFoundError:
-            store.create_run(config.run_id, config.to_dict(), config.training.seed)
-            return
-        structure = config_changes(run.config, config, STRUCTURE_KEYS)
-        if structure:
-            raise ConfigError(
-                f"run {config.run_id!r} exists with another network: "
-                f"{describe_changes(structure)} (use a new run_id)"
-            )
-        changes = config_changes(run.config, config, TRAINING_KEYS)
-        if changes and not self.allow_config_change:
-            raise ConfigError(
-                f"run {config.run_id!r} was trained with other settings: "
-                f"{describe_changes(changes)}; resume with the stored ones, use a new "
-                "run_id, or pass --allow-config-change to train on with these"
-            )
-        if changes:
-            log.warning("run %s changes its config: %s", config.run_id, describe_changes(changes))
-            store.add_event(config.run_id, Event("config-changed", describe_changes(changes)))
-        if run.config != config.to_dict():  # also rounds, deadline, devices: allowed
-            store.set_run_config(config.run_id, config.to_dict())
-        log.info("resuming run %s after round %s", config.run_id, run.current_round or 0)
-        store.add_event(
-            config.run_id, Event("resumed", f"after round {run.current_round or 0} ({run.status})")
-        )
+    def _replan(
+        self, number: int, placement: Placement, weights: dict[str, np.ndarray]
+    ) -> tuple[Placement, dict[str, np.ndarray]]:
+        """The placement for the next round (a new one when round ``number``'s measured
+        speeds call for it: its new cuts get fresh local heads)."""
+        reported, online = self.runner.reported, self.online()
+        new = self.replanner.after_round(number, placement, reported, online)
+        if new is None:
+            return placement, weights
+        training = self.config.training
+        model = self.config.model.build(seed=training.seed)
+        fresh = initial_weights(model, training.local_loss, head_cuts(new), training.seed, weights)
+        return new, fresh | weights
 
     def _placement(self, resumed: bool) -> Placement:
         """The stored plan of a resumed run if it still holds, else a new plan (stored)."""
@@ -368,6 +359,38 @@ class Coordinator:
 
         nodes = {device: a.node for device, a in assigned.items()}
         return self.runner.federated(number, weights, nodes, message)
+
+
+def create_or_check(store: RunStore, config: RunConfig, allow_config_change: bool) -> None:
+    """Create the run, or check that the stored one trains the same model (and the same way,
+    unless ``allow_config_change``)."""
+    try:
+        run = store.get_run(config.run_id)
+    except NotFoundError:
+        store.create_run(config.run_id, config.to_dict(), config.training.seed)
+        return
+    structure = config_changes(run.config, config, STRUCTURE_KEYS)
+    if structure:
+        raise ConfigError(
+            f"run {config.run_id!r} exists with another network: "
+            f"{describe_changes(structure)} (use a new run_id)"
+        )
+    changes = config_changes(run.config, config, TRAINING_KEYS)
+    if changes and not allow_config_change:
+        raise ConfigError(
+            f"run {config.run_id!r} was trained with other settings: "
+            f"{describe_changes(changes)}; resume with the stored ones, use a new "
+            "run_id, or pass --allow-config-change to train on with these"
+        )
+    if changes:
+        log.warning("run %s changes its config: %s", config.run_id, describe_changes(changes))
+        store.add_event(config.run_id, Event("config-changed", describe_changes(changes)))
+    if run.config != config.to_dict():  # also rounds, deadline, devices: allowed
+        store.set_run_config(config.run_id, config.to_dict())
+    log.info("resuming run %s after round %s", config.run_id, run.current_round or 0)
+    store.add_event(
+        config.run_id, Event("resumed", f"after round {run.current_round or 0} ({run.status})")
+    )
 
 
 def _central(config: RunConfig, data: Dataset) -> Evaluate:

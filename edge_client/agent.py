@@ -352,5 +352,6 @@ class EdgeAgent:
                 "budget": self.budget,
                 "credit-wait-seconds": report.credit_wait_seconds,
                 "wall-seconds": time.perf_counter() - started,
+                **report.compute,
             }
         )

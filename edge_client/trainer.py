@@ -13,7 +13,7 @@ import logging
 import queue
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -21,6 +21,7 @@ import torch
 from split_models.activations import Activation, activation_arrays, detached, primary
 from split_models.data import Dataset
 from split_models.segment import Segment, StepResult
+from split_models.timing import LinkClock, StepClock
 from wire import topics
 from wire.channel import Channel
 from wire.codec import Envelope
@@ -57,6 +58,8 @@ class EdgeRoundReport:
     bytes_received: int = 0  # credits, and gradients in backprop mode
     cut_bytes_sent: int = 0  # the cut layer's traffic only: activations and labels up,
     cut_bytes_received: int = 0  # gradients down (backprop mode)
+    # the timed steps (split_models.timing): the coordinator measures the device's speed
+    compute: dict[str, float | list[int]] = field(default_factory=dict)
 
 
 class EdgeTrainer:
@@ -79,6 +82,7 @@ class EdgeTrainer:
         self.rejected_gradients = 0
         self._offline: Callable[[], list[str]] | None = None  # the round's servers offline
         self._attempt, self._sent = 1, 0  # the try under way, its batches sent so far
+        self.clock, self.link = StepClock(), LinkClock()
         if config.mode == "backprop":
             channel.subscribe(
                 topics.gradients(config.run, config.device),
@@ -133,7 +137,10 @@ class EdgeTrainer:
         # upload of batch k still overlaps the training step of batch k+1, but a slow uplink
         # cannot pile up the credit window's worth of payloads on top of the step, which the
         # plan's estimate (three payloads beyond the step) does not hold.
+        began = time.perf_counter()
         self.channel.transport.flush(self.config.credit_timeout)
+        self.link.acknowledged(time.perf_counter() - began)
+        before = self.channel.stats.sent_by_kind["activations"]
         seq = self.channel.send(
             self.topic,
             "activations",
@@ -143,6 +150,7 @@ class EdgeTrainer:
             meta=meta,
             encoding=self.config.encoding,
         )
+        self.link.published(self.channel.stats.sent_by_kind["activations"] - before)
         self._sent += 1
         return seq
 
@@ -158,13 +166,18 @@ class EdgeTrainer:
         batch k+1, which the plan's estimate does not hold."""
         inputs = torch.from_numpy(self.data.x[batch])
         labels = torch.from_numpy(self.data.y[batch])
+        began, examples = self.clock.start(), {self.segment.end: len(batch)}
         if self.config.mode == "backprop":
             output = self.segment.forward_for_backprop(inputs)
+            forward = self.clock.start() - began  # the wait for the gradient is not compute
             seq = self._send(detached(output), labels, round_number, backprop=True)
             gradient = self._gradient_for(seq, primary(output), round_number, cancelled)
+            again = self.clock.start()
             self.segment.backward_from(output, gradient)
+            self.clock.add(again - forward, examples)  # forward and backward, no wait
             return None
         result = step(inputs, labels)
+        self.clock.add(began, examples)
         self._send(result.output, labels, round_number)
         return result.loss
 
@@ -188,6 +201,8 @@ class EdgeTrainer:
         losses: list[float] = []
         self.gate.start_round(round_number, attempt)  # a retried round: a new attempt
         self._attempt, self._sent = attempt, 0
+        self.clock.reset()
+        self.link.reset()
         batches = self._batches(round_number, seed)
         for batch in batches:
             if cancelled is not None and cancelled():  # a replaced try stops sending at once,
@@ -212,6 +227,7 @@ class EdgeTrainer:
             cut_bytes_received=int(spent[3]),
             credit_wait_seconds=spent[4],
             wall_seconds=time.perf_counter() - started,
+            compute={**self.clock.metrics(), **self.link.metrics()},
         )
 
     def _done(self, round_number: int, batches: int) -> None:

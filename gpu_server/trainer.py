@@ -23,6 +23,7 @@ from gpu_server.chain import ChainLink
 from gpu_server.stage import MAX_ACTIVATION, BackStage, Fill, Part
 from split_models.activations import activation_arrays
 from split_models.segment import OptimizerConfig, StepResult
+from split_models.timing import StepClock
 from split_models.weights import load_segment_state, segment_state
 from split_models.zoo import SplittableModel
 from wire import topics
@@ -89,6 +90,7 @@ class BackTrainer:
         self.stream.on_complete = self._complete
         self.fill = Fill(fill) if fill > 0 else None
         self.stats = BackStats(rejected=self.stream.stats.rejected)
+        self.clock = StepClock()  # the round's steps, for the coordinator's speed measure
         self._round_examples, self._round_losses = 0, list[float]()
         self._round_senders: collections.Counter[str] = collections.Counter()
         # sender -> its batch numbers trained this round, each with how often
@@ -130,6 +132,7 @@ class BackTrainer:
                 load_segment_state(self.segment, weights)
                 self.segment.reset_optimizer(proximal_mu)
             self._round_examples, self._round_losses = 0, []
+            self.clock.reset()
             self._round_senders = collections.Counter()
             self._round_batches = collections.defaultdict(collections.Counter)
             if self.fill is not None:  # an earlier try's batches are not this round's
@@ -195,7 +198,9 @@ class BackTrainer:
             for parts in self.fill.add(self.stage.prepare(envelope)):
                 self._train_parts(parts)
             return
+        began = self.clock.start()
         result, labels = self.stage.train(envelope)
+        self.clock.add(began, {_cut_of(envelope): len(labels)})
         if result.input_gradient is not None:
             self._return_gradient(envelope, result)
         self._trained([(envelope, len(labels))], result, labels)
@@ -204,7 +209,9 @@ class BackTrainer:
         """One step on batches the fill held; when its loss is not finite, each batch alone
         (so one sender's bad batch costs the others nothing)."""
         try:
+            began = self.clock.start()
             result = self.stage.train_parts(parts)
+            self.clock.add(began, {parts[0].cut: sum(p.rows for p in parts)})
         except WireError as error:
             if len(parts) > 1:
                 for part in parts:
@@ -259,3 +266,9 @@ class BackTrainer:
             tensors={"g": result.input_gradient.cpu().numpy()},
             meta={"seq": envelope.seq, "loss": result.loss},
         )
+
+
+def _cut_of(envelope: Envelope) -> int:
+    """The cut a trained batch entered at (the stage checked it is an int)."""
+    cut = envelope.meta.get("cut")
+    return cut if isinstance(cut, int) else -1

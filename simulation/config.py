@@ -343,7 +343,9 @@ def run_config(config: SimConfig, run_id: str, eval_data: str | None = None) -> 
     return RunConfig(
         run_id=run_id,
         model=config.model,
-        devices=DevicesConfig(tuple(client_names(config.fleet.clients)), 1, 60.0),
+        # simulated devices all run at the host's speed, not their profiles': their measured
+        # speeds say nothing of the devices simulated, so the plan stays
+        devices=DevicesConfig(tuple(client_names(config.fleet.clients)), 1, 60.0, None),
         training=config.training,
         data=DataConfig(eval_data),
         aggregation=config.aggregation,

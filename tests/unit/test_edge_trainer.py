@@ -52,3 +52,26 @@ def test_a_batch_is_published_only_after_the_previous_one_was_acknowledged() -> 
     report = EdgeTrainer(channel, gate, segment, data, config).train_round(1)
     assert report.examples == 40
     assert transport.held_at_publish == [0] * 5, transport.held_at_publish
+
+
+def test_the_round_reports_its_timed_steps_without_the_first() -> None:
+    transport = InProcessTransport(InProcessHub(), "pi-01-stream")
+    channel = Channel(transport, "pi-01")
+    gate = CreditGate(channel, "run", "pi-01")
+    gate.on_credit(Envelope("credit", "run", "gpu-a", 0, round=1, meta={"credits": 100}))
+    rng = np.random.default_rng(0)
+    data = Dataset(
+        rng.normal(size=(36, 1, 8, 8)).astype(np.float32),
+        rng.integers(0, 10, size=36).astype(np.int64),
+        10,
+    )
+    segment = Segment.from_model(build_model("mlp", (1, 8, 8), 10, seed=0), 0, 1, "linear")
+    config = EdgeTrainerConfig("run", "pi-01", "seg-0", batch_size=8)
+
+    compute = EdgeTrainer(channel, gate, segment, data, config).train_round(1).compute
+
+    # five batches (8, 8, 8, 8, 4): the first is left out of the timing
+    assert compute["compute-cuts"] == [1]
+    assert compute["compute-steps"] == 4
+    assert compute["compute-examples"] == [28]
+    assert 0 < compute["compute-seconds"] < 60  # type: ignore[operator]

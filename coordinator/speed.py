@@ -1,0 +1,289 @@
+"""Re-planning from measured speeds.
+
+A device declares its FLOP/s when it announces itself, and the plan's cuts follow from it.
+Declared speeds are guesses (a datasheet's peak, or a phone that throttles), so every device
+also reports what its round's training steps took (``split_models.timing``: seconds, and
+examples per cut). With the profile's FLOPs per sample, the numbers the partitioner plans
+with, that is a speed in the planner's own units: the FLOP/s at which its cost model gives
+the measured step time.
+
+After a committed round, when a device's measured speed is off the speed the plan used by
+more than ``devices.replan_drift`` (0.25: 25 %), the coordinator plans again with the
+measured speeds. The new plan is used (offered to the edges, stored as a new plan version)
+when its predicted step is at least :data:`MIN_GAIN` shorter than the current plan's under
+the same speeds; either way an event says what was measured. A device that lies about its
+timing only moves its own cut, as a false declaration would; what it reports is validated
+like any other metric.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from coordinator.errors import CoordinatorError
+from coordinator.partitioner import TRAIN_FLOPS_FACTOR, Problem, plan_split, step_seconds
+from coordinator.planner import Placement, Planner, device_specs
+from split_models.errors import SplitError
+from split_models.plan import Plan
+from split_models.profiler import ModelProfile
+from storage.base import RunStore
+from storage.records import Event
+from wire.roles import Announcement
+
+__all__ = [
+    "MIN_GAIN",
+    "MIN_LINK_SECONDS",
+    "MIN_STEP_SECONDS",
+    "Replanner",
+    "Timed",
+    "drifted",
+    "measured_speeds",
+    "speed",
+    "timed_link",
+    "timed_work",
+]
+
+log = logging.getLogger(__name__)
+MIN_GAIN = 0.10  # a new plan must predict a step this much shorter to replace the current one
+# Steps shorter than this on average are mostly framework overhead (a few ms of Python and
+# kernel launches a step), not FLOPs: their rate says little of the device, so it is not used.
+MIN_STEP_SECONDS = 0.010
+MIN_LINK_SECONDS = 0.05  # transfers measured in a round, in all, before an uplink counts
+_MAX_CUTS = 1024  # a GPU server's timing names at most this many cuts
+_MIN_SECONDS, _MAX_SECONDS = 1e-6, 7 * 24 * 3600.0
+
+
+@dataclass(frozen=True)
+class Timed:
+    """A device's timed training steps of one round: seconds, and examples per cut."""
+
+    seconds: float
+    examples: Mapping[int, int]
+    steps: int = 1
+
+
+def timed_work(metrics: Mapping[str, Any]) -> Timed | None:
+    """The timing a device reported in its reply ``metrics`` (None: it reported none);
+    :class:`ValueError` naming what is wrong when it is malformed."""
+    if "compute-seconds" not in metrics:
+        return None
+    seconds, cuts, examples, steps = (
+        metrics.get(k)
+        for k in ("compute-seconds", "compute-cuts", "compute-examples", "compute-steps")
+    )
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+        raise ValueError(f"compute-seconds {seconds!r}: expected a number")
+    if not _MIN_SECONDS <= seconds < _MAX_SECONDS:
+        raise ValueError(
+            f"compute-seconds {seconds!r}: expected in [{_MIN_SECONDS}, {_MAX_SECONDS:.0f})"
+        )
+    if not (isinstance(cuts, list) and isinstance(examples, list)) or len(cuts) != len(examples):
+        raise ValueError("compute-cuts and compute-examples: expected two lists of one length")
+    if not 0 < len(cuts) <= _MAX_CUTS:
+        raise ValueError(f"compute-cuts: {len(cuts)} cuts, expected 1 to {_MAX_CUTS}")
+    if not all(_count(v) for v in [*cuts, *examples]) or len(set(cuts)) != len(cuts):
+        raise ValueError("compute-cuts and compute-examples: expected distinct cuts and counts")
+    if not _count(steps) or not 0 < steps <= sum(examples):  # type: ignore[operator]
+        raise ValueError(f"compute-steps {steps!r}: expected 1 to the examples timed")
+    return Timed(float(seconds), dict(zip(cuts, examples, strict=True)), int(steps))  # type: ignore[arg-type]
+
+
+def timed_link(metrics: Mapping[str, Any]) -> float | None:
+    """An edge's measured uplink in bytes/s from its reply ``metrics`` (None: it measured
+    none, or too little to tell); :class:`ValueError` when malformed."""
+    if "uplink-seconds" not in metrics:
+        return None
+    seconds, size = metrics.get("uplink-seconds"), metrics.get("uplink-bytes")
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+        raise ValueError(f"uplink-seconds {seconds!r}: expected a number")
+    if not _MIN_SECONDS <= seconds < _MAX_SECONDS or not _count(size) or not size:
+        raise ValueError(f"uplink-seconds {seconds!r} and uplink-bytes {size!r}: out of range")
+    return size / seconds if seconds >= MIN_LINK_SECONDS else None
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 40
+
+
+def speed(timed: Timed, work: np.ndarray) -> float:
+    """FLOP/s of ``timed`` steps, ``work[c]`` the forward FLOPs/sample of a batch at cut c;
+    :class:`ValueError` for a cut outside ``work`` or no example."""
+    total = 0.0
+    for cut, examples in timed.examples.items():
+        if not 0 < cut < len(work):
+            raise ValueError(f"compute-cuts: cut {cut} is not one of the model's (1..)")
+        total += examples * float(work[cut])
+    if total <= 0:
+        raise ValueError("compute-examples: no example trained in the timed steps")
+    return TRAIN_FLOPS_FACTOR * total / timed.seconds
+
+
+def measured_speeds(
+    plan: Plan, problem: Problem, timed: Mapping[str, Timed]
+) -> tuple[dict[str, float], dict[str, str]]:
+    """The measured FLOP/s of the plan's edges and of its servers holding the whole back
+    (a chained piece's work per sample is not the profile's), and why others' timing is
+    unusable (device -> reason). Devices whose steps took under :data:`MIN_STEP_SECONDS` on
+    average are not measured."""
+    speeds, bad = {}, {}
+    shallowest = min(e.blocks[1] for e in plan.edges)
+    works = {e.name: problem.edge_flops for e in plan.edges} | {
+        s.name: problem.server_flops
+        for s in plan.servers
+        if s.blocks[1] == plan.num_blocks and s.blocks[0] <= shallowest
+    }
+    for device, work in works.items():
+        reported = timed.get(device)
+        if reported is None or reported.seconds < MIN_STEP_SECONDS * reported.steps:
+            continue
+        try:
+            speeds[device] = speed(reported, work)
+        except ValueError as error:
+            bad[device] = str(error)
+    return speeds, bad
+
+
+def drifted(
+    believed: Mapping[str, float], measured: Mapping[str, float], drift: float
+) -> dict[str, tuple[float, float]]:
+    """The devices whose ``measured`` speed is off the ``believed`` one by more than
+    ``drift`` (a share): device -> (believed, measured)."""
+    return {
+        d: (believed[d], m)
+        for d, m in measured.items()
+        if d in believed and abs(m / believed[d] - 1) > drift
+    }
+
+
+class Replanner:
+    """Decides, after each committed round, whether measured speeds call for a new plan."""
+
+    def __init__(self, planner: Planner, store: RunStore, drift: float | None) -> None:
+        self.planner, self.store, self.drift = planner, store, drift
+        self.believed: dict[str, float] = {}  # device -> the FLOP/s the plan used
+        self.uplinks: dict[str, float] = {}  # edge -> the uplink (bytes/s) the plan used
+
+    def after_round(
+        self,
+        number: int,
+        placement: Placement,
+        reported: Mapping[str, Mapping[str, Any]],
+        online: Mapping[str, Announcement],
+    ) -> Placement | None:
+        """A new placement when round ``number``'s measured speeds (``reported``: each
+        device's reply metrics) call for one, else None."""
+        plan = placement.plan
+        if self.drift is None:
+            return None
+        timed, links, bad = _timings(reported)
+        profile = self.planner.profile()
+        problem = Problem.build(profile, self.planner.partition())
+        measured, unusable = measured_speeds(plan, problem, timed)
+        for device, why in (bad | unusable).items():
+            self._event(number, "speed-unusable", f"timing not used: {why}", device)
+        devices = [e.name for e in plan.edges] + [s.name for s in plan.servers]
+        if any(d not in online for d in devices):
+            return None  # a device is away: re-planning now would plan without it
+        believed = {d: self.believed.get(d, online[d].flops) for d in devices}
+        uplinks = {e.name: self.uplinks.get(e.name, _uplink(online[e.name])) for e in plan.edges}
+        links = {d: rate for d, rate in links.items() if d in uplinks}
+        off = drifted(believed, measured, self.drift)
+        off_links = drifted(uplinks, links, self.drift)
+        if not off and not off_links:
+            return None
+        self.believed, self.uplinks = believed | measured, uplinks | links
+        what = ", ".join(
+            [f"{d} measured {_rate(m)} (planned with {_rate(b)})" for d, (b, m) in off.items()]
+            + [
+                f"{d}'s uplink measured {_bandwidth(m)} (planned with {_bandwidth(b)})"
+                for d, (b, m) in off_links.items()
+            ]
+        )
+        edges = [self._announced(online[e.name]) for e in plan.edges]
+        servers = [self._announced(online[d]) for d in sorted({s.name for s in plan.servers})]
+        return self._decide(number, (plan, problem, profile), (edges, servers), what)
+
+    def _decide(
+        self,
+        number: int,
+        planned: tuple[Plan, Problem, ModelProfile],
+        devices: tuple[list[Announcement], list[Announcement]],
+        what: str,
+    ) -> Placement | None:
+        """Plan ``devices`` (at their measured speeds) anew; the new placement when it
+        predicts a step :data:`MIN_GAIN` shorter than ``plan``'s, else None."""
+        (plan, problem, profile), (edges, servers) = planned, devices
+        specs = device_specs(edges, servers)
+        splits = [e.blocks[1] for e in plan.edges]
+        now = step_seconds(problem, specs[: len(edges)], specs[len(edges) :], splits)
+        try:
+            candidate = plan_split(profile, specs, self.planner.partition())
+        except SplitError as error:
+            self._event(number, "speed-measured", f"{what}; no plan with them: {error}")
+            return None
+        then = candidate.estimated_step_seconds
+        verdict = f"{what}; predicted step {now:.3g} s, re-planned {then:.3g} s"
+        if then > (1 - MIN_GAIN) * now or _cuts(candidate) == _cuts(plan):
+            self._event(number, "speed-measured", f"{verdict}: plan kept")
+            return None
+        try:
+            new = self.planner.plan(edges, servers)
+        except (CoordinatorError, SplitError) as error:
+            self._event(number, "speed-measured", f"{verdict}: plan kept, {error}")
+            return None
+        self.store.set_plan(self.planner.config.run_id, new.plan.to_dict())
+        self._event(number, "replanned", f"{verdict}: new cuts {_cuts(new.plan)}")
+        log.info("plan after round %d, from measured speeds:\n%s", number, new.plan)
+        return new
+
+    def _announced(self, announcement: Announcement) -> Announcement:
+        """``announcement`` at the speed (and uplink) the coordinator now believes."""
+        device = announcement.device
+        return replace(
+            announcement,
+            flops=self.believed.get(device, announcement.flops),
+            uplink=self.uplinks.get(device, announcement.uplink),
+        )
+
+    def _event(self, number: int, kind: str, detail: str, device: str | None = None) -> None:
+        log.info("round %d: %s", number, detail)
+        self.store.add_event(self.planner.config.run_id, Event(kind, detail, device, number))
+
+
+def _timings(
+    reported: Mapping[str, Mapping[str, Any]],
+) -> tuple[dict[str, Timed], dict[str, float], dict[str, str]]:
+    """Each device's timed steps and measured uplink from its reply metrics, and why some
+    are malformed."""
+    timed, links, bad = {}, {}, {}
+    for device, metrics in reported.items():
+        try:
+            if (work := timed_work(metrics)) is not None:
+                timed[device] = work
+            if (rate := timed_link(metrics)) is not None:
+                links[device] = rate
+        except ValueError as error:
+            bad[device] = str(error)
+    return timed, links, bad
+
+
+def _uplink(announcement: Announcement) -> float:
+    return announcement.uplink or 1e9  # as the planner reads a missing one
+
+
+def _cuts(plan: Plan) -> dict[str, int]:
+    return {e.name: e.blocks[1] for e in plan.edges}
+
+
+def _bandwidth(rate: float) -> str:
+    return f"{rate * 8 / 1e6:.3g} Mbit/s"
+
+
+def _rate(flops: float) -> str:
+    return f"{flops / 1e9:.3g} GFLOP/s" if math.isfinite(flops) else str(flops)

@@ -1,0 +1,153 @@
+"""Re-planning from measured speeds in a real run (in-process transport, SQLite store): edges
+that declared themselves far faster than they train get shallower cuts after round 1, the
+new plan is stored as a new version, and training goes on at the new cuts."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from coordinator.config import RunConfig
+from coordinator.service import Coordinator
+from edge_client.agent import EdgeAgent
+from gpu_server.agent import GpuAgent
+from split_models import load_dataset
+from split_models.config import ModelConfig
+from split_models.isolated import profile_in_fresh_process
+from split_models.profiler import ModelProfile
+from split_models.segment import Segment, StepResult
+from storage import open_store
+from storage.base import RunStore
+from wire.flower import node_will
+from wire.roles import Announcement, node_id_for
+from wire.transport import InProcessHub
+
+pytestmark = pytest.mark.integration
+
+EDGES = ("pi-01", "pi-02")
+SHAPE = (1, 8, 8)
+SLOW_STEP_SECONDS = 0.05  # what each edge step takes beyond its compute (a slow device)
+
+
+@pytest.fixture(scope="module")
+def profile() -> ModelProfile:
+    return profile_in_fresh_process(ModelConfig("cnn", SHAPE, 10), ("linear",), 16)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[RunStore]:
+    with open_store(f"sqlite:///{tmp_path / 'runs.db'}") as opened:
+        yield opened
+
+
+@pytest.fixture
+def slow_edges(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every edge step takes SLOW_STEP_SECONDS longer (GPU servers train through
+    ``Segment.train_from``, untouched)."""
+    step = Segment.train_step
+
+    def slow(self: Segment, inputs: object, labels: object) -> StepResult:
+        time.sleep(SLOW_STEP_SECONDS)
+        return step(self, inputs, labels)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Segment, "train_step", slow)
+
+
+def run_config(tmp_path: Path, drift: float | None) -> RunConfig:
+    data = load_dataset("digits")
+    rows = np.random.default_rng(0).permutation(len(data))
+    for index, name in enumerate(EDGES):
+        part = rows[index * 160 : (index + 1) * 160]
+        np.savez(tmp_path / f"{name}.npz", x=data.x[part], y=data.y[part])
+    np.savez(tmp_path / "test.npz", x=data.x[rows[-300:]], y=data.y[rows[-300:]])
+    return RunConfig.parse(
+        {
+            "run_id": "speed-1",
+            "model": "cnn",
+            "input_shape": list(SHAPE),
+            "num_classes": 10,
+            "eval_data": f"npz:{tmp_path / 'test.npz'}",
+            "devices": {"edges": list(EDGES), "wait": "30s", "replan_drift": drift},
+            "rounds": 3,
+            "batch_size": 16,
+            "optimizer": {"name": "adam", "lr": 0.002},
+            "round_deadline": "60s",
+        }
+    )
+
+
+def start_fleet(hub: InProcessHub, tmp_path: Path) -> tuple[list[EdgeAgent], GpuAgent]:
+    """Two edges and a GPU server that all declare 1 TFLOP/s (the edges are far slower)."""
+    server = GpuAgent(
+        Announcement("gpu-a", "gpu", 1 << 30, 1e12),
+        hub.connect("gpu-a-control", node_will(node_id_for("gpu-a"), "gpu-a")),
+        hub.connect("gpu-a-stream"),
+    )
+    edges = [
+        EdgeAgent(
+            Announcement(name, "edge", 1 << 30, 1e12, 1e9),
+            load_dataset(f"npz:{tmp_path / f'{name}.npz'}"),
+            hub.connect(f"{name}-control", node_will(node_id_for(name), name)),
+            hub.connect(f"{name}-stream"),
+        )
+        for name in EDGES
+    ]
+    return edges, server
+
+
+def cuts(store: RunStore) -> dict[str, int]:
+    plan = store.get_run("speed-1").plan or {}
+    return {edge["name"]: edge["blocks"][1] for edge in plan["edges"]}
+
+
+def test_edges_slower_than_declared_are_replanned_to_shallower_cuts(
+    tmp_path: Path, store: RunStore, profile: ModelProfile, slow_edges: None
+) -> None:
+    logging.getLogger("flwr").setLevel(logging.WARNING)
+    config = run_config(tmp_path, 0.25)  # writes the edges' data
+    hub = InProcessHub()
+    edges, _ = start_fleet(hub, tmp_path)
+    planned: list[dict[str, int]] = []
+    original = store.set_plan
+
+    def record(run_id: str, plan: Mapping[str, Any]) -> int:
+        version = original(run_id, plan)
+        planned.append(cuts(store))
+        return version
+
+    store.set_plan = record  # type: ignore[method-assign]
+    coordinator = Coordinator(config, store, hub.connect("coordinator"), profile=lambda _: profile)
+
+    assert coordinator.run() == 3
+
+    run = store.get_run("speed-1")
+    assert (run.status, run.plan_version) == ("finished", 2)
+    first, second = planned
+    assert all(second[name] < first[name] for name in EDGES), planned
+    replanned = [e for e in store.events("speed-1") if e.kind == "replanned"]
+    assert [e.round for e in replanned] == [1]
+    assert all(f"{name} measured" in replanned[0].detail for name in EDGES)
+    # the edges trained the last rounds at their new cuts
+    assert {e.device: e._built.trainer.segment.end for e in edges} == second  # type: ignore[union-attr]
+    assert store.get_round("speed-1", 3).evaluation["accuracy"] > 0.2
+
+
+def test_without_a_drift_the_plan_stays(
+    tmp_path: Path, store: RunStore, profile: ModelProfile, slow_edges: None
+) -> None:
+    logging.getLogger("flwr").setLevel(logging.WARNING)
+    config = run_config(tmp_path, None)
+    hub = InProcessHub()
+    start_fleet(hub, tmp_path)
+    coordinator = Coordinator(config, store, hub.connect("coordinator"), profile=lambda _: profile)
+
+    assert coordinator.run() == 3
+
+    assert store.get_run("speed-1").plan_version == 1
+    assert not [e for e in store.events("speed-1") if e.kind in {"replanned", "speed-measured"}]

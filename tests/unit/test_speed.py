@@ -1,0 +1,321 @@
+"""Measured speeds: the step clock, reading a device's timing (which may lie), turning it
+into FLOP/s, and when a drift calls for a new plan."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from coordinator.partitioner import PartitionConfig, Problem, plan_split
+from coordinator.planner import Placement, device_specs
+from coordinator.speed import (
+    MIN_STEP_SECONDS,
+    Replanner,
+    Timed,
+    drifted,
+    measured_speeds,
+    speed,
+    timed_link,
+    timed_work,
+)
+from split_models.plan import EdgeAssignment, Plan, ServerAssignment
+from split_models.profiler import ModelProfile, profile_model
+from split_models.timing import LinkClock, StepClock
+from split_models.zoo import build_model
+from storage.base import RunStore
+from storage.memory import InMemoryRunStore
+from wire.roles import Announcement
+
+pytestmark = pytest.mark.unit
+
+GOOD = {
+    "compute-seconds": 2.0,
+    "compute-steps": 4,
+    "compute-cuts": [2],
+    "compute-examples": [64],
+}
+
+
+class Ticks:
+    """A clock that advances by the seconds it is told."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_step_clock_leaves_the_first_step_out_and_sums_the_rest_per_cut() -> None:
+    ticks = Ticks()
+    clock = StepClock(ticks)
+    for seconds, cut, examples in [(5.0, 2, 16), (1.0, 2, 16), (2.0, 3, 8), (1.0, 2, 4)]:
+        began = clock.start()
+        ticks.now += seconds
+        clock.add(began, {cut: examples})
+
+    assert clock.metrics() == {
+        "compute-seconds": 4.0,
+        "compute-steps": 3,
+        "compute-cuts": [2, 3],
+        "compute-examples": [20, 8],
+    }
+    clock.reset()
+    assert clock.metrics() == {}
+
+
+def test_a_reported_timing_is_read() -> None:
+    assert timed_work(GOOD) == Timed(2.0, {2: 64}, 4)
+    assert timed_work({"num-examples": 3}) is None
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"compute-seconds": True}, "compute-seconds"),
+        ({"compute-seconds": -1.0}, "compute-seconds"),
+        ({"compute-seconds": math.nan}, "compute-seconds"),
+        ({"compute-seconds": math.inf}, "compute-seconds"),
+        ({"compute-seconds": 1e-12}, "compute-seconds"),
+        ({"compute-cuts": [2, 3]}, "one length"),
+        ({"compute-cuts": 2}, "one length"),
+        ({"compute-cuts": [], "compute-examples": []}, "0 cuts"),
+        ({"compute-cuts": [2, 2], "compute-examples": [1, 1]}, "distinct"),
+        ({"compute-examples": [-5]}, "counts"),
+        ({"compute-examples": [1.5]}, "counts"),
+        ({"compute-cuts": list(range(2000)), "compute-examples": [1] * 2000}, "2000 cuts"),
+        ({"compute-steps": 0}, "compute-steps"),
+        ({"compute-steps": 65}, "compute-steps"),
+        ({"compute-steps": None}, "compute-steps"),
+    ],
+)
+def test_a_malformed_timing_is_refused_with_what_is_wrong(
+    change: dict[str, object], named: str
+) -> None:
+    with pytest.raises(ValueError, match=named):
+        timed_work({**GOOD, **change})
+
+
+def test_speed_is_the_rate_the_cost_model_would_need_for_the_measured_time() -> None:
+    work = np.array([0.0, 10.0, 100.0, 1000.0])
+    # three passes (forward and backward) over 64 examples at cut 2 and 8 at cut 3, in 2 s
+    assert speed(Timed(2.0, {2: 64, 3: 8}), work) == pytest.approx(3 * (6400 + 8000) / 2.0)
+    with pytest.raises(ValueError, match="cut 4"):
+        speed(Timed(2.0, {4: 1}), work)
+    with pytest.raises(ValueError, match="cut 0"):
+        speed(Timed(2.0, {0: 1}), work)
+    with pytest.raises(ValueError, match="no example"):
+        speed(Timed(2.0, {2: 0}), work)
+
+
+def _plan(edge_cuts: dict[str, int], servers: dict[str, tuple[int, int]]) -> Plan:
+    return Plan(
+        model="m",
+        num_blocks=4,
+        batch_size=8,
+        optimizer="sgd",
+        local_loss="linear",
+        compression="fp32",
+        edges=tuple(EdgeAssignment(n, (0, c), 1, 1, 1, 1, 0.1) for n, c in edge_cuts.items()),
+        servers=tuple(ServerAssignment(n, b, 1, 1) for n, b in servers.items()),
+        estimated_step_seconds=0.1,
+        bottleneck="",
+    )
+
+
+def _problem() -> Problem:
+    return Problem(
+        num_blocks=4,
+        memory=[],
+        edge_memory=[],
+        edge_flops=np.array([0.0, 1e6, 2e6, 3e6, 4e6]),
+        server_flops=np.array([4e6, 3e6, 2e6, 1e6, 0.0]),
+        cut_bytes=np.zeros(5),
+        batch_size=8,
+        min_edge_blocks=1,
+    )
+
+
+def test_edges_and_whole_back_servers_are_measured_chained_pieces_and_short_steps_not() -> None:
+    plan = _plan({"pi-01": 1, "pi-02": 2}, {"gpu-a": (1, 4), "gpu-b": (1, 3), "gpu-c": (3, 4)})
+    timed = {
+        "pi-01": Timed(1.0, {1: 30}, 3),
+        "pi-02": Timed(MIN_STEP_SECONDS, {2: 30}, 3),  # 3 ms a step: overhead, not FLOPs
+        "gpu-a": Timed(2.0, {1: 30, 2: 30}, 6),
+        "gpu-b": Timed(2.0, {1: 30}, 6),  # a chained piece: its work is not the profile's
+        "gpu-c": Timed(2.0, {3: 30}, 6),
+    }
+
+    speeds, bad = measured_speeds(plan, _problem(), timed)
+
+    assert speeds == {
+        "pi-01": pytest.approx(3 * 30 * 1e6 / 1.0),
+        "gpu-a": pytest.approx(3 * (30 * 3e6 + 30 * 2e6) / 2.0),
+    }
+    assert bad == {}
+
+
+def test_a_timing_at_a_cut_the_device_does_not_train_is_unusable() -> None:
+    plan = _plan({"pi-01": 1}, {"gpu-a": (1, 4)})
+    speeds, bad = measured_speeds(plan, _problem(), {"pi-01": Timed(1.0, {9: 30}, 3)})
+    assert speeds == {} and "cut 9" in bad["pi-01"]
+
+
+def test_a_drift_beyond_the_share_either_way_is_named() -> None:
+    believed = {"a": 100.0, "b": 100.0, "c": 100.0, "d": 100.0}
+    measured = {"a": 124.0, "b": 126.0, "c": 74.0, "e": 1.0}
+    assert drifted(believed, measured, 0.25) == {"b": (100.0, 126.0), "c": (100.0, 74.0)}
+
+
+class FakePlanner:
+    """The planner's pure side (profile, partition, partitioner) without asking devices."""
+
+    def __init__(self, profile: ModelProfile) -> None:
+        self.config = SimpleNamespace(run_id="r1")
+        self._profile, self.asked = profile, list[list[Announcement]]()
+
+    def profile(self) -> ModelProfile:
+        return self._profile
+
+    def partition(self) -> PartitionConfig:
+        return PartitionConfig(batch_size=16, optimizer="adam")
+
+    def plan(self, edges: list[Announcement], servers: list[Announcement]) -> Placement:
+        self.asked.append(edges)
+        plan = plan_split(self._profile, device_specs(edges, servers), self.partition())
+        return Placement(plan, [], [])
+
+
+@pytest.fixture(scope="module")
+def cnn() -> ModelProfile:
+    return profile_model(build_model("cnn", (1, 8, 8), 10, seed=0), ("linear",), 16)
+
+
+def _devices(edge_flops: float) -> dict[str, Announcement]:
+    return {
+        "pi-01": Announcement("pi-01", "edge", 1 << 30, edge_flops, 1e9),
+        "gpu-a": Announcement("gpu-a", "gpu", 1 << 30, 1e12),
+    }
+
+
+def _setup(cnn: ModelProfile, drift: float | None) -> tuple[Replanner, FakePlanner, RunStore]:
+    store = InMemoryRunStore()
+    store.create_run("r1", {}, 0)
+    planner = FakePlanner(cnn)
+    return Replanner(planner, store, drift), planner, store  # type: ignore[arg-type]
+
+
+def _timing(device_cut: int, seconds: float) -> dict[str, object]:
+    return {
+        "compute-seconds": seconds,
+        "compute-steps": 1,
+        "compute-cuts": [device_cut],
+        "compute-examples": [6400],
+    }
+
+
+def _placement(planner: FakePlanner, online: dict[str, Announcement]) -> Placement:
+    return planner.plan([online["pi-01"]], [online["gpu-a"]])
+
+
+def test_an_edge_far_slower_than_declared_gets_a_new_plan(cnn: ModelProfile) -> None:
+    replanner, planner, store = _setup(cnn, 0.25)
+    online = _devices(1e12)
+    placement = _placement(planner, online)
+    cut = placement.plan.edges[0].blocks[1]
+
+    new = replanner.after_round(1, placement, {"pi-01": _timing(cut, 2.0)}, online)
+
+    assert new is not None and new.plan.edges[0].blocks[1] < cut
+    assert planner.asked[-1][0].flops < 1e11  # planned at the measured speed
+    assert store.get_run("r1").plan_version == 1
+    assert [e.kind for e in store.events("r1")] == ["replanned"]
+
+
+def test_a_speed_within_the_drift_or_a_small_gain_keeps_the_plan(cnn: ModelProfile) -> None:
+    replanner, planner, store = _setup(cnn, 0.25)
+    online = _devices(1e10)
+    placement = _placement(planner, online)
+    cut = placement.plan.edges[0].blocks[1]
+    work = 3 * 6400 * Problem.build(cnn, planner.partition()).edge_flops[cut]
+    asked = len(planner.asked)
+
+    # measured at 0.9x the declared speed: within the drift
+    assert (
+        replanner.after_round(1, placement, {"pi-01": _timing(cut, work / 0.9e10)}, online) is None
+    )
+    # measured at half of it: off, but the same cut is still the best (the server is fast)
+    assert (
+        replanner.after_round(2, placement, {"pi-01": _timing(cut, work / 0.5e10)}, online) is None
+    )
+
+    assert len(planner.asked) == asked and store.get_run("r1").plan_version == 0
+    assert [(e.kind, e.round) for e in store.events("r1")] == [("speed-measured", 2)]
+    assert "plan kept" in store.events("r1")[0].detail
+
+
+def test_a_malformed_timing_is_an_event_and_changes_nothing(cnn: ModelProfile) -> None:
+    replanner, planner, store = _setup(cnn, 0.25)
+    online = _devices(1e12)
+    placement = _placement(planner, online)
+
+    lying = {**_timing(1, 2.0), "compute-cuts": [999]}
+    assert replanner.after_round(1, placement, {"pi-01": lying}, online) is None
+
+    (event,) = store.events("r1")
+    assert (event.kind, event.device) == ("speed-unusable", "pi-01")
+    assert "cut 999" in event.detail
+
+
+def test_no_replan_while_a_device_is_away_or_when_turned_off(cnn: ModelProfile) -> None:
+    for drift, online in [(0.25, {"gpu-a": _devices(1e12)["gpu-a"]}), (None, _devices(1e12))]:
+        replanner, planner, store = _setup(cnn, drift)
+        placement = _placement(planner, _devices(1e12))
+        cut = placement.plan.edges[0].blocks[1]
+        assert replanner.after_round(1, placement, {"pi-01": _timing(cut, 2.0)}, online) is None
+        assert store.events("r1") == []
+
+
+def test_the_link_clock_counts_only_transfers_the_sender_waited_for() -> None:
+    ticks = Ticks()
+    link = LinkClock(ticks)
+    link.published(1000)
+    ticks.now = 0.1
+    link.acknowledged(0.0005)  # acknowledged before the next step ended: the link kept up
+    link.published(2000)
+    ticks.now = 0.5
+    link.acknowledged(0.05)  # waited: publication to acknowledgement is the transfer
+    link.acknowledged(0.05)  # nothing pending
+
+    assert link.metrics() == {"uplink-seconds": pytest.approx(0.4), "uplink-bytes": 2000}
+    link.reset()
+    assert link.metrics() == {}
+
+
+def test_a_reported_uplink_is_read_and_a_malformed_one_refused() -> None:
+    assert timed_link({"uplink-seconds": 0.5, "uplink-bytes": 1000}) == 2000.0
+    assert timed_link({"uplink-seconds": 0.01, "uplink-bytes": 1000}) is None  # too little
+    assert timed_link({}) is None
+    for seconds, size in [(math.nan, 10), (-1.0, 10), (0.5, -3), (0.5, 0), (True, 10)]:
+        with pytest.raises(ValueError, match="uplink"):
+            timed_link({"uplink-seconds": seconds, "uplink-bytes": size})
+
+
+def test_an_uplink_far_slower_than_declared_is_planned_with(cnn: ModelProfile) -> None:
+    replanner, planner, store = _setup(cnn, 0.25)
+    online = _devices(1e12)
+    placement = _placement(planner, online)
+    cut = placement.plan.edges[0].blocks[1]
+    work = 3 * 6400 * Problem.build(cnn, planner.partition()).edge_flops[cut]
+    reported = {**_timing(cut, work / 1e12 + 0.02), "uplink-seconds": 2.0, "uplink-bytes": 20_000}
+
+    replanner.after_round(1, placement, {"pi-01": reported}, online)
+
+    (event,) = store.events("r1")
+    assert "pi-01's uplink measured 0.08 Mbit/s (planned with 8e+03 Mbit/s)" in event.detail
+    # the cut whose activations are smallest: the upload bounds the step now
+    assert event.kind == "replanned" and "new cuts {'pi-01': 5}" in event.detail
+    assert planner.asked[-1][0].uplink == pytest.approx(10_000)
