@@ -122,9 +122,7 @@ def _start(
     return subprocess.Popen(command, cwd=directory, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
-def run_once(
-    url: str, directory: Path, rounds: int, drift: float | None
-) -> tuple[list[tuple[int, float, str]], str]:
+def run_once(url: str, directory: Path, rounds: int, drift: float | None) -> tuple[list[Row], str]:
     """Each round (see :func:`_rounds`) and the last plan's cuts."""
     _data(directory)
     config, db = _config(directory, rounds, drift), f"sqlite:///{directory / 'runs.db'}"
@@ -155,9 +153,13 @@ def run_once(
     return _rounds(db)
 
 
-def _rounds(db: str) -> tuple[list[tuple[int, float, str]], str]:
-    """Each round's number, wall seconds (its slowest device's) and the cuts it trained at
-    ("first plan" before a re-plan), and the run's last plan's cuts and predicted round."""
+Row = tuple[int, float, str, float]
+
+
+def _rounds(db: str) -> tuple[list[Row], str]:
+    """Each round's number, wall seconds (its slowest device's), the cuts it trained at
+    ("first plan" before a re-plan) and accuracy, and the run's last plan's cuts and
+    predicted round."""
     with open_store(db) as store:
         run = store.get_run("hetero")
         replans = {e.round: e.detail for e in store.events("hetero") if e.kind == "replanned"}
@@ -165,7 +167,8 @@ def _rounds(db: str) -> tuple[list[tuple[int, float, str]], str]:
         for number in range(1, (run.current_round or 0) + 1):
             record = store.get_round("hetero", number)
             ok = [r.wall_seconds for r in record.results if r.failure is None]
-            rows.append((number, max(ok, default=0.0), cuts))
+            accuracy = float(record.evaluation.get("accuracy", float("nan")))
+            rows.append((number, max(ok, default=0.0), cuts, accuracy))
             if number in replans:
                 cuts = replans[number].rpartition("new cuts ")[2]
         plan = run.plan or {}
@@ -190,11 +193,12 @@ def main() -> None:
                 results[label] = run_once(broker.url, Path(folder), args.rounds, drift)
                 print(label, results[label], flush=True)
     first = next(iter(results.values()))[1].partition(", predicted")[0]  # same declarations
-    lines = [machine(), "", "| run | round | round s | edges' cuts |", "|---|---|---|---|"]
+    lines = [machine(), "", "| run | round | round s | edges' cuts | accuracy |"]
+    lines.append("|---|---|---|---|---|")
     for label, (rows, _) in results.items():
-        for number, seconds, cuts in rows:
+        for number, seconds, cuts, accuracy in rows:
             shown = first if cuts == "first plan" else cuts
-            lines.append(f"| {label} | {number} | {seconds:.1f} | {shown} |")
+            lines.append(f"| {label} | {number} | {seconds:.1f} | {shown} | {accuracy:.4f} |")
     lines += ["", *(f"- {label}: last plan {last}" for label, (_, last) in results.items())]
     print("\n".join(lines))
     if args.out is not None:

@@ -4,7 +4,10 @@ Cost model of one training step of the whole system (every edge trains one batch
 
 - edge ``e`` with split ``s`` trains blocks ``[0, s)`` and its local-loss head:
   ``compute = 3 * B * flops(0..s + head) / flops_e`` (forward + backward ~ 3x forward) and
-  ``upload = B * cut_bytes(s) / uplink_e``; streaming overlaps them, so ``t_e = max(both)``;
+  ``upload = B * cut_bytes(s) / uplink_e``; streaming overlaps them, so ``t_e = max(both)``,
+  plus its share of the round's weight traffic when its batches a round ``n_e`` are known:
+  ``2 * weight_bytes(0..s + head) / uplink_e / n_e`` (the segment comes down and goes back up
+  once a round; the downlink is taken to be as fast as the uplink);
 - the GPU servers train ``[s_e, N)`` on every edge's batch, sharing the load:
   ``T_server = 3 * B * sum_e flops(s_e..N) / sum_g flops_g``;
 - a step takes ``max(max_e t_e, T_server)``, which the plan minimises.
@@ -65,6 +68,8 @@ class Problem:
     cut_bytes: np.ndarray  # bytes/sample sent at cut s (activations + label)
     batch_size: int
     min_edge_blocks: int
+    # bytes of the weights of blocks [0, s) and the head at s: down and up once a round
+    edge_weight_bytes: np.ndarray | None = None
 
     @classmethod
     def build(cls, profile: ModelProfile, config: PartitionConfig) -> Problem:
@@ -90,6 +95,11 @@ class Problem:
             ],
             dtype=np.float64,
         )
+        weights = np.cumsum([0] + [b.param_bytes for b in profile.blocks], dtype=np.float64)
+        head_weights = [
+            heads[s].param_bytes if s < profile.num_blocks else 0
+            for s in range(profile.num_blocks + 1)
+        ]
         ratio = COMPRESSION_BYTES[config.compression] / 4.0
         cut = np.array(
             [0.0]
@@ -110,6 +120,7 @@ class Problem:
             cut_bytes=cut,
             batch_size=config.batch_size,
             min_edge_blocks=config.min_edge_blocks,
+            edge_weight_bytes=weights + np.array(head_weights, dtype=np.float64),
         )
 
 
@@ -192,12 +203,17 @@ def _place_servers(
 
 
 def _edge_times(problem: Problem, edges: Sequence[DeviceSpec]) -> np.ndarray:
-    """times[e, s]: estimated seconds of one batch on edge e with split s."""
+    """times[e, s]: estimated seconds of one batch on edge e with split s, with its share of
+    the round's weight traffic (down and up, over the uplink's rate) when the edge's batches
+    a round are known."""
     flops = np.array([e.flops for e in edges])[:, None]
     uplink = np.array([e.uplink or math.inf for e in edges])[:, None]
     batch = problem.batch_size
     compute = TRAIN_FLOPS_FACTOR * batch * problem.edge_flops[None, :] / flops
     times: np.ndarray = np.maximum(compute, batch * problem.cut_bytes[None, :] / uplink)
+    if problem.edge_weight_bytes is not None:
+        per_round = np.array([e.round_batches or math.inf for e in edges], dtype=np.float64)
+        times = times + 2 * problem.edge_weight_bytes[None, :] / uplink / per_round[:, None]
     return times
 
 
@@ -399,7 +415,7 @@ def _assemble(
     shallowest = min(choice)
     host_from = shallowest if full_finish[(1 << len(servers)) - 1][shallowest] else lowest
     pieces = _place_servers(problem, servers, full_finish, host_from)
-    batch = problem.batch_size
+    weights = problem.edge_weight_bytes
     edge_rows = tuple(
         EdgeAssignment(
             name=edge.name,
@@ -409,6 +425,7 @@ def _assemble(
             cut_bytes_per_sample=int(problem.cut_bytes[s]),
             flops_per_sample=int(problem.edge_flops[s]),
             step_seconds=float(times[e, s]),
+            weight_bytes=0 if weights is None else int(weights[s]),
         )
         for e, (edge, s) in enumerate(zip(edges, choice, strict=True))
     )
@@ -423,7 +440,7 @@ def _assemble(
     return Plan(
         model=profile.model,
         num_blocks=problem.num_blocks,
-        batch_size=batch,
+        batch_size=problem.batch_size,
         optimizer=config.optimizer,
         local_loss=config.local_loss,
         compression=config.compression,

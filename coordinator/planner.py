@@ -128,7 +128,8 @@ class Planner:
         partition, profile = self.partition(), self.profile()
         candidates = list(edges)
         for _ in range(2 * len(edges) + 2):  # each pass drops an edge or lowers a budget
-            plan = plan_split(profile, device_specs(candidates, servers), partition)
+            specs = device_specs(candidates, servers, self.per_round())
+            plan = plan_split(profile, specs, partition)
             assigned = _edges_of(plan)
             refusals = self.ask(assigned)
             if not refusals:
@@ -150,6 +151,10 @@ class Planner:
             local_loss=training.local_loss,
             compression=training.compression,
         )
+
+    def per_round(self) -> tuple[int, int]:
+        """The batch size and local epochs: an edge's batches a round, with its examples."""
+        return self.config.training.batch_size, self.config.training.local_epochs
 
     def profile(self) -> ModelProfile:
         """The run's stored profile when it was measured for today's model, batch size and
@@ -264,11 +269,24 @@ class Planner:
         ]
 
 
-def device_specs(edges: list[Announcement], servers: list[Announcement]) -> list[DeviceSpec]:
-    """The partitioner's view of the announced ``edges`` and ``servers``."""
-    return [DeviceSpec(a.device, "edge", a.memory, a.flops, a.uplink or 1e9) for a in edges] + [
-        DeviceSpec(s.device, "gpu", s.memory, s.flops) for s in servers
-    ]
+def device_specs(
+    edges: list[Announcement], servers: list[Announcement], per_round: tuple[int, int] = (0, 1)
+) -> list[DeviceSpec]:
+    """The partitioner's view of the announced ``edges`` and ``servers``; ``per_round``: the
+    batch size and local epochs an edge's announced examples make its batches a round by
+    (batch size 0: not counted)."""
+    batch, epochs = per_round
+    return [
+        DeviceSpec(
+            a.device,
+            "edge",
+            a.memory,
+            a.flops,
+            a.uplink or 1e9,
+            -(-(a.examples or 0) * epochs // batch) if batch else 0,
+        )
+        for a in edges
+    ] + [DeviceSpec(s.device, "gpu", s.memory, s.flops) for s in servers]
 
 
 def _with_servers(plan: Plan, backs: list[Assignment], memory: dict[str, int]) -> Plan:

@@ -11,7 +11,8 @@ After a committed round, when a device's measured speed is off the speed the pla
 more than ``devices.replan_drift`` (0.25: 25 %), the coordinator plans again with the
 measured speeds. The new plan is used (offered to the edges, stored as a new plan version)
 when its predicted step is at least :data:`MIN_GAIN` shorter than the current plan's under
-the same speeds; either way an event says what was measured. A device that lies about its
+the same speeds; either way an event says what was measured. Re-plans from speeds are
+:data:`REPLAN_SPACING` rounds apart at least. A device that lies about its
 timing only moves its own cut, as a false declaration would; what it reports is validated
 like any other metric.
 """
@@ -40,6 +41,7 @@ __all__ = [
     "MIN_GAIN",
     "MIN_LINK_SECONDS",
     "MIN_STEP_SECONDS",
+    "REPLAN_SPACING",
     "Replanner",
     "Timed",
     "drifted",
@@ -51,6 +53,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 MIN_GAIN = 0.10  # a new plan must predict a step this much shorter to replace the current one
+# rounds between two re-plans from speeds: a device that reports a new speed every round (a
+# liar, or a noisy one) cannot have the edges' cuts, and their fresh heads, change every round
+REPLAN_SPACING = 3
 # Steps shorter than this on average are mostly framework overhead (a few ms of Python and
 # kernel launches a step), not FLOPs: their rate says little of the device, so it is not used.
 MIN_STEP_SECONDS = 0.010
@@ -168,6 +173,7 @@ class Replanner:
         self.planner, self.store, self.drift = planner, store, drift
         self.believed: dict[str, float] = {}  # device -> the FLOP/s the plan used
         self.uplinks: dict[str, float] = {}  # edge -> the uplink (bytes/s) the plan used
+        self.replanned_at: int | None = None  # the round after which the last re-plan came
 
     def after_round(
         self,
@@ -181,6 +187,8 @@ class Replanner:
         plan = placement.plan
         if self.drift is None:
             return None
+        if self.replanned_at is not None and number - self.replanned_at < REPLAN_SPACING:
+            return None  # measured again once the spacing has passed
         timed, links, bad = _timings(reported)
         profile = self.planner.profile()
         problem = Problem.build(profile, self.planner.partition())
@@ -219,7 +227,7 @@ class Replanner:
         """Plan ``devices`` (at their measured speeds) anew; the new placement when it
         predicts a step :data:`MIN_GAIN` shorter than ``plan``'s, else None."""
         (plan, problem, profile), (edges, servers) = planned, devices
-        specs = device_specs(edges, servers)
+        specs = device_specs(edges, servers, self.planner.per_round())
         splits = [e.blocks[1] for e in plan.edges]
         now = step_seconds(problem, specs[: len(edges)], specs[len(edges) :], splits)
         try:
@@ -238,6 +246,7 @@ class Replanner:
             self._event(number, "speed-measured", f"{verdict}: plan kept, {error}")
             return None
         self.store.set_plan(self.planner.config.run_id, new.plan.to_dict())
+        self.replanned_at = number
         self._event(number, "replanned", f"{verdict}: new cuts {_cuts(new.plan)}")
         log.info("plan after round %d, from measured speeds:\n%s", number, new.plan)
         return new

@@ -134,6 +134,8 @@ class EdgeAgent:
         self.models = tuple(models)
         if announcement.role != "edge":
             raise ValueError("an edge agent announces the role 'edge'")
+        if announcement.examples is None:  # the planner spreads weight traffic over them
+            announcement = dataclasses.replace(announcement, examples=len(data))
         self.announcement, self.data = announcement, data
         self.device = announcement.device
         self.budget = announcement.memory if budget is None else budget

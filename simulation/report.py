@@ -5,7 +5,8 @@ bytes per sample and each client's FLOP/s and uplink:
 
 - local-loss: a client computes its prefix and head (3x forward FLOPs a sample, forward and
   backward) and uploads its cut; the two overlap (the client never waits), so a client's round
-  takes the larger of the two;
+  takes the larger of the two, plus its segment's weights coming down and going back up once
+  a round (at the uplink's rate);
 - splitfed (backprop): every batch waits for its gradient, so compute, upload and the gradient's
   download (taken at the uplink's rate: profiles declare one link speed) add up;
 - the slowest client bounds the round; the GPU server is taken to keep up (its FLOP/s are
@@ -43,11 +44,12 @@ def simulated_round_seconds(
             continue
         compute = 3 * result.examples * edge.flops_per_sample / profile.flops
         upload = result.examples * edge.cut_bytes_per_sample / profile.uplink
+        weights = 2 * edge.weight_bytes / profile.uplink  # down and up once a round
         if backprop:
             download = result.examples * edge.cut_bytes_per_sample / profile.uplink
-            slowest = max(slowest, compute + upload + download)
+            slowest = max(slowest, compute + upload + download + weights)
         else:
-            slowest = max(slowest, compute, upload)
+            slowest = max(slowest, max(compute, upload) + weights)
     return slowest
 
 

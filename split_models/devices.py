@@ -35,6 +35,9 @@ class DeviceSpec:
     memory: int
     flops: float
     uplink: float | None = None
+    # an edge's batches a round (0: unknown): its segment's weights go down and up once a
+    # round, which the partitioner spreads over them
+    round_batches: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in DEVICE_KINDS:

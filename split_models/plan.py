@@ -29,6 +29,7 @@ class EdgeAssignment:
     cut_bytes_per_sample: int  # activations at the plan's compression, plus the int64 label
     flops_per_sample: int  # forward FLOPs of the blocks and the head
     step_seconds: float  # estimated time of one batch: max(compute, upload), they overlap
+    weight_bytes: int = 0  # the segment's and its head's weights: down and up once a round
 
 
 @dataclass(frozen=True)

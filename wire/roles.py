@@ -82,6 +82,9 @@ class Announcement:
     flops: float
     uplink: float | None = None
     accelerator: str = "cpu"
+    # an edge's local training examples: the planner spreads the round's weight traffic
+    # over the batches they make (None: unknown, not counted)
+    examples: int | None = None
 
     @property
     def node_id(self) -> int:
@@ -114,7 +117,18 @@ class Announcement:
             flops=float(_number(data, "flops", "announcement")),
             uplink=_number(data, "uplink", "announcement", optional=True),
             accelerator=accelerator,
+            examples=_examples(data),
         )
+
+
+def _examples(data: Mapping[str, Any]) -> int | None:
+    """An announcement's ``examples``: absent, or a count below 2**40."""
+    value = data.get("examples")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 40:
+        raise WireError("field", f"announcement.examples: expected a count, got {value!r}")
+    return value
 
 
 def _section(data: Mapping[str, Any], key: str) -> dict[str, Any]:

@@ -74,6 +74,7 @@ def fleets(draw: st.DrawFn) -> list[DeviceSpec]:
             draw(st.integers(100, 4000)) * KIB,
             draw(st.sampled_from([1e8, 1e9, 1e10])),
             draw(st.sampled_from([1e5, 1e6, 1e7])),
+            draw(st.sampled_from([0, 1, 20])),  # batches a round (0: weights not counted)
         )
         for i in range(draw(st.integers(1, 3)))
     ]
@@ -136,7 +137,11 @@ def _brute_force(
         for edge, s in zip(edges, splits, strict=False):
             flops = sum(b.flops for b in profile.blocks[:s]) + heads[s].flops
             upload = batch * (profile.blocks[s - 1].output_bytes + LABEL_BYTES) / edge.uplink
-            edge_times.append(max(TRAIN_FLOPS_FACTOR * batch * flops / edge.flops, upload))
+            step = max(TRAIN_FLOPS_FACTOR * batch * flops / edge.flops, upload)
+            if edge.round_batches:  # the segment's weights down and up, spread over the round
+                weights = sum(b.param_bytes for b in profile.blocks[:s]) + heads[s].param_bytes
+                step += 2 * weights / edge.uplink / edge.round_batches
+            edge_times.append(step)
         back = sum(sum(b.flops for b in profile.blocks[s:]) for s in splits)
         server = TRAIN_FLOPS_FACTOR * batch * back / sum(s.flops for s in servers)
         objective = max(max(edge_times), server)

@@ -124,6 +124,10 @@ def test_simulated_time_overlaps_in_local_loss_and_adds_up_in_splitfed() -> None
     results = [_Result("a", 100), _Result("b", 100), _Result("a", 100, failure="offline")]
     assert simulated_round_seconds(results, edges, profiles, backprop=False) == pytest.approx(1.0)
     assert simulated_round_seconds(results, edges, profiles, backprop=True) == pytest.approx(3.0)
+    # 25 kB of weights come down and go back up at 100 kB/s: half a second more a round
+    heavy = {"a": EdgeAssignment("a", (0, 2), 0, 0, 1000, 1_000_000, 0.0, weight_bytes=25_000)}
+    assert simulated_round_seconds(results, heavy, profiles, backprop=False) == pytest.approx(1.5)
+    assert simulated_round_seconds(results, heavy, profiles, backprop=True) == pytest.approx(3.5)
 
 
 def test_progress_prints_a_line_per_round_without_a_terminal() -> None:

@@ -13,6 +13,7 @@ from coordinator.partitioner import PartitionConfig, Problem, plan_split
 from coordinator.planner import Placement, device_specs
 from coordinator.speed import (
     MIN_STEP_SECONDS,
+    REPLAN_SPACING,
     Replanner,
     Timed,
     drifted,
@@ -183,6 +184,9 @@ class FakePlanner:
     def partition(self) -> PartitionConfig:
         return PartitionConfig(batch_size=16, optimizer="adam")
 
+    def per_round(self) -> tuple[int, int]:
+        return 16, 1
+
     def plan(self, edges: list[Announcement], servers: list[Announcement]) -> Placement:
         self.asked.append(edges)
         plan = plan_split(self._profile, device_specs(edges, servers), self.partition())
@@ -319,3 +323,20 @@ def test_an_uplink_far_slower_than_declared_is_planned_with(cnn: ModelProfile) -
     # the cut whose activations are smallest: the upload bounds the step now
     assert event.kind == "replanned" and "new cuts {'pi-01': 5}" in event.detail
     assert planner.asked[-1][0].uplink == pytest.approx(10_000)
+
+
+def test_re_plans_from_speeds_are_spaced_apart(cnn: ModelProfile) -> None:
+    replanner, planner, store = _setup(cnn, 0.25)
+    online = _devices(1e12)
+    placement = _placement(planner, online)
+    cut = placement.plan.edges[0].blocks[1]
+    first = replanner.after_round(1, placement, {"pi-01": _timing(cut, 2.0)}, online)
+    assert first is not None
+    new_cut = first.plan.edges[0].blocks[1]
+
+    # the device now reports a hundred times faster: not heard until the spacing passed
+    fast = {"pi-01": _timing(new_cut, 2e-2)}
+    later = [replanner.after_round(n, first, fast, online) for n in range(2, 2 + REPLAN_SPACING)]
+
+    assert later[:-1] == [None] * (REPLAN_SPACING - 1)
+    assert [e.round for e in store.events("r1")][-1] == 1 + REPLAN_SPACING

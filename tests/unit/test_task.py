@@ -267,3 +267,15 @@ def test_a_gpu_server_fills_its_steps_unless_the_run_says_not_to(
     back = gpu.back(_task(start=1, training=training.to_dict()), (MODEL, training))
     assert (back.fill.rows if back.fill is not None else 0) == rows
     back.close()
+
+
+def test_an_announcement_carries_its_examples_and_refuses_a_bad_count() -> None:
+    announced = Announcement("pi-01", "edge", 1 << 30, 1e9, 1e6, examples=640)
+    assert Announcement.parse(announced.to_json()) == announced
+    older = json.loads(announced.to_json())
+    del older["examples"]  # an agent of an earlier version announces none
+    assert Announcement.parse(json.dumps(older).encode()).examples is None
+    for bad in (-1, 1.5, True, "640", 1 << 41):
+        payload = json.dumps({**older, "examples": bad}).encode()
+        with pytest.raises(WireError, match=r"announcement\.examples"):
+            Announcement.parse(payload)
