@@ -134,20 +134,23 @@ def measured_speeds(
 ) -> tuple[dict[str, float], dict[str, str]]:
     """The measured FLOP/s of the plan's edges and of its servers holding the whole back
     (a chained piece's work per sample is not the profile's), and why others' timing is
-    unusable (device -> reason). Devices whose steps took under :data:`MIN_STEP_SECONDS` on
-    average are not measured."""
+    unusable (device -> reason): a cut the plan did not give it (an edge has its own, a
+    server the edges'). Devices whose steps took under :data:`MIN_STEP_SECONDS` on average
+    are not measured."""
     speeds, bad = {}, {}
-    shallowest = min(e.blocks[1] for e in plan.edges)
-    works = {e.name: problem.edge_flops for e in plan.edges} | {
-        s.name: problem.server_flops
+    cuts = {e.blocks[1] for e in plan.edges}
+    works = {e.name: (problem.edge_flops, {e.blocks[1]}) for e in plan.edges} | {
+        s.name: (problem.server_flops, cuts)
         for s in plan.servers
-        if s.blocks[1] == plan.num_blocks and s.blocks[0] <= shallowest
+        if s.blocks[1] == plan.num_blocks and s.blocks[0] <= min(cuts)
     }
-    for device, work in works.items():
+    for device, (work, trained) in works.items():
         reported = timed.get(device)
         if reported is None or reported.seconds < MIN_STEP_SECONDS * reported.steps:
             continue
         try:
+            if foreign := sorted(set(reported.examples) - trained):
+                raise ValueError(f"compute-cuts: cut(s) {foreign} not planned for it")
             speeds[device] = speed(reported, work)
         except ValueError as error:
             bad[device] = str(error)

@@ -160,9 +160,17 @@ def test_edges_and_whole_back_servers_are_measured_chained_pieces_and_short_step
 
 
 def test_a_timing_at_a_cut_the_device_does_not_train_is_unusable() -> None:
-    plan = _plan({"pi-01": 1}, {"gpu-a": (1, 4)})
-    speeds, bad = measured_speeds(plan, _problem(), {"pi-01": Timed(1.0, {9: 30}, 3)})
-    assert speeds == {} and "cut 9" in bad["pi-01"]
+    plan = _plan({"pi-01": 1, "pi-02": 2}, {"gpu-a": (1, 4)})
+    timed = {
+        "pi-01": Timed(1.0, {2: 30}, 3),  # a cut of the model, but pi-02's
+        "pi-02": Timed(1.0, {2: 30}, 3),
+        "gpu-a": Timed(1.0, {1: 30, 3: 30}, 3),  # no edge streams from block 3
+    }
+
+    speeds, bad = measured_speeds(plan, _problem(), timed)
+
+    assert set(speeds) == {"pi-02"}
+    assert "[2] not planned" in bad["pi-01"] and "[3] not planned" in bad["gpu-a"]
 
 
 def test_a_drift_beyond_the_share_either_way_is_named() -> None:
@@ -266,12 +274,12 @@ def test_a_malformed_timing_is_an_event_and_changes_nothing(cnn: ModelProfile) -
     online = _devices(1e12)
     placement = _placement(planner, online)
 
-    lying = {**_timing(1, 2.0), "compute-cuts": [999]}
+    lying = {**_timing(1, 2.0), "compute-cuts": [999]}  # not a cut of the model
     assert replanner.after_round(1, placement, {"pi-01": lying}, online) is None
 
     (event,) = store.events("r1")
     assert (event.kind, event.device) == ("speed-unusable", "pi-01")
-    assert "cut 999" in event.detail
+    assert "[999] not planned" in event.detail
 
 
 def test_no_replan_while_a_device_is_away_or_when_turned_off(cnn: ModelProfile) -> None:
