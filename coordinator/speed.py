@@ -131,13 +131,16 @@ def speed(timed: Timed, work: np.ndarray) -> float:
 
 def measured_speeds(
     plan: Plan, problem: Problem, timed: Mapping[str, Timed]
-) -> tuple[dict[str, float], dict[str, str]]:
+) -> tuple[dict[str, float], dict[str, str], dict[str, float]]:
     """The measured FLOP/s of the plan's edges and of its servers holding the whole back
     (a chained piece's work per sample is not the profile's), and why others' timing is
     unusable (device -> reason): a cut the plan did not give it (an edge has its own, a
-    server the edges'). Devices whose steps took under :data:`MIN_STEP_SECONDS` on average
-    are not measured."""
-    speeds, bad = {}, {}
+    server the edges'). Third, floors: devices whose steps took under
+    :data:`MIN_STEP_SECONDS` on average are mostly overhead, so their rate is only a floor
+    of their speed (the overhead is in the seconds, not in the FLOPs)."""
+    speeds: dict[str, float] = {}
+    floors: dict[str, float] = {}
+    bad: dict[str, str] = {}
     cuts = {e.blocks[1] for e in plan.edges}
     works = {e.name: (problem.edge_flops, {e.blocks[1]}) for e in plan.edges} | {
         s.name: (problem.server_flops, cuts)
@@ -145,16 +148,16 @@ def measured_speeds(
         if s.blocks[1] == plan.num_blocks and s.blocks[0] <= min(cuts)
     }
     for device, (work, trained) in works.items():
-        reported = timed.get(device)
-        if reported is None or reported.seconds < MIN_STEP_SECONDS * reported.steps:
+        if (reported := timed.get(device)) is None:
             continue
+        short = reported.seconds < MIN_STEP_SECONDS * reported.steps
         try:
             if foreign := sorted(set(reported.examples) - trained):
                 raise ValueError(f"compute-cuts: cut(s) {foreign} not planned for it")
-            speeds[device] = speed(reported, work)
+            (floors if short else speeds)[device] = speed(reported, work)
         except ValueError as error:
             bad[device] = str(error)
-    return speeds, bad
+    return speeds, bad, floors
 
 
 def drifted(
@@ -195,13 +198,14 @@ class Replanner:
         timed, links, bad = _timings(reported)
         profile = self.planner.profile()
         problem = Problem.build(profile, self.planner.partition())
-        measured, unusable = measured_speeds(plan, problem, timed)
+        measured, unusable, floors = measured_speeds(plan, problem, timed)
         for device, why in (bad | unusable).items():
             self._event(number, "speed-unusable", f"timing not used: {why}", device)
         devices = [e.name for e in plan.edges] + [s.name for s in plan.servers]
         if any(d not in online for d in devices):
             return None  # a device is away: re-planning now would plan without it
         believed = {d: self.believed.get(d, online[d].flops) for d in devices}
+        measured |= {d: f for d, f in floors.items() if f > believed[d]}  # proven faster
         uplinks = {e.name: self.uplinks.get(e.name, _uplink(online[e.name])) for e in plan.edges}
         links = {d: rate for d, rate in links.items() if d in uplinks}
         off = drifted(believed, measured, self.drift)

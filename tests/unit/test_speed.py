@@ -140,7 +140,7 @@ def _problem() -> Problem:
     )
 
 
-def test_edges_and_whole_back_servers_are_measured_chained_pieces_and_short_steps_not() -> None:
+def test_whole_back_servers_are_measured_chained_pieces_not_short_steps_a_floor() -> None:
     plan = _plan({"pi-01": 1, "pi-02": 2}, {"gpu-a": (1, 4), "gpu-b": (1, 3), "gpu-c": (3, 4)})
     timed = {
         "pi-01": Timed(1.0, {1: 30}, 3),
@@ -150,12 +150,13 @@ def test_edges_and_whole_back_servers_are_measured_chained_pieces_and_short_step
         "gpu-c": Timed(2.0, {3: 30}, 6),
     }
 
-    speeds, bad = measured_speeds(plan, _problem(), timed)
+    speeds, bad, floors = measured_speeds(plan, _problem(), timed)
 
     assert speeds == {
         "pi-01": pytest.approx(3 * 30 * 1e6 / 1.0),
         "gpu-a": pytest.approx(3 * (30 * 3e6 + 30 * 2e6) / 2.0),
     }
+    assert floors == {"pi-02": pytest.approx(3 * 30 * 2e6 / MIN_STEP_SECONDS)}
     assert bad == {}
 
 
@@ -167,7 +168,7 @@ def test_a_timing_at_a_cut_the_device_does_not_train_is_unusable() -> None:
         "gpu-a": Timed(1.0, {1: 30, 3: 30}, 3),  # no edge streams from block 3
     }
 
-    speeds, bad = measured_speeds(plan, _problem(), timed)
+    speeds, bad, _ = measured_speeds(plan, _problem(), timed)
 
     assert set(speeds) == {"pi-02"}
     assert "[2] not planned" in bad["pi-01"] and "[3] not planned" in bad["gpu-a"]
@@ -348,3 +349,28 @@ def test_re_plans_from_speeds_are_spaced_apart(cnn: ModelProfile) -> None:
 
     assert later[:-1] == [None] * (REPLAN_SPACING - 1)
     assert [e.round for e in store.events("r1")][-1] == 1 + REPLAN_SPACING
+
+
+def test_short_steps_raise_a_speed_declared_too_low_but_never_lower_one(
+    cnn: ModelProfile,
+) -> None:
+    replanner, planner, store = _setup(cnn, 0.25)
+    online = {**_devices(1e12), "pi-01": Announcement("pi-01", "edge", 1 << 30, 1e3, 1e9)}
+    placement = _placement(planner, online)
+    cut = placement.plan.edges[0].blocks[1]
+    short = {**_timing(cut, 0.005), "compute-steps": 4}  # 1.25 ms a step: overhead mostly
+
+    replanner.after_round(1, placement, {"pi-01": short}, online)
+
+    # the rate of short steps is a floor: above the 1 kFLOP/s declared, so it is believed
+    assert replanner.believed["pi-01"] > 1e6
+    assert "pi-01 measured" in store.events("r1")[0].detail
+
+    replanner, planner, store = _setup(cnn, 0.25)
+    online = _devices(1e15)  # declared faster than the floor: the floor says nothing
+    placement = _placement(planner, online)
+    cut = placement.plan.edges[0].blocks[1]
+    replanner.after_round(
+        1, placement, {"pi-01": {**_timing(cut, 0.005), "compute-steps": 4}}, online
+    )
+    assert store.events("r1") == [] and replanner.believed == {}
