@@ -172,7 +172,7 @@ def _split_aware(base: type[FedAvg], mode: str) -> type[FedAvg]:
         def configure_train(
             self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
         ) -> Iterable[Message]:
-            self._current = {key: value.numpy() for key, value in arrays.items()}
+            self._current = _rekey(self, arrays)
             return super().configure_train(server_round, arrays, config, grid)  # type: ignore[no-any-return]
 
         def aggregate_train(
@@ -224,6 +224,25 @@ def _bound_updates(strategy: Any, replies: list[Message]) -> list[dict[str, np.n
             )
             strategy.clips.append((device, why))
     return bounded
+
+
+def _rekey(strategy: Any, arrays: ArrayRecord) -> dict[str, np.ndarray]:
+    """``arrays`` as NumPy, with the server-side optimizer state brought to their tensors (a
+    re-plan adds local heads for its new cuts): FedOpt's moments (kept by name) start at zero
+    for a new tensor; FedAvgM, whose momentum is kept by position, starts again."""
+    keys = list(arrays.keys())
+    for name in ("m_t", "v_t"):
+        state = getattr(strategy, name, None)
+        if isinstance(state, dict) and state and set(state) != set(keys):
+            setattr(
+                strategy,
+                name,
+                {k: state[k] if k in state else np.zeros_like(arrays[k].numpy()) for k in keys},
+            )
+    current = getattr(strategy, "current_arrays", None)
+    if isinstance(current, ArrayRecord) and list(current.keys()) != keys:
+        strategy.current_arrays, strategy.momentum_vector = arrays, None
+    return {key: value.numpy() for key, value in arrays.items()}
 
 
 def _train_metrics(strategy: Any, replies: list[Message]) -> MetricRecord:

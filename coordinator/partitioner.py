@@ -386,17 +386,13 @@ def _bottleneck(
 ) -> tuple[float, str]:
     """The slowest edge's step time and what bounds the plan's step."""
     slowest = max(range(len(edges)), key=lambda e: times[e, choice[e]])
-    edge_time = float(times[slowest, choice[slowest]])
-    compute = (
-        TRAIN_FLOPS_FACTOR
-        * problem.batch_size
-        * problem.edge_flops[choice[slowest]]
-        / edges[slowest].flops
-    )
-    bottleneck = (
+    edge_time, split, edge = float(times[slowest, choice[slowest]]), choice[slowest], edges[slowest]
+    compute = TRAIN_FLOPS_FACTOR * problem.batch_size * problem.edge_flops[split] / edge.flops
+    upload = problem.batch_size * problem.cut_bytes[split] / (edge.uplink or math.inf)
+    bottleneck = (  # the larger of the two overlapping parts (the weights' share adds to both)
         "the GPU servers"
         if server_time >= edge_time
-        else f"edge {edges[slowest].name!r} {'compute' if compute >= edge_time else 'upload'}"
+        else f"edge {edge.name!r} {'compute' if compute >= upload else 'upload'}"
     )
     return edge_time, bottleneck
 

@@ -31,9 +31,11 @@ from storage.records import Event, RunRecord
 from wire.flower import TransportGrid
 from wire.roles import Announcement
 
-__all__ = ["Placement", "Planner", "device_specs", "profile_key", "stored_plan"]
+__all__ = ["MEASURED_KEY", "Placement", "Planner", "device_specs", "profile_key", "stored_plan"]
 
 log = logging.getLogger(__name__)
+# beside a stored plan: the speeds it was made with, when measured (coordinator.speed)
+MEASURED_KEY = "measured"
 _ASK_TIMEOUT = 60.0
 Refusals = dict[str, tuple[str, int | None]]
 
@@ -71,7 +73,9 @@ def profile_key(config: RunConfig) -> dict[str, Any]:
 def stored_plan(run: RunRecord) -> Plan | None:
     """The plan stored in ``run``, or None when it has none (a malformed one raises
     :class:`~split_models.errors.ConfigError`)."""
-    return Plan.from_dict(run.plan) if run.plan else None
+    if not run.plan:
+        return None
+    return Plan.from_dict({k: v for k, v in run.plan.items() if k != MEASURED_KEY})
 
 
 class Planner:
@@ -116,11 +120,11 @@ class Planner:
                     f"failed on the assignment: {reply.error.reason}",
                     None,
                 )
-            elif not (metrics := reply.content.metric_records["metrics"])["accepted"]:
-                reason = str(reply.content.config_records["answer"]["reason"])
-                budget = int(metrics["budget"])  # type: ignore[arg-type]
-                memory = budget if budget < assignment.estimate else None
-                refusals[assignment.device] = (reason, memory)
+            elif (answer := _answer(reply)) is None:
+                refusals[assignment.device] = ("sent a malformed answer to the assignment", None)
+            elif not answer[0]:
+                memory = answer[1] if answer[1] < assignment.estimate else None
+                refusals[assignment.device] = (answer[2], memory)
         return refusals
 
     def plan(self, edges: list[Announcement], servers: list[Announcement]) -> Placement:
@@ -129,18 +133,25 @@ class Planner:
         candidates = list(edges)
         for _ in range(2 * len(edges) + 2):  # each pass drops an edge or lowers a budget
             specs = device_specs(candidates, servers, self.per_round())
-            plan = plan_split(profile, specs, partition)
-            assigned = _edges_of(plan)
-            refusals = self.ask(assigned)
-            if not refusals:
-                backs = self._servers(profile, servers, min(a.end for a in assigned), plan)
-                memory = {s.device: s.memory for s in servers}
-                return Placement(_with_servers(plan, backs, memory), assigned, backs)
-            candidates = self._around(candidates, refusals)
+            placed = self.offer(plan_split(profile, specs, partition), servers)
+            if isinstance(placed, Placement):
+                return placed
+            candidates = self._around(candidates, placed)
         raise CoordinatorError(
             "the edges kept refusing their blocks: "
             + "; ".join(f"{d}: {r}" for d, r in self.refusals.items())
         )
+
+    def offer(self, plan: Plan, servers: list[Announcement]) -> Placement | Refusals:
+        """Offer ``plan``'s edges their blocks: the placement (the back on ``servers``) when
+        every edge accepts, else the refusals."""
+        assigned = _edges_of(plan)
+        refusals = self.ask(assigned)
+        if refusals:
+            return refusals
+        backs = self._servers(self.profile(), servers, min(a.end for a in assigned), plan)
+        memory = {s.device: s.memory for s in servers}
+        return Placement(_with_servers(plan, backs, memory), assigned, backs)
 
     def partition(self) -> PartitionConfig:
         """What the partitioner needs of the run's training config."""
@@ -269,6 +280,19 @@ class Planner:
         ]
 
 
+def _answer(reply: Message) -> tuple[bool, int, str] | None:
+    """An edge's answer to an assignment: accepted, its budget, why it refused; None when
+    the reply is malformed (a device may send anything)."""
+    metrics = reply.content.metric_records.get("metrics")
+    answer = reply.content.config_records.get("answer")
+    if metrics is None or answer is None:
+        return None
+    accepted, budget, reason = metrics.get("accepted"), metrics.get("budget"), answer.get("reason")
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (accepted, budget)):
+        return None
+    return bool(accepted), max(0, int(budget)), str(reason)[:500]  # type: ignore[arg-type]
+
+
 def device_specs(
     edges: list[Announcement], servers: list[Announcement], per_round: tuple[int, int] = (0, 1)
 ) -> list[DeviceSpec]:
@@ -283,7 +307,7 @@ def device_specs(
             a.memory,
             a.flops,
             a.uplink or 1e9,
-            -(-(a.examples or 0) * epochs // batch) if batch else 0,
+            epochs * -(-(a.examples or 0) // batch) if batch else 0,
         )
         for a in edges
     ] + [DeviceSpec(s.device, "gpu", s.memory, s.flops) for s in servers]

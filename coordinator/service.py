@@ -283,6 +283,8 @@ class Coordinator:
         if kept is None:
             store.set_plan(config.run_id, placement.plan.to_dict())
             log.info("plan:\n%s", placement.plan)
+        else:
+            self.replanner.restore(store.get_run(config.run_id).plan)
         return placement
 
     def _round(

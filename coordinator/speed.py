@@ -12,9 +12,10 @@ more than ``devices.replan_drift`` (0.25: 25 %), the coordinator plans again wit
 measured speeds. The new plan is used (offered to the edges, stored as a new plan version)
 when its predicted step is at least :data:`MIN_GAIN` shorter than the current plan's under
 the same speeds; either way an event says what was measured. Re-plans from speeds are
-:data:`REPLAN_SPACING` rounds apart at least. A device that lies about its
-timing only moves its own cut, as a false declaration would; what it reports is validated
-like any other metric.
+:data:`REPLAN_SPACING` rounds apart at least. A device that lies about its timing moves
+other edges' cuts too, as a false declaration would (the slowest edge sets the round time the
+others fill); what it reports is validated like any other metric, and an edge refusing the
+new plan keeps the current one.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import numpy as np
 
 from coordinator.errors import CoordinatorError
 from coordinator.partitioner import TRAIN_FLOPS_FACTOR, Problem, plan_split, step_seconds
-from coordinator.planner import Placement, Planner, device_specs
+from coordinator.planner import MEASURED_KEY, Placement, Planner, device_specs
 from split_models.errors import SplitError
 from split_models.plan import Plan
 from split_models.profiler import ModelProfile
@@ -247,16 +248,41 @@ class Replanner:
         if then > (1 - MIN_GAIN) * now or _cuts(candidate) == _cuts(plan):
             self._event(number, "speed-measured", f"{verdict}: plan kept")
             return None
-        try:
-            new = self.planner.plan(edges, servers)
+        try:  # a refusal keeps the plan: dropping an edge mid-run is not the speeds' call
+            new = self.planner.offer(candidate, servers)
         except (CoordinatorError, SplitError) as error:
-            self._event(number, "speed-measured", f"{verdict}: plan kept, {error}")
+            new = {"the GPU servers": (str(error), None)}
+        if not isinstance(new, Placement):
+            why = "; ".join(f"{d}: {r}" for d, (r, _) in new.items())
+            self._event(number, "speed-measured", f"{verdict}: plan kept, refused ({why})")
             return None
-        self.store.set_plan(self.planner.config.run_id, new.plan.to_dict())
         self.replanned_at = number
+        self.store.set_plan(self.planner.config.run_id, new.plan.to_dict() | self._measured())
         self._event(number, "replanned", f"{verdict}: new cuts {_cuts(new.plan)}")
         log.info("plan after round %d, from measured speeds:\n%s", number, new.plan)
         return new
+
+    def _measured(self) -> dict[str, Any]:
+        """What is stored beside the plan: the speeds it was made with."""
+        return {
+            MEASURED_KEY: {
+                "flops": dict(self.believed),
+                "uplinks": dict(self.uplinks),
+                "round": self.replanned_at,
+            }
+        }
+
+    def restore(self, plan: Mapping[str, Any] | None) -> None:
+        """Take up the speeds a resumed run's stored plan was made with (a restarted
+        coordinator measures on from them, not from the declared ones); a malformed record
+        is ignored."""
+        measured = (plan or {}).get(MEASURED_KEY)
+        if not isinstance(measured, Mapping):
+            return
+        flops, uplinks, number = (measured.get(k) for k in ("flops", "uplinks", "round"))
+        if _rates(flops) and _rates(uplinks) and (number is None or _count(number)):
+            self.believed, self.uplinks = dict(flops), dict(uplinks)  # type: ignore[arg-type]
+            self.replanned_at = number
 
     def _announced(self, announcement: Announcement) -> Announcement:
         """``announcement`` at the speed (and uplink) the coordinator now believes."""
@@ -287,6 +313,17 @@ def _timings(
         except ValueError as error:
             bad[device] = str(error)
     return timed, links, bad
+
+
+def _rates(value: object) -> bool:
+    """A stored mapping of device -> positive finite rate."""
+    return isinstance(value, Mapping) and all(
+        isinstance(k, str)
+        and isinstance(v, int | float)
+        and not isinstance(v, bool)
+        and 0 < v < math.inf
+        for k, v in value.items()
+    )
 
 
 def _uplink(announcement: Announcement) -> float:

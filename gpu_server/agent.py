@@ -186,7 +186,7 @@ class GpuAgent:
                 "bytes-received": sum(w.nbytes for w in weights.values()),
                 "bytes-sent": sum(a.nbytes for a in arrays.values()),
                 "wall-seconds": time.perf_counter() - started,
-                **back.clock.metrics(),
+                **back.timing(),
             }
         )
         content = RecordDict(

@@ -192,6 +192,11 @@ class BackTrainer:
             self._flush()
             return segment_state(self.segment)
 
+    def timing(self) -> dict[str, float | list[int]]:
+        """The round's timed steps (reply metrics), read between steps."""
+        with self.stream.exclusive():
+            return self.clock.metrics()
+
     def _train(self, envelope: Envelope) -> None:
         """One batch of the current round (the stream calls this, one batch at a time)."""
         if self.fill is not None and envelope.meta.get("backprop") is not True:

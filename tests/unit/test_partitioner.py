@@ -296,3 +296,14 @@ def test_the_command_prints_the_reasons_numbered_on_one_line(
     assert capsys.readouterr().err == (
         "edgesplit plan: error: edge devices cannot take part: (1) 3 edges (a) (2) edge 'b'\n"
     )
+
+
+@settings(max_examples=50, deadline=None)
+@given(profile=profiles(), batches=st.sampled_from([0, 1, 20]))
+def test_a_compute_bound_edge_is_named_so_whatever_its_weight_traffic(
+    profile: ModelProfile, batches: int
+) -> None:
+    slow = DeviceSpec("edge-0", "edge", 1 << 40, 1.0, 1e12, batches)  # 1 FLOP/s, fast link
+    plan = plan_split(profile, [slow, DeviceSpec("gpu", "gpu", 1 << 40, 1e15)], PartitionConfig())
+    assert plan.bottleneck == "edge 'edge-0' compute"
+    assert plan.edges[0].weight_bytes > 0

@@ -8,9 +8,12 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from flwr.app import ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.common.constant import SUPERLINK_NODE_ID
+from flwr.supercore.task_identity import TaskIdentity
 
 from coordinator.partitioner import PartitionConfig, Problem, plan_split
-from coordinator.planner import Placement, device_specs
+from coordinator.planner import MEASURED_KEY, Placement, _answer, device_specs, stored_plan
 from coordinator.speed import (
     MIN_STEP_SECONDS,
     REPLAN_SPACING,
@@ -185,7 +188,8 @@ class FakePlanner:
 
     def __init__(self, profile: ModelProfile) -> None:
         self.config = SimpleNamespace(run_id="r1")
-        self._profile, self.asked = profile, list[list[Announcement]]()
+        self._profile, self.offered = profile, list[Plan]()
+        self.refusals: dict[str, tuple[str, int | None]] = {}  # what the edges answer
 
     def profile(self) -> ModelProfile:
         return self._profile
@@ -197,9 +201,14 @@ class FakePlanner:
         return 16, 1
 
     def plan(self, edges: list[Announcement], servers: list[Announcement]) -> Placement:
-        self.asked.append(edges)
         plan = plan_split(self._profile, device_specs(edges, servers), self.partition())
         return Placement(plan, [], [])
+
+    def offer(
+        self, plan: Plan, servers: list[Announcement]
+    ) -> Placement | dict[str, tuple[str, int | None]]:
+        self.offered.append(plan)
+        return self.refusals or Placement(plan, [], [])
 
 
 @pytest.fixture(scope="module")
@@ -243,7 +252,8 @@ def test_an_edge_far_slower_than_declared_gets_a_new_plan(cnn: ModelProfile) -> 
     new = replanner.after_round(1, placement, {"pi-01": _timing(cut, 2.0)}, online)
 
     assert new is not None and new.plan.edges[0].blocks[1] < cut
-    assert planner.asked[-1][0].flops < 1e11  # planned at the measured speed
+    assert replanner.believed["pi-01"] < 1e11  # planned at the measured speed
+    assert planner.offered == [new.plan]
     assert store.get_run("r1").plan_version == 1
     assert [e.kind for e in store.events("r1")] == ["replanned"]
 
@@ -254,7 +264,6 @@ def test_a_speed_within_the_drift_or_a_small_gain_keeps_the_plan(cnn: ModelProfi
     placement = _placement(planner, online)
     cut = placement.plan.edges[0].blocks[1]
     work = 3 * 6400 * Problem.build(cnn, planner.partition()).edge_flops[cut]
-    asked = len(planner.asked)
 
     # measured at 0.9x the declared speed: within the drift
     assert (
@@ -265,7 +274,7 @@ def test_a_speed_within_the_drift_or_a_small_gain_keeps_the_plan(cnn: ModelProfi
         replanner.after_round(2, placement, {"pi-01": _timing(cut, work / 0.5e10)}, online) is None
     )
 
-    assert len(planner.asked) == asked and store.get_run("r1").plan_version == 0
+    assert planner.offered == [] and store.get_run("r1").plan_version == 0
     assert [(e.kind, e.round) for e in store.events("r1")] == [("speed-measured", 2)]
     assert "plan kept" in store.events("r1")[0].detail
 
@@ -331,7 +340,7 @@ def test_an_uplink_far_slower_than_declared_is_planned_with(cnn: ModelProfile) -
     assert "pi-01's uplink measured 0.08 Mbit/s (planned with 8e+03 Mbit/s)" in event.detail
     # the cut whose activations are smallest: the upload bounds the step now
     assert event.kind == "replanned" and "new cuts {'pi-01': 5}" in event.detail
-    assert planner.asked[-1][0].uplink == pytest.approx(10_000)
+    assert replanner.uplinks["pi-01"] == pytest.approx(10_000)
 
 
 def test_re_plans_from_speeds_are_spaced_apart(cnn: ModelProfile) -> None:
@@ -374,3 +383,70 @@ def test_short_steps_raise_a_speed_declared_too_low_but_never_lower_one(
         1, placement, {"pi-01": {**_timing(cut, 0.005), "compute-steps": 4}}, online
     )
     assert store.events("r1") == [] and replanner.believed == {}
+
+
+def test_an_edge_that_refuses_the_new_plan_keeps_the_old_one(cnn: ModelProfile) -> None:
+    replanner, planner, store = _setup(cnn, 0.25)
+    online = _devices(1e12)
+    placement = _placement(planner, online)
+    cut = placement.plan.edges[0].blocks[1]
+    planner.refusals = {"pi-01": ("sent a malformed answer to the assignment", None)}
+
+    assert replanner.after_round(1, placement, {"pi-01": _timing(cut, 2.0)}, online) is None
+
+    (event,) = store.events("r1")
+    assert event.kind == "speed-measured" and "plan kept, refused" in event.detail
+    assert len(planner.offered) == 1 and store.get_run("r1").plan_version == 0
+
+
+def _answered(metrics: dict[str, object] | None, answer: dict[str, object] | None) -> Message:
+    content = RecordDict()
+    if metrics is not None:
+        content["metrics"] = MetricRecord(metrics)  # type: ignore[arg-type]
+    if answer is not None:
+        content["answer"] = ConfigRecord(answer)  # type: ignore[arg-type]
+    # a message needs the run it belongs to (the coordinator's grid sets it): set here, and
+    # put back after, since it is process-wide
+    saved = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, SUPERLINK_NODE_ID, 1
+    try:
+        template = Message(RecordDict(), dst_node_id=1, message_type="query")
+        return Message(content, reply_to=template)
+    finally:
+        TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = saved
+
+
+def test_a_malformed_answer_to_an_assignment_is_a_refusal_not_a_crash() -> None:
+    assert _answer(_answered({"accepted": 1, "budget": 100}, {"reason": ""})) == (True, 100, "")
+    assert _answer(_answered({"accepted": 0, "budget": 9}, {"reason": "no"})) == (False, 9, "no")
+    for metrics, answer in [
+        ({"accepted": 0.5, "budget": 100}, {"reason": ""}),
+        ({"accepted": 0, "budget": 100}, None),
+        (None, {"reason": "x"}),
+        ({"budget": 100}, {"reason": "x"}),
+        ({"accepted": 1, "budget": [1]}, {"reason": "x"}),
+    ]:
+        assert _answer(_answered(metrics, answer)) is None
+
+
+def test_a_restarted_coordinator_takes_up_the_measured_speeds_of_the_stored_plan(
+    cnn: ModelProfile,
+) -> None:
+    replanner, planner, store = _setup(cnn, 0.25)
+    online = _devices(1e12)
+    placement = _placement(planner, online)
+    cut = placement.plan.edges[0].blocks[1]
+    assert replanner.after_round(1, placement, {"pi-01": _timing(cut, 2.0)}, online) is not None
+    run = store.get_run("r1")
+
+    again = Replanner(planner, store, 0.25)  # type: ignore[arg-type]
+    again.restore(run.plan)
+
+    assert (again.believed, again.uplinks) == (replanner.believed, replanner.uplinks)
+    assert again.replanned_at == 1 and again.believed["pi-01"] < 1e11
+    stored = stored_plan(run)  # the plan itself still loads, the speeds beside it
+    assert stored is not None and stored.edges[0].blocks[1] < cut
+    for bad in ({"flops": {"pi-01": -1.0}, "uplinks": {}}, {"flops": "x"}, "x", None):
+        ignored = Replanner(planner, store, 0.25)  # type: ignore[arg-type]
+        ignored.restore({**(run.plan or {}), MEASURED_KEY: bad})
+        assert ignored.believed == {} and ignored.replanned_at is None
