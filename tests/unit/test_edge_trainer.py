@@ -35,17 +35,23 @@ class _SlowAcks(InProcessTransport):
         self.unacknowledged = 0
 
 
-def test_a_batch_is_published_only_after_the_previous_one_was_acknowledged() -> None:
-    transport = _SlowAcks(InProcessHub())
+def _granted(transport: InProcessTransport, examples: int) -> tuple[Channel, CreditGate, Dataset]:
+    """A channel over ``transport`` with 100 credits granted, and ``examples`` random digits."""
     channel = Channel(transport, "pi-01")
     gate = CreditGate(channel, "run", "pi-01")
     gate.on_credit(Envelope("credit", "run", "gpu-a", 0, round=1, meta={"credits": 100}))
     rng = np.random.default_rng(0)
     data = Dataset(
-        rng.normal(size=(40, 1, 8, 8)).astype(np.float32),
-        rng.integers(0, 10, size=40).astype(np.int64),
+        rng.normal(size=(examples, 1, 8, 8)).astype(np.float32),
+        rng.integers(0, 10, size=examples).astype(np.int64),
         10,
     )
+    return channel, gate, data
+
+
+def test_a_batch_is_published_only_after_the_previous_one_was_acknowledged() -> None:
+    transport = _SlowAcks(InProcessHub())
+    channel, gate, data = _granted(transport, 40)
     model = build_model("mlp", (1, 8, 8), 10, seed=0)
     segment = Segment.from_model(model, 0, 1, "linear", OptimizerConfig("sgd"))
     config = EdgeTrainerConfig("run", "pi-01", "seg-0", batch_size=8, encoding="fp16")
@@ -55,16 +61,7 @@ def test_a_batch_is_published_only_after_the_previous_one_was_acknowledged() -> 
 
 
 def test_the_round_reports_its_timed_steps_without_the_first() -> None:
-    transport = InProcessTransport(InProcessHub(), "pi-01-stream")
-    channel = Channel(transport, "pi-01")
-    gate = CreditGate(channel, "run", "pi-01")
-    gate.on_credit(Envelope("credit", "run", "gpu-a", 0, round=1, meta={"credits": 100}))
-    rng = np.random.default_rng(0)
-    data = Dataset(
-        rng.normal(size=(36, 1, 8, 8)).astype(np.float32),
-        rng.integers(0, 10, size=36).astype(np.int64),
-        10,
-    )
+    channel, gate, data = _granted(InProcessTransport(InProcessHub(), "pi-01-stream"), 36)
     segment = Segment.from_model(build_model("mlp", (1, 8, 8), 10, seed=0), 0, 1, "linear")
     config = EdgeTrainerConfig("run", "pi-01", "seg-0", batch_size=8)
 

@@ -243,11 +243,17 @@ def _placement(planner: FakePlanner, online: dict[str, Announcement]) -> Placeme
     return planner.plan([online["pi-01"]], [online["gpu-a"]])
 
 
-def test_an_edge_far_slower_than_declared_gets_a_new_plan(cnn: ModelProfile) -> None:
+def _planned(
+    cnn: ModelProfile, online: dict[str, Announcement]
+) -> tuple[Replanner, FakePlanner, RunStore, dict[str, Announcement], Placement, int]:
+    """A replanner at drift 0.25 over ``online``'s first plan, and pi-01's cut in it."""
     replanner, planner, store = _setup(cnn, 0.25)
-    online = _devices(1e12)
     placement = _placement(planner, online)
-    cut = placement.plan.edges[0].blocks[1]
+    return replanner, planner, store, online, placement, placement.plan.edges[0].blocks[1]
+
+
+def test_an_edge_far_slower_than_declared_gets_a_new_plan(cnn: ModelProfile) -> None:
+    replanner, planner, store, online, placement, cut = _planned(cnn, _devices(1e12))
 
     new = replanner.after_round(1, placement, {"pi-01": _timing(cut, 2.0)}, online)
 
@@ -259,10 +265,7 @@ def test_an_edge_far_slower_than_declared_gets_a_new_plan(cnn: ModelProfile) -> 
 
 
 def test_a_speed_within_the_drift_or_a_small_gain_keeps_the_plan(cnn: ModelProfile) -> None:
-    replanner, planner, store = _setup(cnn, 0.25)
-    online = _devices(1e10)
-    placement = _placement(planner, online)
-    cut = placement.plan.edges[0].blocks[1]
+    replanner, planner, store, online, placement, cut = _planned(cnn, _devices(1e10))
     work = 3 * 6400 * Problem.build(cnn, planner.partition()).edge_flops[cut]
 
     # measured at 0.9x the declared speed: within the drift
@@ -327,10 +330,7 @@ def test_a_reported_uplink_is_read_and_a_malformed_one_refused() -> None:
 
 
 def test_an_uplink_far_slower_than_declared_is_planned_with(cnn: ModelProfile) -> None:
-    replanner, planner, store = _setup(cnn, 0.25)
-    online = _devices(1e12)
-    placement = _placement(planner, online)
-    cut = placement.plan.edges[0].blocks[1]
+    replanner, planner, store, online, placement, cut = _planned(cnn, _devices(1e12))
     work = 3 * 6400 * Problem.build(cnn, planner.partition()).edge_flops[cut]
     reported = {**_timing(cut, work / 1e12 + 0.02), "uplink-seconds": 2.0, "uplink-bytes": 20_000}
 
@@ -344,10 +344,7 @@ def test_an_uplink_far_slower_than_declared_is_planned_with(cnn: ModelProfile) -
 
 
 def test_re_plans_from_speeds_are_spaced_apart(cnn: ModelProfile) -> None:
-    replanner, planner, store = _setup(cnn, 0.25)
-    online = _devices(1e12)
-    placement = _placement(planner, online)
-    cut = placement.plan.edges[0].blocks[1]
+    replanner, _planner, store, online, placement, cut = _planned(cnn, _devices(1e12))
     first = replanner.after_round(1, placement, {"pi-01": _timing(cut, 2.0)}, online)
     assert first is not None
     new_cut = first.plan.edges[0].blocks[1]
@@ -363,10 +360,9 @@ def test_re_plans_from_speeds_are_spaced_apart(cnn: ModelProfile) -> None:
 def test_short_steps_raise_a_speed_declared_too_low_but_never_lower_one(
     cnn: ModelProfile,
 ) -> None:
-    replanner, planner, store = _setup(cnn, 0.25)
-    online = {**_devices(1e12), "pi-01": Announcement("pi-01", "edge", 1 << 30, 1e3, 1e9)}
-    placement = _placement(planner, online)
-    cut = placement.plan.edges[0].blocks[1]
+    replanner, _planner, store, online, placement, cut = _planned(
+        cnn, {**_devices(1e12), "pi-01": Announcement("pi-01", "edge", 1 << 30, 1e3, 1e9)}
+    )
     short = {**_timing(cut, 0.005), "compute-steps": 4}  # 1.25 ms a step: overhead mostly
 
     replanner.after_round(1, placement, {"pi-01": short}, online)
@@ -375,10 +371,8 @@ def test_short_steps_raise_a_speed_declared_too_low_but_never_lower_one(
     assert replanner.believed["pi-01"] > 1e6
     assert "pi-01 measured" in store.events("r1")[0].detail
 
-    replanner, planner, store = _setup(cnn, 0.25)
-    online = _devices(1e15)  # declared faster than the floor: the floor says nothing
-    placement = _placement(planner, online)
-    cut = placement.plan.edges[0].blocks[1]
+    replanner, _planner, store, online, placement, cut = _planned(cnn, _devices(1e15))
+    # declared faster than the floor: the floor says nothing
     replanner.after_round(
         1, placement, {"pi-01": {**_timing(cut, 0.005), "compute-steps": 4}}, online
     )
@@ -386,10 +380,7 @@ def test_short_steps_raise_a_speed_declared_too_low_but_never_lower_one(
 
 
 def test_an_edge_that_refuses_the_new_plan_keeps_the_old_one(cnn: ModelProfile) -> None:
-    replanner, planner, store = _setup(cnn, 0.25)
-    online = _devices(1e12)
-    placement = _placement(planner, online)
-    cut = placement.plan.edges[0].blocks[1]
+    replanner, planner, store, online, placement, cut = _planned(cnn, _devices(1e12))
     planner.refusals = {"pi-01": ("sent a malformed answer to the assignment", None)}
 
     assert replanner.after_round(1, placement, {"pi-01": _timing(cut, 2.0)}, online) is None
@@ -432,10 +423,7 @@ def test_a_malformed_answer_to_an_assignment_is_a_refusal_not_a_crash() -> None:
 def test_a_restarted_coordinator_takes_up_the_measured_speeds_of_the_stored_plan(
     cnn: ModelProfile,
 ) -> None:
-    replanner, planner, store = _setup(cnn, 0.25)
-    online = _devices(1e12)
-    placement = _placement(planner, online)
-    cut = placement.plan.edges[0].blocks[1]
+    replanner, planner, store, online, placement, cut = _planned(cnn, _devices(1e12))
     assert replanner.after_round(1, placement, {"pi-01": _timing(cut, 2.0)}, online) is not None
     run = store.get_run("r1")
 
