@@ -12,10 +12,17 @@ at the measured speeds and trains the later rounds on the new cuts. Reported: ea
 time (its slowest device's, from the store), the cuts it trained at, and the last plan's
 predicted round time (its step estimate times the batches of a round) next to the measured one.
 
+``--mix memory`` compares per-device cuts with one uniform cut (``devices: {cuts: uniform}``)
+on devices whose limits pull the cuts apart: ``sensor`` (0.25 core, 100 Mbit/s, 20 MiB: it can
+hold blocks [0, 2) at most), ``mid`` (0.5 core, 20 Mbit/s) and ``phone`` (1 core, 5 Mbit/s: it
+wants a deep cut, whose activations are small). Each declares its real link and memory and the
+same FLOP/s; both runs re-plan from measured speeds (the default). Run C asks for one cut, run D
+(the default) lets each edge take its own.
+
 Needs root and cgroup v1's ``cpu`` controller (``/sys/fs/cgroup/cpu``); elsewhere it says so and
 exits 0.
 
-    python benchmarks/heterogeneity.py [--rounds 4] [--out docs/benchmarks.md]
+    python benchmarks/heterogeneity.py [--mix declared|memory] [--rounds 4] [--out FILE]
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -43,8 +51,32 @@ from storage import open_store  # noqa: E402
 from wire.broker import Broker  # noqa: E402
 
 CGROUP = Path("/sys/fs/cgroup/cpu")
-CLASSES = {"pi-slow": (0.25, 5e6), "pi-mid": (0.5, 20e6), "pi-fast": (1.0, 100e6)}  # cores, bit/s
-PER_EDGE, BATCH, DECLARED = 640, 32, ("5e9", "20Mbit")
+# name -> cores, link bit/s, declared memory, declared uplink (None: the link's own rate)
+Device = tuple[float, float, str, str | None]
+MIXES: dict[str, dict[str, Device]] = {
+    "declared": {
+        "pi-slow": (0.25, 5e6, "1GiB", "20Mbit"),
+        "pi-mid": (0.5, 20e6, "1GiB", "20Mbit"),
+        "pi-fast": (1.0, 100e6, "1GiB", "20Mbit"),
+    },
+    "memory": {
+        "sensor": (0.25, 100e6, "20MiB", None),
+        "mid": (0.5, 20e6, "1GiB", None),
+        "phone": (1.0, 5e6, "1GiB", None),
+    },
+}
+# mix -> run label -> the run's ``devices`` keys
+RUNS: dict[str, dict[str, dict[str, object]]] = {
+    "declared": {
+        "A: plan kept (`replan_drift: null`)": {"replan_drift": None},
+        "B: re-planned (0.25, default)": {"replan_drift": 0.25},
+    },
+    "memory": {
+        "C: one cut (`cuts: uniform`)": {"cuts": "uniform"},
+        "D: per-device cuts (default)": {"cuts": "per-device"},
+    },
+}
+PER_EDGE, BATCH, DECLARED_FLOPS = 640, 32, "5e9"
 SHARED = ROOT.parent / "shared" / "data" / "mnist8k.npz"
 FIXTURE = ROOT / "tests" / "fixtures" / "tiny_mnist.npz"
 
@@ -75,22 +107,27 @@ def limited(name: str, cores: float) -> Iterator[Path]:
             time.sleep(0.1)
 
 
-def _data(directory: Path) -> Path:
+def _data(directory: Path, names: list[str]) -> Path:
     source = SHARED if SHARED.exists() else FIXTURE
     with np.load(source) as archive:
         x, y = archive["x"], archive["y"]
-    per_edge = min(PER_EDGE, len(x) // (len(CLASSES) + 1))
-    for index, name in enumerate(CLASSES):
-        rows = np.arange(index, per_edge * len(CLASSES), len(CLASSES))
+    per_edge = min(PER_EDGE, len(x) // (len(names) + 1))
+    for index, name in enumerate(names):
+        rows = np.arange(index, per_edge * len(names), len(names))
         np.savez(directory / f"{name}.npz", x=x[rows], y=y[rows])
     np.savez(directory / "test.npz", x=x[-1000:], y=y[-1000:])
     return directory / "test.npz"
 
 
-def _config(directory: Path, rounds: int, drift: float | None) -> Path:
+def _config(
+    directory: Path,
+    rounds: int,
+    edges: list[str],
+    keys: dict[str, object],
+    extra: dict[str, object],
+) -> Path:
     path = directory / "run.yaml"
-    edges = list(CLASSES)
-    devices = {"edges": edges, "gpu_servers": 1, "wait": "120s", "replan_drift": drift}
+    devices = {"edges": edges, "gpu_servers": 1, "wait": "120s", **keys}
     path.write_text(
         yaml.safe_dump(
             {
@@ -104,6 +141,7 @@ def _config(directory: Path, rounds: int, drift: float | None) -> Path:
                 "batch_size": BATCH,
                 "optimizer": {"name": "adam", "lr": 0.001},
                 "round_deadline": "300s",
+                **extra,
             }
         )
     )
@@ -122,21 +160,31 @@ def _start(
     return subprocess.Popen(command, cwd=directory, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
-def run_once(url: str, directory: Path, rounds: int, drift: float | None) -> tuple[list[Row], str]:
-    """Each round (see :func:`_rounds`) and the last plan's cuts."""
-    _data(directory)
-    config, db = _config(directory, rounds, drift), f"sqlite:///{directory / 'runs.db'}"
+def run_once(
+    url: str,
+    directory: Path,
+    rounds: int,
+    classes: dict[str, Device],
+    keys: dict[str, object],
+    extra: dict[str, object],
+) -> tuple[list[Row], str]:
+    """Each round (see :func:`_rounds`) and the last plan's cuts; ``extra``: more keys of
+    the run's config."""
+    _data(directory, list(classes))
+    config = _config(directory, rounds, list(classes), keys, extra)
+    db = f"sqlite:///{directory / 'runs.db'}"
     processes = []
     with contextlib.ExitStack() as stack:
         try:
             gpu = ["gpu-server", "--id", "gpu-a", "--broker", url, "--flops", "5e10"]
             processes.append(_start(directory, "gpu-a", gpu, None))
             host, port = url.removeprefix("mqtt://").rsplit(":", 1)
-            for name, (cores, bits) in CLASSES.items():
+            for name, (cores, bits, memory, uplink) in classes.items():
                 group = stack.enter_context(limited(name, cores))
                 link = stack.enter_context(Shaper((host, int(port)), bits / 8, bits / 8))
                 edge = ["edge", "--id", name, "--broker", f"mqtt://{host}:{link.port}"]
-                edge += ["--flops", DECLARED[0], "--uplink", DECLARED[1], "--memory", "1GiB"]
+                declared = uplink or f"{bits / 1e6:g}Mbit"
+                edge += ["--flops", DECLARED_FLOPS, "--uplink", declared, "--memory", memory]
                 edge += ["--data", f"npz:{directory / f'{name}.npz'}"]
                 processes.append(_start(directory, name, edge, group))
             coordinator = ["coordinator", "--config", str(config), "--db", db, "--broker", url]
@@ -153,22 +201,26 @@ def run_once(url: str, directory: Path, rounds: int, drift: float | None) -> tup
     return _rounds(db)
 
 
-Row = tuple[int, float, str, float]
+Row = tuple[int, float, float, str, float]
 
 
 def _rounds(db: str) -> tuple[list[Row], str]:
-    """Each round's number, wall seconds (its slowest device's), the cuts it trained at
-    ("first plan" before a re-plan) and accuracy, and the run's last plan's cuts and
-    predicted round."""
+    """Each round's number, seconds (from the round's start to its commit, and its slowest
+    device's training), the cuts it trained at and accuracy, and the run's last plan's cuts
+    and predicted round."""
     with open_store(db) as store:
         run = store.get_run("hetero")
-        replans = {e.round: e.detail for e in store.events("hetero") if e.kind == "replanned"}
-        rows, cuts = [], "first plan"
+        events = store.events("hetero")
+        replans = {e.round: e.detail for e in events if e.kind == "replanned"}
+        planned = [e.detail.removeprefix("cuts ") for e in events if e.kind == "planned"]
+        rows, cuts = [], planned[0] if planned else "?"
         for number in range(1, (run.current_round or 0) + 1):
             record = store.get_round("hetero", number)
             ok = [r.wall_seconds for r in record.results if r.failure is None]
             accuracy = float(record.evaluation.get("accuracy", float("nan")))
-            rows.append((number, max(ok, default=0.0), cuts, accuracy))
+            assert record.opened_at is not None and record.committed_at is not None
+            seconds = (record.committed_at - record.opened_at).total_seconds()
+            rows.append((number, seconds, max(ok, default=0.0), cuts, accuracy))
             if number in replans:
                 cuts = replans[number].rpartition("new cuts ")[2]
         plan = run.plan or {}
@@ -179,26 +231,43 @@ def _rounds(db: str) -> tuple[list[Row], str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mix", choices=list(MIXES), default="declared")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--logs", type=Path, default=None, help="keep each run's logs and store")
+    parser.add_argument("--only", default=None, help="run only the run whose label starts so")
+    parser.add_argument(
+        "--set", action="append", default=[], help="KEY=VALUE of the run config (YAML value)"
+    )
     args = parser.parse_args()
+    extra = {k: yaml.safe_load(v) for k, _, v in (item.partition("=") for item in args.set)}
     if (why := cgroups_work()) is not None:
         print(f"heterogeneity.py: {why}: skipped")
         return
     results = {}
-    runs = {"A: plan kept (`replan_drift: null`)": None, "B: re-planned (0.25, default)": 0.25}
     with Broker() as broker:
-        for label, drift in runs.items():
+        for name, keys in RUNS[args.mix].items():
+            label = f"{name}, {', '.join(args.set)}" if args.set else name
+            if args.only is not None and not label.startswith(args.only):
+                continue
             with tempfile.TemporaryDirectory(prefix="edgesplit-hetero-") as folder:
-                results[label] = run_once(broker.url, Path(folder), args.rounds, drift)
+                classes = MIXES[args.mix]
+                results[label] = run_once(
+                    broker.url, Path(folder), args.rounds, classes, keys, extra
+                )
+                if args.logs is not None:
+                    kept = args.logs / label[0]
+                    kept.mkdir(parents=True, exist_ok=True)
+                    for path in [*Path(folder).glob("*.log"), Path(folder) / "runs.db"]:
+                        shutil.copy(path, kept)
                 print(label, results[label], flush=True)
-    first = next(iter(results.values()))[1].partition(", predicted")[0]  # same declarations
-    lines = [machine(), "", "| run | round | round s | edges' cuts | accuracy |"]
-    lines.append("|---|---|---|---|---|")
+    header = "| run | round | round s | slowest device's training s | edges' cuts | accuracy |"
+    lines = [machine(), "", header, "|---|---|---|---|---|---|"]
     for label, (rows, _) in results.items():
-        for number, seconds, cuts, accuracy in rows:
-            shown = first if cuts == "first plan" else cuts
-            lines.append(f"| {label} | {number} | {seconds:.1f} | {shown} | {accuracy:.4f} |")
+        for number, seconds, training, cuts, accuracy in rows:
+            lines.append(
+                f"| {label} | {number} | {seconds:.1f} | {training:.1f} | {cuts} | {accuracy:.4f} |"
+            )
     lines += ["", *(f"- {label}: last plan {last}" for label, (_, last) in results.items())]
     print("\n".join(lines))
     if args.out is not None:

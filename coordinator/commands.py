@@ -72,6 +72,7 @@ def plan_command(args: argparse.Namespace) -> int:
         local_loss=args.local_loss,
         compression=args.compression,
         min_edge_blocks=args.min_edge_blocks,
+        cuts=args.cuts,
     )
     devices = load_devices(args.devices)
     model = model_section(args).build(seed=0)

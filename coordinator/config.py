@@ -9,7 +9,7 @@ input_dtype: float32            # int64 for token ids, with input_range: N (ids 
 task: classification            # or language-model: the next token at every position
 split_points: []                # optional: module names the model may be cut before
 eval_data: npz:path/to/test.npz  # relative to this file
-devices: {edges: 3, gpu_servers: 1, wait: 120s}   # or edges: [pi-01, pi-02, ...]
+devices: {edges: 3, gpu_servers: 1, wait: 120s}   # or edges: [pi-01, ...]; cuts: uniform
 rounds: 3
 local_epochs: 1
 batch_size: 32
@@ -48,6 +48,7 @@ from typing import Any
 
 import yaml
 
+from coordinator.plan_config import CUTS
 from split_models.config import (
     MODES,
     ModelConfig,
@@ -102,6 +103,9 @@ class DevicesConfig:
     replan_drift: float | None = setting(
         0.25, above=0, what="a share such as 0.25 (or null: never re-plan from speeds)"
     )
+
+    # per-device: each edge the cut that suits it; uniform: one cut for all edges
+    cuts: str = setting("per-device", choices=CUTS)
 
     @property
     def edge_count(self) -> int:

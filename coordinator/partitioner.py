@@ -20,6 +20,10 @@ with ``t_e <= T`` (a larger split only lowers server work). Sweeping ``T`` over 
 candidate edge times in sorted order therefore visits an optimal plan; the sweep is
 ``O(E N log(E N))``. Server packing is an exact DP over server subsets (up to 10 servers; beyond
 that, servers are tried in order of decreasing memory).
+
+``cuts: uniform`` (:class:`PartitionConfig`) asks for one split shared by every edge: each split
+every edge can hold is tried, ``O(E N)``. It is the classic SplitFed set-up and the baseline
+that per-device cuts are measured against (``benchmarks/heterogeneity.py --mix memory``).
 """
 
 from __future__ import annotations
@@ -256,6 +260,16 @@ def _sweep(times: np.ndarray, allowed: np.ndarray, work: np.ndarray, rate: float
     return choice
 
 
+def _uniform(times: np.ndarray, allowed: np.ndarray, work: np.ndarray, rate: float) -> list[int]:
+    """One split for every edge, minimising the same step time. Each edge's allowed splits are
+    those under its memory budget (from the same lowest split), so the sets are nested and the
+    smallest one is common to all."""
+    common = np.nonzero(allowed.all(axis=0))[0]
+    steps = [max(float(times[:, s].max()), rate * times.shape[0] * float(work[s])) for s in common]
+    best = int(common[int(np.argmin(steps))])
+    return [best] * times.shape[0]
+
+
 def step_seconds(
     problem: Problem,
     edges: Sequence[DeviceSpec],
@@ -373,7 +387,8 @@ def plan_split(
             "edge devices cannot take part:\n" + "\n".join(f"  - {m}" for m in messages)
         )
     times = _edge_times(problem, edges)
-    choice = _sweep(times, allowed, problem.server_flops, _server_rate(problem, servers))
+    search = _uniform if config.cuts == "uniform" else _sweep
+    choice = search(times, allowed, problem.server_flops, _server_rate(problem, servers))
     return _assemble(problem, profile, config, edges, servers, packing, times, choice, lowest)
 
 

@@ -8,9 +8,12 @@ from dataclasses import dataclass
 from split_models.errors import ConfigError
 from split_models.options import LOCAL_LOSSES, OPTIMIZERS
 
-__all__ = ["COMPRESSION_BYTES", "PartitionConfig"]
+__all__ = ["COMPRESSION_BYTES", "CUTS", "PartitionConfig"]
 
 COMPRESSION_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0}
+# per-device: each edge its own cut; uniform: one cut for every edge (the classic SplitFed
+# set-up, and the baseline per-device cuts are measured against)
+CUTS = ("per-device", "uniform")
 
 
 @dataclass(frozen=True)
@@ -22,6 +25,7 @@ class PartitionConfig:
     local_loss: str = "linear"
     compression: str = "fp32"
     min_edge_blocks: int = 1
+    cuts: str = "per-device"
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -36,3 +40,5 @@ class PartitionConfig:
             )
         if self.min_edge_blocks < 1:
             raise ConfigError(f"min_edge_blocks: must be >= 1, got {self.min_edge_blocks}")
+        if self.cuts not in CUTS:
+            raise ConfigError(f"cuts: unknown {self.cuts!r}; use one of {list(CUTS)}")

@@ -161,6 +161,7 @@ class Planner:
             optimizer=training.optimizer.name,
             local_loss=training.local_loss,
             compression=training.compression,
+            cuts=self.config.devices.cuts,
         )
 
     def per_round(self) -> tuple[int, int]:
@@ -226,6 +227,11 @@ class Planner:
         kept = [*assigned, *backs]
         if sorted(a.device for a in kept) != sorted(memory):
             log.info("the devices online differ from the stored plan's: planning anew")
+            return None
+        if self.config.devices.cuts == "uniform" and len({a.end for a in assigned}) > 1:
+            log.info(
+                "the stored plan has several cuts and cuts: uniform asks for one: planning anew"
+            )
             return None
         short = [a.device for a in kept if memory[a.device] < a.estimate]
         if short:

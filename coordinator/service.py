@@ -282,6 +282,7 @@ class Coordinator:
             raise
         if kept is None:
             store.set_plan(config.run_id, placement.plan.to_dict())
+            store.add_event(config.run_id, Event("planned", f"cuts {placement.plan.cuts()}"))
             log.info("plan:\n%s", placement.plan)
         else:
             self.replanner.restore(store.get_run(config.run_id).plan)

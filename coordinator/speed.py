@@ -258,7 +258,7 @@ class Replanner:
             return None
         self.replanned_at = number
         self.store.set_plan(self.planner.config.run_id, new.plan.to_dict() | self._measured())
-        self._event(number, "replanned", f"{verdict}: new cuts {_cuts(new.plan)}")
+        self._event(number, "replanned", f"{verdict}: new cuts {new.plan.cuts()}")
         log.info("plan after round %d, from measured speeds:\n%s", number, new.plan)
         return new
 

@@ -13,7 +13,7 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 
-from coordinator.plan_config import PartitionConfig
+from coordinator.plan_config import CUTS, PartitionConfig
 from edgesplit import __version__
 from edgesplit.exits import EXIT_OK, exit_for, signals_interrupt, wants_traceback
 from edgesplit.runs_cli import runs_parser
@@ -87,24 +87,21 @@ def _plan_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[
     )
     plan.add_argument("--devices", required=True, help="devices YAML file")
     _model_arguments(plan)
-    plan.add_argument(
-        "--optimizer",
-        default=default_of(OptimizerConfig, "name"),
-        choices=OPTIMIZERS,
-        help="default: %(default)s",
+    choices = (  # flag, where its default is written, choices, what it is
+        ("--optimizer", default_of(OptimizerConfig, "name"), OPTIMIZERS, ""),
+        ("--local-loss", default_of(TrainingConfig, "local_loss"), LOCAL_LOSSES, ""),
+        (
+            "--compression",
+            default_of(TrainingConfig, "compression"),
+            ENCODINGS,
+            "precision of the streamed activations; ",
+        ),
+        ("--cuts", default_of(PartitionConfig, "cuts"), CUTS, "one cut per edge, or uniform; "),
     )
-    plan.add_argument(
-        "--local-loss",
-        default=default_of(TrainingConfig, "local_loss"),
-        choices=LOCAL_LOSSES,
-        help="default: %(default)s",
-    )
-    plan.add_argument(
-        "--compression",
-        default=default_of(TrainingConfig, "compression"),
-        choices=ENCODINGS,
-        help="precision of the streamed activations (default: %(default)s)",
-    )
+    for flag, default, options, what in choices:
+        plan.add_argument(
+            flag, default=default, choices=options, help=f"{what}default: %(default)s"
+        )
     plan.add_argument(
         "--min-edge-blocks",
         type=int,

@@ -12,6 +12,7 @@ partition: {kind: iid}                # or {kind: dirichlet, alpha: 0.5}, {kind:
 devices:                              # client profiles mixed by share
   - {profile: small, share: 0.5, memory: 8MiB, flops: 2e9, uplink: 20Mbit}
   - {profile: large, share: 0.5, memory: 64MiB, flops: 5e10, uplink: 100Mbit}
+cuts: per-device                      # or uniform: one cut for every client
 gpu: {memory: 16GiB, flops: 5e13}
 availability: {online: 0.9, offline: {client-003: [2, 3]}}   # optional
 workers: 4                            # clients training at once (default: one per core)
@@ -34,7 +35,7 @@ Like RUN.yaml the file is flat and the object sectioned: ``SimConfig`` embeds th
 configuration's ``ModelConfig``, ``TrainingConfig`` and ``AggregationConfig`` (with the
 simulation's defaults: the digits CNN, 3 rounds, Adam at 0.002), and holds the simulation's own
 keys in ``SimDataConfig`` (data, test_data, test_fraction), ``FleetConfig`` (clients, partition,
-devices, availability, workers, measure_memory, batched, client_device) and ``GpuConfig``. The
+devices, cuts, availability, workers, measure_memory, batched, client_device) and ``GpuConfig``. The
 training mode is not a key: ``method`` sets it (splitfed trains by back-propagation); the round
 deadline is the simulation's (600 s). Every default is a dataclass field's; ``to_dict()`` writes
 the flat keys that ``parse_sim_config`` reads back to an equal object.
@@ -55,6 +56,7 @@ from typing import Any
 import yaml
 
 from coordinator.config import AggregationConfig, DataConfig, DevicesConfig, RunConfig
+from coordinator.plan_config import CUTS
 from split_models.config import (
     ModelConfig,
     TrainingConfig,
@@ -220,6 +222,7 @@ class FleetConfig:
         factory=_default_profiles, parse=_profiles, dump=_dump_profiles
     )
     partition: Partition = setting(factory=Partition)
+    cuts: str = setting("per-device", choices=CUTS)
     availability: Availability | None = setting(None, parse=_availability, dump=_dump_availability)
     workers: int | None = setting(None, minimum=1)
     measure_memory: bool = True
@@ -345,7 +348,9 @@ def run_config(config: SimConfig, run_id: str, eval_data: str | None = None) -> 
         model=config.model,
         # simulated devices all run at the host's speed, not their profiles': their measured
         # speeds say nothing of the devices simulated, so the plan stays
-        devices=DevicesConfig(tuple(client_names(config.fleet.clients)), 1, 60.0, None),
+        devices=DevicesConfig(
+            tuple(client_names(config.fleet.clients)), 1, 60.0, None, config.fleet.cuts
+        ),
         training=config.training,
         data=DataConfig(eval_data),
         aggregation=config.aggregation,

@@ -7,6 +7,7 @@ A plan prints as a readable table and round-trips through a stable JSON form.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -65,6 +66,14 @@ class Plan:
             if assignment.name == name:
                 return assignment
         raise KeyError(f"no edge named {name!r} in the plan")
+
+    def cuts(self, listed: int = 12) -> str:
+        """Each edge's cut, ``{'pi-01': 2, 'pi-02': 5}``; for more than ``listed`` edges, how
+        many edges hold each cut, ``{2: '600 edges', 5: '400 edges'}``."""
+        if len(self.edges) <= listed:
+            return str({e.name: e.blocks[1] for e in self.edges})
+        counts = Counter(e.blocks[1] for e in self.edges)
+        return str({cut: f"{counts[cut]} edges" for cut in sorted(counts)})
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

@@ -39,6 +39,15 @@ def test_plan_json_has_the_contract_fields() -> None:
     assert server["name"] == "gpu-a" and server["blocks"] == [min(splits), 6]
 
 
+def test_uniform_cuts_put_every_edge_at_one_cut() -> None:
+    done = run("plan", "--model", "cnn", "--devices", str(EXAMPLE), "--cuts", "uniform", "--json")
+    assert done.returncode == 0, done.stderr
+    plan = json.loads(done.stdout)
+    free = json.loads(run("plan", "--model", "cnn", "--devices", str(EXAMPLE), "--json").stdout)
+    assert len({tuple(edge["blocks"]) for edge in plan["edges"]}) == 1
+    assert plan["estimated_step_seconds"] >= free["estimated_step_seconds"]
+
+
 def test_plan_table_is_readable() -> None:
     done = run("plan", "--model", "mlp", "--devices", str(EXAMPLE), "--input-shape", "1,8,8")
     assert done.returncode == 0, done.stderr

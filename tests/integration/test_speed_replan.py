@@ -143,8 +143,11 @@ def test_edges_slower_than_declared_are_replanned_to_shallower_cuts(
     assert (run.status, run.plan_version) == ("finished", 2)
     first, second = planned
     assert all(second[name] < first[name] for name in EDGES), planned
-    replanned = [e for e in store.events("speed-1") if e.kind == "replanned"]
+    events = store.events("speed-1")
+    assert [e.detail for e in events if e.kind == "planned"] == [f"cuts {first}"]
+    replanned = [e for e in events if e.kind == "replanned"]
     assert [e.round for e in replanned] == [1]
+    assert replanned[0].detail.endswith(f"new cuts {second}")
     assert all(f"{name} measured" in replanned[0].detail for name in EDGES)
     # the edges trained the last rounds at their new cuts
     assert {e.device: e._built.trainer.segment.end for e in edges} == second  # type: ignore[union-attr]

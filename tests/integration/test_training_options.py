@@ -50,6 +50,16 @@ def test_every_strategy_trains_two_rounds_with_mixed_cuts(
         assert any(kind == "aggregation" and "median" in d for kind, d in summary["events"])
 
 
+def test_uniform_cuts_give_every_client_the_cut_the_smallest_can_hold(tmp_path: Path) -> None:
+    summary, _ = _simulate(tmp_path, "uniform", cuts="uniform", rounds=1)
+    cuts = {tuple(c["blocks"]) for c in summary["clients"]}
+    assert cuts == {(0, 2)}, "the 64 MiB profile holds blocks [0, 2) at most"
+    assert ("planned", "cuts " + str({c["name"]: 2 for c in summary["clients"]})) in summary[
+        "events"
+    ]
+    assert summary["final_accuracy"] > 0.3, summary["rounds"]
+
+
 def test_fedprox_is_fedavg_at_mu_0_and_differs_above(tmp_path: Path) -> None:
     _, fedavg = _simulate(tmp_path, "fedavg", strategy={"name": "fedavg"})
     _, zero = _simulate(tmp_path, "mu0", strategy={"name": "fedprox", "proximal_mu": 0.0})

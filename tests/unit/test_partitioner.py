@@ -123,6 +123,8 @@ def _brute_force(
     best = None
     options = range(config.min_edge_blocks, n)
     for splits in itertools.product(options, repeat=len(edges)):
+        if config.cuts == "uniform" and len(set(splits)) > 1:
+            continue
         needs = [  # the step, plus three fp32 payloads and 512 KiB of send buffers
             _memory(profile, config, 0, s)
             + 3 * batch * (profile.blocks[s - 1].output_bytes + LABEL_BYTES)
@@ -150,11 +152,16 @@ def _brute_force(
 
 
 @settings(max_examples=300, deadline=None)
-@given(profile=profiles(), devices=fleets(), batch=st.sampled_from([1, 8, 32]))
+@given(
+    profile=profiles(),
+    devices=fleets(),
+    batch=st.sampled_from([1, 8, 32]),
+    cuts=st.sampled_from(["per-device", "per-device", "uniform"]),
+)
 def test_partitioner_matches_brute_force(
-    profile: ModelProfile, devices: list[DeviceSpec], batch: int
+    profile: ModelProfile, devices: list[DeviceSpec], batch: int, cuts: str
 ) -> None:
-    config = PartitionConfig(batch_size=batch, optimizer="sgd")
+    config = PartitionConfig(batch_size=batch, optimizer="sgd", cuts=cuts)
     expected = _brute_force(profile, devices, config)
     if expected is None:
         with pytest.raises(InfeasiblePlanError):
@@ -233,7 +240,13 @@ def test_min_edge_blocks_is_respected_and_validated() -> None:
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("batch_size", 0), ("optimizer", "rmsprop"), ("local_loss", "nope"), ("compression", "fp8")],
+    [
+        ("batch_size", 0),
+        ("optimizer", "rmsprop"),
+        ("local_loss", "nope"),
+        ("compression", "fp8"),
+        ("cuts", "per-edge"),
+    ],
 )
 def test_config_rejects_bad_values_naming_the_field(field: str, value: object) -> None:
     with pytest.raises(ConfigError, match=field):
@@ -307,3 +320,33 @@ def test_a_compute_bound_edge_is_named_so_whatever_its_weight_traffic(
     plan = plan_split(profile, [slow, DeviceSpec("gpu", "gpu", 1 << 40, 1e15)], PartitionConfig())
     assert plan.bottleneck == "edge 'edge-0' compute"
     assert plan.edges[0].weight_bytes > 0
+
+
+@settings(max_examples=100, deadline=None)
+@given(profile=profiles(), devices=fleets())
+def test_one_uniform_cut_is_never_faster_than_per_device_cuts(
+    profile: ModelProfile, devices: list[DeviceSpec]
+) -> None:
+    try:
+        uniform = plan_split(profile, devices, PartitionConfig(cuts="uniform"))
+    except InfeasiblePlanError:
+        return
+    assert len({row.blocks for row in uniform.edges}) == 1
+    free = plan_split(profile, devices, PartitionConfig())
+    assert free.estimated_step_seconds <= uniform.estimated_step_seconds * (1 + 1e-12)
+
+
+def test_a_small_device_holds_the_uniform_cut_back_where_per_device_cuts_free_the_others() -> None:
+    blocks = tuple(_block(100, out, 400, 10_000, 400) for out in (300, 200, 100, 10))
+    heads = tuple(_block(5, 10, 40, 200, 80) for _ in range(5))
+    profile = ModelProfile("narrowing", (1,), 10, blocks, {"linear": heads})  # deeper: less sent
+    problem = Problem.build(profile, PartitionConfig(batch_size=8))
+    small = DeviceSpec("sensor", "edge", problem.edge_memory[1], 1e9, 1e9)  # holds [0, 1) only
+    slow_link = DeviceSpec("phone", "edge", 10**9, 1e9, 1e3)  # wants the deepest cut
+    fleet = [small, slow_link, DeviceSpec("gpu-a", "gpu", 10**9, 1e12)]
+    free = plan_split(profile, fleet, PartitionConfig(batch_size=8))
+    one = plan_split(profile, fleet, PartitionConfig(batch_size=8, cuts="uniform"))
+    assert [e.blocks[1] for e in free.edges] == [1, 3]
+    assert [e.blocks[1] for e in one.edges] == [1, 1]
+    assert one.bottleneck == "edge 'phone' upload"
+    assert free.estimated_step_seconds < one.estimated_step_seconds
