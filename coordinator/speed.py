@@ -72,6 +72,10 @@ class Timed:
     seconds: float
     examples: Mapping[int, int]
     steps: int = 1
+    # the steps' CPU seconds and the share of their demand the device's CPU quota allows
+    # (split_models.cpu): None, 1.0 from a device that does not report them
+    cpu_seconds: float | None = None
+    share: float = 1.0
 
 
 def timed_work(metrics: Mapping[str, Any]) -> Timed | None:
@@ -97,7 +101,23 @@ def timed_work(metrics: Mapping[str, Any]) -> Timed | None:
         raise ValueError("compute-cuts and compute-examples: expected distinct cuts and counts")
     if not _count(steps) or not 0 < steps <= sum(examples):  # type: ignore[operator]
         raise ValueError(f"compute-steps {steps!r}: expected 1 to the examples timed")
-    return Timed(float(seconds), dict(zip(cuts, examples, strict=True)), int(steps))  # type: ignore[arg-type]
+    cpu, share = _cpu_timing(metrics)
+    examples_by_cut = dict(zip(cuts, examples, strict=True))
+    return Timed(float(seconds), examples_by_cut, int(steps), cpu, share)  # type: ignore[arg-type]
+
+
+def _cpu_timing(metrics: Mapping[str, Any]) -> tuple[float | None, float]:
+    """``compute-cpu-seconds`` and ``cpu-share`` (None, 1.0 when not reported)."""
+    cpu, share = metrics.get("compute-cpu-seconds"), metrics.get("cpu-share", 1.0)
+    if cpu is not None and (
+        isinstance(cpu, bool)
+        or not isinstance(cpu, int | float)
+        or not _MIN_SECONDS <= cpu < _MAX_SECONDS
+    ):
+        raise ValueError(f"compute-cpu-seconds {cpu!r}: expected in [{_MIN_SECONDS}, 604800)")
+    if isinstance(share, bool) or not isinstance(share, int | float) or not 0 < share <= 1:
+        raise ValueError(f"cpu-share {share!r}: expected a number in (0, 1]")
+    return (None if cpu is None else float(cpu)), float(share)
 
 
 def timed_link(metrics: Mapping[str, Any]) -> float | None:
@@ -127,7 +147,13 @@ def speed(timed: Timed, work: np.ndarray) -> float:
         total += examples * float(work[cut])
     if total <= 0:
         raise ValueError("compute-examples: no example trained in the timed steps")
-    return TRAIN_FLOPS_FACTOR * total / timed.seconds
+    rate = TRAIN_FLOPS_FACTOR * total / timed.seconds
+    if timed.cpu_seconds is None:
+        return rate
+    # under a CPU quota, steps timed while the device waited on its link ran at full speed;
+    # what it sustains is its rate on the CPU times the share the quota allows (never more
+    # than the wall clock says: a device cannot raise its speed by what it reports here)
+    return min(rate, TRAIN_FLOPS_FACTOR * total / timed.cpu_seconds * timed.share)
 
 
 def measured_speeds(

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from split_models.activations import Activation, activation_arrays, detached, primary
+from split_models.cpu import process_cpu_share
 from split_models.data import Dataset
 from split_models.segment import Segment, StepResult
 from split_models.timing import LinkClock, StepClock
@@ -82,7 +83,8 @@ class EdgeTrainer:
         self.rejected_gradients = 0
         self._offline: Callable[[], list[str]] | None = None  # the round's servers offline
         self._attempt, self._sent = 1, 0  # the try under way, its batches sent so far
-        self.clock, self.link = StepClock(), LinkClock()
+        share = process_cpu_share(torch.get_num_threads())
+        self.clock, self.link = StepClock(share=share), LinkClock()
         if config.mode == "backprop":
             channel.subscribe(
                 topics.gradients(config.run, config.device),
@@ -169,12 +171,12 @@ class EdgeTrainer:
         began, examples = self.clock.start(), {self.segment.end: len(batch)}
         if self.config.mode == "backprop":
             output = self.segment.forward_for_backprop(inputs)
-            forward = self.clock.start() - began  # the wait for the gradient is not compute
+            waiting = self.clock.start()  # the wait for the gradient is not compute
             seq = self._send(detached(output), labels, round_number, backprop=True)
             gradient = self._gradient_for(seq, primary(output), round_number, cancelled)
-            again = self.clock.start()
+            paused = (waiting, self.clock.start())
             self.segment.backward_from(output, gradient)
-            self.clock.add(again - forward, examples)  # forward and backward, no wait
+            self.clock.add(began, examples, paused)  # forward and backward, no wait
             return None
         result = step(inputs, labels)
         self.clock.add(began, examples)

@@ -22,6 +22,7 @@ import torch
 from gpu_server.chain import ChainLink
 from gpu_server.stage import MAX_ACTIVATION, BackStage, Fill, Part
 from split_models.activations import activation_arrays
+from split_models.cpu import process_cpu_share
 from split_models.segment import OptimizerConfig, StepResult
 from split_models.timing import StepClock
 from split_models.weights import load_segment_state, segment_state
@@ -90,7 +91,8 @@ class BackTrainer:
         self.stream.on_complete = self._complete
         self.fill = Fill(fill) if fill > 0 else None
         self.stats = BackStats(rejected=self.stream.stats.rejected)
-        self.clock = StepClock()  # the round's steps, for the coordinator's speed measure
+        share = process_cpu_share(torch.get_num_threads())
+        self.clock = StepClock(share=share)  # the round's steps, for the coordinator's speed
         self._round_examples, self._round_losses = 0, list[float]()
         self._round_senders: collections.Counter[str] = collections.Counter()
         # sender -> its batch numbers trained this round, each with how often

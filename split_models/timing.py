@@ -6,6 +6,11 @@ server trains the batches of several cuts). The first step of a round is left ou
 allocations and kernel set-up that later steps do not. The coordinator turns the sums into
 FLOP/s with the profile's FLOPs per sample (``coordinator.speed``); the reply's metrics carry
 them as ``compute-seconds``, ``compute-steps``, ``compute-cuts`` and ``compute-examples``.
+
+Beside the wall-clock seconds, the steps' CPU seconds (of the thread that ran them) and the
+share of its demand the process's CPU quota allows (``compute-cpu-seconds``, ``cpu-share``,
+:mod:`split_models.cpu`): a device under a quota that waited on its link ran each step at full
+speed, and the CPU seconds times the share say what it sustains once the steps keep it busy.
 An edge also times its uplink (:class:`LinkClock`: ``uplink-seconds``, ``uplink-bytes``).
 """
 
@@ -14,35 +19,57 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable
+from typing import NamedTuple
 
-__all__ = ["LinkClock", "StepClock"]
+__all__ = ["LinkClock", "Mark", "StepClock"]
 
 _MIN_WAIT = 0.001  # a shorter wait for acknowledgements is no wait: the link kept up
 
 
-class StepClock:
-    """Seconds and examples of a round's timed steps (the round's first step left out)."""
+class Mark(NamedTuple):
+    """A moment on both clocks: wall seconds and the thread's CPU seconds."""
 
-    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
-        self._clock = clock
+    wall: float
+    cpu: float
+
+
+class StepClock:
+    """Seconds and examples of a round's timed steps (the round's first step left out).
+    ``share``: what the process's CPU quota allows of its training threads' demand
+    (:func:`split_models.cpu.cpu_share`; 1: no quota)."""
+
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.perf_counter,
+        cpu_clock: Callable[[], float] = time.thread_time,
+        share: float = 1.0,
+    ) -> None:
+        self._clock, self._cpu_clock, self.share = clock, cpu_clock, share
         self.reset()
 
     def reset(self) -> None:
         """A new round: the next step is its first, not counted."""
-        self.seconds, self.examples, self.steps = 0.0, Counter[int](), 0
+        self.seconds, self.cpu_seconds, self.examples, self.steps = 0.0, 0.0, Counter[int](), 0
         self._first = True
 
-    def start(self) -> float:
-        return self._clock()
+    def start(self) -> Mark:
+        return Mark(self._clock(), self._cpu_clock())
 
-    def add(self, started: float, examples: dict[int, int]) -> None:
+    def add(
+        self, started: Mark, examples: dict[int, int], paused: tuple[Mark, Mark] | None = None
+    ) -> None:
         """One step that began at ``started`` (from :meth:`start`) trained ``examples``
-        (cut -> examples)."""
-        seconds = self._clock() - started
+        (cut -> examples); ``paused``: the marks between which it waited (not counted)."""
+        now = self.start()
+        wall, cpu = now.wall - started.wall, now.cpu - started.cpu
+        if paused is not None:
+            wall -= paused[1].wall - paused[0].wall
+            cpu -= paused[1].cpu - paused[0].cpu
         if self._first:
             self._first = False
             return
-        self.seconds += seconds
+        self.seconds += wall
+        self.cpu_seconds += max(cpu, 0.0)
         self.steps += 1
         self.examples.update(examples)
 
@@ -56,6 +83,8 @@ class StepClock:
             "compute-steps": self.steps,
             "compute-cuts": cuts,
             "compute-examples": [self.examples[c] for c in cuts],
+            "compute-cpu-seconds": self.cpu_seconds,
+            "cpu-share": self.share,
         }
 
 

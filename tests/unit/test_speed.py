@@ -54,11 +54,12 @@ class Ticks:
 
 
 def test_the_step_clock_leaves_the_first_step_out_and_sums_the_rest_per_cut() -> None:
-    ticks = Ticks()
-    clock = StepClock(ticks)
+    ticks, cpu = Ticks(), Ticks()
+    clock = StepClock(ticks, cpu, share=0.25)
     for seconds, cut, examples in [(5.0, 2, 16), (1.0, 2, 16), (2.0, 3, 8), (1.0, 2, 4)]:
         began = clock.start()
         ticks.now += seconds
+        cpu.now += seconds / 2
         clock.add(began, {cut: examples})
 
     assert clock.metrics() == {
@@ -66,9 +67,50 @@ def test_the_step_clock_leaves_the_first_step_out_and_sums_the_rest_per_cut() ->
         "compute-steps": 3,
         "compute-cuts": [2, 3],
         "compute-examples": [20, 8],
+        "compute-cpu-seconds": 2.0,
+        "cpu-share": 0.25,
     }
     clock.reset()
     assert clock.metrics() == {}
+
+
+def test_a_pause_within_a_step_is_left_out_on_both_clocks() -> None:
+    ticks, cpu = Ticks(), Ticks()
+    clock = StepClock(ticks, cpu)
+    for _ in range(2):  # the first step is not counted
+        began = clock.start()
+        ticks.now += 1.0  # forward
+        cpu.now += 1.0
+        waiting = clock.start()
+        ticks.now += 7.0  # waiting for the gradient
+        cpu.now += 0.5  # (the thread polls)
+        paused = (waiting, clock.start())
+        ticks.now += 2.0  # backward
+        cpu.now += 2.0
+        clock.add(began, {2: 8}, paused)
+
+    metrics = clock.metrics()
+    assert (metrics["compute-seconds"], metrics["compute-cpu-seconds"]) == (3.0, 3.0)
+
+
+def test_a_quota_lowers_the_speed_of_steps_run_at_full_speed_but_never_raises_one() -> None:
+    work = np.array([0.0, 10.0, 100.0])
+    flops = 3 * 100 * 64  # three passes over 64 examples at cut 2
+    # waited on its link between steps: full speed on the wall clock, a quarter sustained
+    burst = Timed(2.0, {2: 64}, 4, cpu_seconds=2.0, share=0.25)
+    assert speed(burst, work) == pytest.approx(flops / 2.0 * 0.25)
+    # kept busy: the wall clock already shows the quota, the CPU seconds agree
+    busy = Timed(8.0, {2: 64}, 4, cpu_seconds=2.0, share=0.25)
+    assert speed(busy, work) == pytest.approx(flops / 8.0)
+    # a device cannot claim more than its wall clock shows, whatever it reports
+    boast = Timed(8.0, {2: 64}, 4, cpu_seconds=1e-6, share=1.0)
+    assert speed(boast, work) == pytest.approx(flops / 8.0)
+    assert speed(Timed(2.0, {2: 64}, 4), work) == pytest.approx(flops / 2.0)
+
+
+def test_a_reported_cpu_timing_is_read() -> None:
+    timed = timed_work({**GOOD, "compute-cpu-seconds": 1.5, "cpu-share": 0.5})
+    assert timed == Timed(2.0, {2: 64}, 4, 1.5, 0.5)
 
 
 def test_a_reported_timing_is_read() -> None:
@@ -94,6 +136,13 @@ def test_a_reported_timing_is_read() -> None:
         ({"compute-steps": 0}, "compute-steps"),
         ({"compute-steps": 65}, "compute-steps"),
         ({"compute-steps": None}, "compute-steps"),
+        ({"compute-cpu-seconds": -1.0}, "compute-cpu-seconds"),
+        ({"compute-cpu-seconds": math.nan}, "compute-cpu-seconds"),
+        ({"compute-cpu-seconds": "1"}, "compute-cpu-seconds"),
+        ({"cpu-share": 0.0}, "cpu-share"),
+        ({"cpu-share": 1.5}, "cpu-share"),
+        ({"cpu-share": math.nan}, "cpu-share"),
+        ({"cpu-share": True}, "cpu-share"),
     ],
 )
 def test_a_malformed_timing_is_refused_with_what_is_wrong(

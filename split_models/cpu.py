@@ -1,0 +1,96 @@
+"""How much CPU this process may use: its cgroup's CPU quota (a container's ``--cpus``, a
+systemd unit's ``CPUQuota``) and the CPUs it may run on.
+
+A process under a quota runs at full speed until the period's quota is spent, then waits for
+the next period. Steps timed while it waits on something else (its link) measure the full
+speed; steps that keep it busy measure the quota. The share returned here lets the coordinator
+tell the two apart (``coordinator.speed``). Without torch: the role agents read it at start.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from pathlib import Path
+
+__all__ = ["cpu_quota_cores", "cpu_share", "process_cpu_share"]
+
+_ROOT = Path("/sys/fs/cgroup")
+
+
+def _own_paths(text: str) -> tuple[str | None, str | None]:
+    """This process's cgroup paths from ``/proc/self/cgroup``: the v2 one and the v1 ``cpu``
+    controller's (None: not listed)."""
+    unified = v1 = None
+    for line in text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        if parts[0] == "0" and parts[1] == "":
+            unified = parts[2]
+        elif "cpu" in parts[1].split(","):
+            v1 = parts[2]
+    return unified, v1
+
+
+def _ancestors(base: Path, path: str) -> list[Path]:
+    """``base/path`` and every folder above it up to ``base`` (a quota on a parent binds too;
+    inside a container the listed path may not exist, its cgroup being mounted at ``base``)."""
+    folder = base / path.strip("/")
+    found = [folder, *folder.parents]
+    return [f for f in found if f == base or base in f.parents]
+
+
+def _quota_v2(folder: Path) -> float | None:
+    try:
+        quota, period = (folder / "cpu.max").read_text().split()[:2]
+    except (OSError, ValueError):
+        return None
+    return None if quota == "max" else int(quota) / int(period)
+
+
+def _quota_v1(folder: Path) -> float | None:
+    try:
+        quota = int((folder / "cpu.cfs_quota_us").read_text())
+        period = int((folder / "cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return None if quota <= 0 or period <= 0 else quota / period
+
+
+def cpu_quota_cores(root: Path = _ROOT, own: str | None = None) -> float | None:
+    """The tightest CPU quota over this process's cgroup and its parents, in cores (0.5: half
+    a core), or None when there is none or it cannot be read. ``own``: the text of
+    ``/proc/self/cgroup`` (read when None)."""
+    if own is None:
+        try:
+            own = Path("/proc/self/cgroup").read_text()
+        except OSError:
+            return None
+    unified, v1 = _own_paths(own)
+    quotas: list[float] = []
+    if unified is not None:
+        quotas += [q for f in _ancestors(root, unified) if (q := _quota_v2(f)) is not None]
+    if v1 is not None:
+        for mount in (root / "cpu", root / "cpu,cpuacct"):
+            quotas += [q for f in _ancestors(mount, v1) if (q := _quota_v1(f)) is not None]
+    return min(quotas) if quotas else None
+
+
+def cpu_share(threads: int, quota: float | None = None) -> float:
+    """The share of ``threads`` busy threads' demand that the CPUs and quota allow, in
+    (0, 1]: 0.25 for one thread under a quarter-core quota, 1 without a quota."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    cores = min(float(cpus), math.inf if quota is None else quota)
+    return max(min(1.0, cores / max(threads, 1)), 1e-3)
+
+
+@functools.cache
+def process_cpu_share(threads: int) -> float:
+    """:func:`cpu_share` of this process's own quota, read once a process (a host of many
+    simulated clients builds many trainers)."""
+    return cpu_share(threads, cpu_quota_cores())
