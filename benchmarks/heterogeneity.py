@@ -34,8 +34,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -46,11 +44,11 @@ from shaper import Shaper
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from split_models.cpu import cpu_limited, cpu_limits_unavailable  # noqa: E402
 from split_models.runtime import RUNTIME_ENV  # noqa: E402
 from storage import open_store  # noqa: E402
 from wire.broker import Broker  # noqa: E402
 
-CGROUP = Path("/sys/fs/cgroup/cpu")
 # name -> cores, link bit/s, declared memory, declared uplink (None: the link's own rate)
 Device = tuple[float, float, str, str | None]
 MIXES: dict[str, dict[str, Device]] = {
@@ -79,32 +77,6 @@ RUNS: dict[str, dict[str, dict[str, object]]] = {
 PER_EDGE, BATCH, DECLARED_FLOPS = 640, 32, "5e9"
 SHARED = ROOT.parent / "shared" / "data" / "mnist8k.npz"
 FIXTURE = ROOT / "tests" / "fixtures" / "tiny_mnist.npz"
-
-
-def cgroups_work() -> str | None:
-    """None when CPU limits can be set here, else why not."""
-    if os.geteuid() != 0:
-        return "needs root to create cgroups"
-    if not (CGROUP / "cpu.cfs_quota_us").exists():
-        return f"no cgroup v1 cpu controller at {CGROUP}"
-    return None
-
-
-@contextlib.contextmanager
-def limited(name: str, cores: float) -> Iterator[Path]:
-    """A cgroup holding at most ``cores`` CPUs (removed afterwards)."""
-    group = CGROUP / f"edgesplit-bench-{name}"
-    group.mkdir(exist_ok=True)
-    period = int((group / "cpu.cfs_period_us").read_text())
-    (group / "cpu.cfs_quota_us").write_text(str(int(cores * period)))
-    try:
-        yield group
-    finally:
-        for _ in range(50):
-            with contextlib.suppress(OSError):
-                group.rmdir()
-                break
-            time.sleep(0.1)
 
 
 def _data(directory: Path, names: list[str]) -> Path:
@@ -180,7 +152,7 @@ def run_once(
             processes.append(_start(directory, "gpu-a", gpu, None))
             host, port = url.removeprefix("mqtt://").rsplit(":", 1)
             for name, (cores, bits, memory, uplink) in classes.items():
-                group = stack.enter_context(limited(name, cores))
+                group = stack.enter_context(cpu_limited(f"bench-{name}", cores))
                 link = stack.enter_context(Shaper((host, int(port)), bits / 8, bits / 8))
                 edge = ["edge", "--id", name, "--broker", f"mqtt://{host}:{link.port}"]
                 declared = uplink or f"{bits / 1e6:g}Mbit"
@@ -241,7 +213,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     extra = {k: yaml.safe_load(v) for k, _, v in (item.partition("=") for item in args.set)}
-    if (why := cgroups_work()) is not None:
+    if (why := cpu_limits_unavailable()) is not None:
         print(f"heterogeneity.py: {why}: skipped")
         return
     results = {}

@@ -9,12 +9,21 @@ tell the two apart (``coordinator.speed``). Without torch: the role agents read 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["cpu_quota_cores", "cpu_share", "process_cpu_share"]
+__all__ = [
+    "cpu_limited",
+    "cpu_limits_unavailable",
+    "cpu_quota_cores",
+    "cpu_share",
+    "process_cpu_share",
+]
 
 _ROOT = Path("/sys/fs/cgroup")
 
@@ -94,3 +103,37 @@ def process_cpu_share(threads: int) -> float:
     """:func:`cpu_share` of this process's own quota, read once a process (a host of many
     simulated clients builds many trainers)."""
     return cpu_share(threads, cpu_quota_cores())
+
+
+# ---------------------------------------------------------------- emulating slower devices
+
+_V1_CPU = _ROOT / "cpu"
+
+
+def cpu_limits_unavailable() -> str | None:
+    """None when :func:`cpu_limited` works here (root, cgroup v1's ``cpu`` controller), else
+    why not."""
+    if os.geteuid() != 0:
+        return "needs root to create cgroups"
+    if not os.access(_V1_CPU / "cpu.cfs_quota_us", os.W_OK):
+        return f"no writable cgroup v1 cpu controller at {_V1_CPU}"
+    return None
+
+
+@contextlib.contextmanager
+def cpu_limited(name: str, cores: float) -> Iterator[Path]:
+    """A cgroup v1 group holding its processes to ``cores`` CPUs, removed afterwards (the
+    benchmarks' slow devices). Start a process in it with
+    ``sh -c 'echo $$ > GROUP/cgroup.procs && exec "$@"' sh COMMAND...``."""
+    group = _V1_CPU / f"edgesplit-{name}"
+    group.mkdir(exist_ok=True)
+    period = int((group / "cpu.cfs_period_us").read_text())
+    (group / "cpu.cfs_quota_us").write_text(str(int(cores * period)))
+    try:
+        yield group
+    finally:
+        for _ in range(50):  # its processes may take a moment to leave
+            with contextlib.suppress(OSError):
+                group.rmdir()
+                break
+            time.sleep(0.1)

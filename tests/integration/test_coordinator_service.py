@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -18,12 +17,9 @@ from coordinator.service import Coordinator, CoordinatorError
 from edge_client.agent import EdgeAgent
 from gpu_server.agent import GpuAgent
 from split_models import load_dataset
-from split_models.config import ModelConfig
 from split_models.data import Dataset
 from split_models.errors import ConfigError
-from split_models.isolated import profile_in_fresh_process
 from split_models.profiler import ModelProfile
-from storage import open_store
 from storage.base import RunStore
 from wire import topics
 from wire.broker import Broker
@@ -36,17 +32,6 @@ pytestmark = pytest.mark.integration
 
 EDGES = ("pi-01", "pi-02")
 SHAPE = (1, 8, 8)
-
-
-@pytest.fixture(scope="module")
-def profile() -> ModelProfile:
-    return profile_in_fresh_process(ModelConfig("cnn", SHAPE, 10), ("linear",), 16)
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[RunStore]:
-    with open_store(f"sqlite:///{tmp_path / 'runs.db'}") as opened:
-        yield opened
 
 
 def config(tmp_path: Path, **changes: object) -> RunConfig:

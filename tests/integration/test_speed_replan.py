@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +18,8 @@ from coordinator.service import Coordinator
 from edge_client.agent import EdgeAgent
 from gpu_server.agent import GpuAgent
 from split_models import load_dataset
-from split_models.config import ModelConfig
-from split_models.isolated import profile_in_fresh_process
 from split_models.profiler import ModelProfile
 from split_models.segment import Segment, StepResult
-from storage import open_store
 from storage.base import RunStore
 from wire.flower import node_will
 from wire.roles import Announcement, node_id_for
@@ -33,17 +30,6 @@ pytestmark = pytest.mark.integration
 EDGES = ("pi-01", "pi-02")
 SHAPE = (1, 8, 8)
 SLOW_STEP_SECONDS = 0.05  # what each edge step takes beyond its compute (a slow device)
-
-
-@pytest.fixture(scope="module")
-def profile() -> ModelProfile:
-    return profile_in_fresh_process(ModelConfig("cnn", SHAPE, 10), ("linear",), 16)
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[RunStore]:
-    with open_store(f"sqlite:///{tmp_path / 'runs.db'}") as opened:
-        yield opened
 
 
 @pytest.fixture
