@@ -190,7 +190,8 @@ def _rounds(db: str) -> tuple[list[Row], str]:
             record = store.get_round("hetero", number)
             ok = [r.wall_seconds for r in record.results if r.failure is None]
             accuracy = float(record.evaluation.get("accuracy", float("nan")))
-            assert record.opened_at is not None and record.committed_at is not None
+            if record.opened_at is None or record.committed_at is None:
+                raise SystemExit(f"round {number} has no start or commit time in the store")
             seconds = (record.committed_at - record.opened_at).total_seconds()
             rows.append((number, seconds, max(ok, default=0.0), cuts, accuracy))
             if number in replans:
@@ -212,6 +213,8 @@ def main() -> None:
         "--set", action="append", default=[], help="KEY=VALUE of the run config (YAML value)"
     )
     args = parser.parse_args()
+    if bad := [item for item in args.set if "=" not in item]:
+        parser.error(f"--set: expected KEY=VALUE, got {bad}")
     extra = {k: yaml.safe_load(v) for k, _, v in (item.partition("=") for item in args.set)}
     if (why := cpu_limits_unavailable()) is not None:
         print(f"heterogeneity.py: {why}: skipped")

@@ -36,6 +36,7 @@ __all__ = ["MEASURED_KEY", "Placement", "Planner", "device_specs", "profile_key"
 log = logging.getLogger(__name__)
 # beside a stored plan: the speeds it was made with, when measured (coordinator.speed)
 MEASURED_KEY = "measured"
+CUTS_KEY = "cuts"  # beside a stored plan: devices.cuts when it was made
 _ASK_TIMEOUT = 60.0
 Refusals = dict[str, tuple[str, int | None]]
 
@@ -75,7 +76,7 @@ def stored_plan(run: RunRecord) -> Plan | None:
     :class:`~split_models.errors.ConfigError`)."""
     if not run.plan:
         return None
-    return Plan.from_dict({k: v for k, v in run.plan.items() if k != MEASURED_KEY})
+    return Plan.from_dict({k: v for k, v in run.plan.items() if k not in (MEASURED_KEY, CUTS_KEY)})
 
 
 class Planner:
@@ -153,6 +154,10 @@ class Planner:
         memory = {s.device: s.memory for s in servers}
         return Placement(_with_servers(plan, backs, memory), assigned, backs)
 
+    def record(self, plan: Plan) -> dict[str, Any]:
+        """``plan`` as the store keeps it, with what it was made for beside it."""
+        return plan.to_dict() | {CUTS_KEY: self.config.devices.cuts}
+
     def partition(self) -> PartitionConfig:
         """What the partitioner needs of the run's training config."""
         training = self.config.training
@@ -215,8 +220,9 @@ class Planner:
         """A resumed run's stored plan, when the same devices are online, each still announces
         the memory its blocks need, and every edge accepts its blocks again; else None (plan
         anew). Keeping it keeps the cuts, so the local heads trained so far stay in use."""
+        run = self.store.get_run(self.config.run_id)
         try:
-            plan = stored_plan(self.store.get_run(self.config.run_id))
+            plan = stored_plan(run)
         except ConfigError as error:
             log.info("the stored plan is unreadable (%s): planning anew", error)
             return None
@@ -228,10 +234,9 @@ class Planner:
         if sorted(a.device for a in kept) != sorted(memory):
             log.info("the devices online differ from the stored plan's: planning anew")
             return None
-        if self.config.devices.cuts == "uniform" and len({a.end for a in assigned}) > 1:
-            log.info(
-                "the stored plan has several cuts and cuts: uniform asks for one: planning anew"
-            )
+        made_for = (run.plan or {}).get(CUTS_KEY, "per-device")
+        if made_for != self.config.devices.cuts:
+            log.info("the stored plan was made for cuts: %s: planning anew", made_for)
             return None
         short = [a.device for a in kept if memory[a.device] < a.estimate]
         if short:

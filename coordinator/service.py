@@ -281,7 +281,7 @@ class Coordinator:
             store.add_event(config.run_id, Event("planning-failed", str(error)))
             raise
         if kept is None:
-            store.set_plan(config.run_id, placement.plan.to_dict())
+            store.set_plan(config.run_id, self.planner.record(placement.plan))
             store.add_event(config.run_id, Event("planned", f"cuts {placement.plan.cuts()}"))
             log.info("plan:\n%s", placement.plan)
         else:

@@ -31,6 +31,7 @@ import numpy as np
 from coordinator.errors import CoordinatorError
 from coordinator.partitioner import TRAIN_FLOPS_FACTOR, Problem, plan_split, step_seconds
 from coordinator.planner import MEASURED_KEY, Placement, Planner, device_specs
+from split_models.cpu import MIN_SHARE
 from split_models.errors import SplitError
 from split_models.plan import Plan
 from split_models.profiler import ModelProfile
@@ -114,9 +115,11 @@ def _cpu_timing(metrics: Mapping[str, Any]) -> tuple[float | None, float]:
         or not isinstance(cpu, int | float)
         or not _MIN_SECONDS <= cpu < _MAX_SECONDS
     ):
-        raise ValueError(f"compute-cpu-seconds {cpu!r}: expected in [{_MIN_SECONDS}, 604800)")
-    if isinstance(share, bool) or not isinstance(share, int | float) or not 0 < share <= 1:
-        raise ValueError(f"cpu-share {share!r}: expected a number in (0, 1]")
+        raise ValueError(
+            f"compute-cpu-seconds {cpu!r}: expected in [{_MIN_SECONDS}, {_MAX_SECONDS:.0f})"
+        )
+    if isinstance(share, bool) or not isinstance(share, int | float) or not MIN_SHARE <= share <= 1:
+        raise ValueError(f"cpu-share {share!r}: expected a number in [{MIN_SHARE}, 1]")
     return (None if cpu is None else float(cpu)), float(share)
 
 
@@ -130,6 +133,8 @@ def timed_link(metrics: Mapping[str, Any]) -> float | None:
         raise ValueError(f"uplink-seconds {seconds!r}: expected a number")
     if not _MIN_SECONDS <= seconds < _MAX_SECONDS or not _count(size) or not size:
         raise ValueError(f"uplink-seconds {seconds!r} and uplink-bytes {size!r}: out of range")
+    if size / seconds < 1.0:  # as announcements: under a byte a second is not a link
+        raise ValueError(f"uplink-bytes {size!r} in {seconds!r} s: under 1 byte/s")
     return size / seconds if seconds >= MIN_LINK_SECONDS else None
 
 
@@ -181,7 +186,10 @@ def measured_speeds(
         try:
             if foreign := sorted(set(reported.examples) - trained):
                 raise ValueError(f"compute-cuts: cut(s) {foreign} not planned for it")
-            (floors if short else speeds)[device] = speed(reported, work)
+            rate = speed(reported, work)
+            if not 1.0 <= rate < math.inf:  # as announcements: the plan's times must not overflow
+                raise ValueError(f"a measured speed of {rate!r} FLOP/s")
+            (floors if short else speeds)[device] = rate
         except ValueError as error:
             bad[device] = str(error)
     return speeds, bad, floors
@@ -283,7 +291,9 @@ class Replanner:
             self._event(number, "speed-measured", f"{verdict}: plan kept, refused ({why})")
             return None
         self.replanned_at = number
-        self.store.set_plan(self.planner.config.run_id, new.plan.to_dict() | self._measured())
+        self.store.set_plan(
+            self.planner.config.run_id, self.planner.record(new.plan) | self._measured()
+        )
         self._event(number, "replanned", f"{verdict}: new cuts {new.plan.cuts()}")
         log.info("plan after round %d, from measured speeds:\n%s", number, new.plan)
         return new

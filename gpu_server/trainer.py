@@ -91,8 +91,9 @@ class BackTrainer:
         self.stream.on_complete = self._complete
         self.fill = Fill(fill) if fill > 0 else None
         self.stats = BackStats(rejected=self.stream.stats.rejected)
+        on_cpu = torch.device(device).type == "cpu"
         share = process_cpu_share(torch.get_num_threads())
-        self.clock = StepClock(share=share)  # the round's steps, for the coordinator's speed
+        self.clock = StepClock(share=share, on_cpu=on_cpu)  # for the coordinator's speed measure
         self._round_examples, self._round_losses = 0, list[float]()
         self._round_senders: collections.Counter[str] = collections.Counter()
         # sender -> its batch numbers trained this round, each with how often

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 __all__ = [
+    "MIN_SHARE",
     "cpu_limited",
     "cpu_limits_unavailable",
     "cpu_quota_cores",
@@ -26,6 +27,7 @@ __all__ = [
 ]
 
 _ROOT = Path("/sys/fs/cgroup")
+MIN_SHARE = 1e-3  # the smallest share reported (and accepted by the coordinator)
 
 
 def _own_paths(text: str) -> tuple[str | None, str | None]:
@@ -54,9 +56,9 @@ def _ancestors(base: Path, path: str) -> list[Path]:
 def _quota_v2(folder: Path) -> float | None:
     try:
         quota, period = (folder / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else _cores(int(quota), int(period))
     except (OSError, ValueError):
         return None
-    return None if quota == "max" else int(quota) / int(period)
 
 
 def _quota_v1(folder: Path) -> float | None:
@@ -65,7 +67,12 @@ def _quota_v1(folder: Path) -> float | None:
         period = int((folder / "cpu.cfs_period_us").read_text())
     except (OSError, ValueError):
         return None
-    return None if quota <= 0 or period <= 0 else quota / period
+    return _cores(quota, period)
+
+
+def _cores(quota: int, period: int) -> float | None:
+    """A quota in cores; None for none (-1) or nonsense (a period of 0)."""
+    return quota / period if quota > 0 and period > 0 else None
 
 
 def cpu_quota_cores(root: Path = _ROOT, own: str | None = None) -> float | None:
@@ -95,13 +102,14 @@ def cpu_share(threads: int, quota: float | None = None) -> float:
     except (AttributeError, OSError):
         cpus = os.cpu_count() or 1
     cores = min(float(cpus), math.inf if quota is None else quota)
-    return max(min(1.0, cores / max(threads, 1)), 1e-3)
+    return max(min(1.0, cores / max(threads, 1)), MIN_SHARE)
 
 
 @functools.cache
 def process_cpu_share(threads: int) -> float:
     """:func:`cpu_share` of this process's own quota, read once a process (a host of many
-    simulated clients builds many trainers)."""
+    simulated clients builds many trainers; a quota changed while it runs, ``docker update
+    --cpus``, is seen after a restart)."""
     return cpu_share(threads, cpu_quota_cores())
 
 

@@ -36,15 +36,19 @@ class Mark(NamedTuple):
 class StepClock:
     """Seconds and examples of a round's timed steps (the round's first step left out).
     ``share``: what the process's CPU quota allows of its training threads' demand
-    (:func:`split_models.cpu.cpu_share`; 1: no quota)."""
+    (:func:`split_models.cpu.cpu_share`; 1: no quota); ``on_cpu``: the steps run on the CPU
+    (false: on an accelerator, whose speed a CPU quota does not bound, and whose work the
+    thread's CPU seconds miss; then neither is reported)."""
 
     def __init__(
         self,
         clock: Callable[[], float] = time.perf_counter,
         cpu_clock: Callable[[], float] = time.thread_time,
         share: float = 1.0,
+        on_cpu: bool = True,
     ) -> None:
         self._clock, self._cpu_clock, self.share = clock, cpu_clock, share
+        self.on_cpu = on_cpu
         self.reset()
 
     def reset(self) -> None:
@@ -78,13 +82,13 @@ class StepClock:
         if not self.examples:
             return {}
         cuts = sorted(self.examples)
+        cpu = {"compute-cpu-seconds": self.cpu_seconds, "cpu-share": self.share}
         return {
             "compute-seconds": self.seconds,
             "compute-steps": self.steps,
             "compute-cuts": cuts,
             "compute-examples": [self.examples[c] for c in cuts],
-            "compute-cpu-seconds": self.cpu_seconds,
-            "cpu-share": self.share,
+            **(cpu if self.on_cpu else {}),
         }
 
 

@@ -60,14 +60,18 @@ def _loads(payload: bytes | str, what: str) -> dict[str, Any]:
     return data
 
 
-def _number(data: Mapping[str, Any], key: str, what: str, *, optional: bool = False) -> Any:
+def _number(
+    data: Mapping[str, Any], key: str, what: str, *, optional: bool = False, least: float = 0.0
+) -> Any:
+    """``data[key]``: a finite number above 0 (at least ``least`` when given)."""
     value = data.get(key)
     if value is None and optional:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise WireError("field", f"{what}.{key}: expected a finite number, got {value!r}")
-    if value <= 0:
-        raise WireError("field", f"{what}.{key}: must be positive, got {value!r}")
+    if value <= 0 or value < least:
+        bound = f"at least {least:g}" if least else "positive"
+        raise WireError("field", f"{what}.{key}: must be {bound}, got {value!r}")
     return value
 
 
@@ -114,8 +118,10 @@ class Announcement:
             device=device,
             role=str(role),
             memory=int(_number(data, "memory", "announcement")),
-            flops=float(_number(data, "flops", "announcement")),
-            uplink=_number(data, "uplink", "announcement", optional=True),
+            # a device of a few FLOP/s or bytes/s is not one: such a rate makes the plan's times
+            # overflow (1 FLOP/s and 1 byte/s still plan, as hopeless devices)
+            flops=float(_number(data, "flops", "announcement", least=1.0)),
+            uplink=_number(data, "uplink", "announcement", optional=True, least=1.0),
             accelerator=accelerator,
             examples=_examples(data),
         )

@@ -152,6 +152,31 @@ def test_a_resumed_run_keeps_its_stored_plan_while_its_devices_still_fit(
     assert replanned.status == "finished"
 
 
+def test_a_resumed_run_plans_anew_when_devices_cuts_changed_either_way(
+    tmp_path: Path, store: RunStore, profile: ModelProfile
+) -> None:
+    memory = Problem.build(profile, PartitionConfig(batch_size=16, optimizer="adam")).edge_memory
+    shallow = min(range(1, len(memory) - 1), key=lambda s: memory[s])
+    devices = {"edges": list(EDGES), "gpu_servers": 1, "wait": "30s"}
+    modes = ["per-device", "uniform", "per-device"]
+    runs = [
+        config(tmp_path, rounds=n, devices={**devices, "cuts": mode})
+        for n, mode in enumerate(modes, 1)
+    ]
+    hub = InProcessHub()  # pi-01 holds only the shallowest cut, pi-02 any
+    start_fleet(hub, tmp_path, {"pi-01": memory[shallow] + 1024, "pi-02": 1 << 30}, {})
+    cuts = []
+    for number, run in enumerate(runs, 1):
+        assert Coordinator(run, store, hub.connect(f"c{number}"), profile=lambda _: profile).run()
+        stored = store.get_run("svc-1")
+        assert (stored.plan_version, (stored.plan or {})["cuts"]) == (number, modes[number - 1])
+        cuts.append({edge["name"]: edge["blocks"][1] for edge in (stored.plan or {})["edges"]})
+    assert cuts[0]["pi-01"] < cuts[0]["pi-02"] and cuts[2] == cuts[0]
+    assert cuts[1] == {"pi-01": cuts[0]["pi-01"], "pi-02": cuts[0]["pi-01"]}
+    planned = [e.detail for e in store.events("svc-1") if e.kind == "planned"]
+    assert planned == [f"cuts {c}" for c in cuts]
+
+
 @pytest.mark.parametrize("mode", ["local-loss", "backprop"])
 def test_modes_train_the_assembled_model(
     tmp_path: Path, store: RunStore, profile: ModelProfile, mode: str

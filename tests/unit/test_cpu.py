@@ -47,6 +47,16 @@ def test_no_quota_or_unreadable_files_or_a_container_path_mean_none(tmp_path: Pa
     assert cpu_quota_cores(tmp_path, "0::/docker/abc123\n") == 0.5
 
 
+def test_a_v1_container_reads_the_quota_at_its_mount_and_nonsense_is_none(tmp_path: Path) -> None:
+    # the listed path is the host's; the container's own group is mounted at cpu/
+    _write(tmp_path / "cpu", cpu_cfs_quota_us="75000\n", cpu_cfs_period_us="100000\n")
+    assert cpu_quota_cores(tmp_path, "1:cpu:/kubepods/pod-1/abc\n") == 0.75
+    _write(tmp_path / "cpu", cpu_cfs_quota_us="75000\n", cpu_cfs_period_us="0\n")
+    assert cpu_quota_cores(tmp_path, "1:cpu:/\n") is None
+    _write(tmp_path, cpu_max="abc 100000\n")
+    assert cpu_quota_cores(tmp_path, "0::/\n") is None
+
+
 def test_the_share_is_what_the_quota_allows_of_the_threads_demand() -> None:
     assert cpu_share(1, 0.25) == 0.25
     assert cpu_share(4, 1.0) == 0.25

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from edge_client.trainer import EdgeTrainer, EdgeTrainerConfig
+from split_models.cpu import process_cpu_share
 from split_models.data import Dataset
 from split_models.segment import OptimizerConfig, Segment
 from split_models.zoo import build_model
@@ -72,3 +74,7 @@ def test_the_round_reports_its_timed_steps_without_the_first() -> None:
     assert compute["compute-steps"] == 4
     assert compute["compute-examples"] == [28]
     assert 0 < compute["compute-seconds"] < 60  # type: ignore[operator]
+    # the thread's CPU seconds of the same steps (never more than their wall time), and the
+    # share of a core this process's quota allows
+    assert 0 < compute["compute-cpu-seconds"] <= compute["compute-seconds"] + 1e-3  # type: ignore[operator]
+    assert compute["cpu-share"] == process_cpu_share(torch.get_num_threads())

@@ -350,3 +350,13 @@ def test_a_small_device_holds_the_uniform_cut_back_where_per_device_cuts_free_th
     assert [e.blocks[1] for e in one.edges] == [1, 1]
     assert one.bottleneck == "edge 'phone' upload"
     assert free.estimated_step_seconds < one.estimated_step_seconds
+
+
+def test_plan_cuts_name_each_edge_or_count_them_in_a_large_fleet() -> None:
+    profile = _small_profile()
+    fleet = [DeviceSpec(f"pi-{i:02d}", "edge", 10**9, 1e9, 1e6) for i in range(13)]
+    fleet.append(DeviceSpec("gpu-a", "gpu", 10**9, 1e12))
+    plan = plan_split(profile, fleet, PartitionConfig(cuts="uniform"))
+    cut = plan.edges[0].blocks[1]
+    assert plan.cuts() == str({cut: "13 edges"})
+    assert plan.cuts(listed=13) == str({f"pi-{i:02d}": cut for i in range(13)})

@@ -1,5 +1,5 @@
-"""Measured speeds: the step clock, reading a device's timing (which may lie), turning it
-into FLOP/s, and when a drift calls for a new plan."""
+"""Measured speeds: reading a device's timing (which may lie), turning it into FLOP/s, and
+when a drift calls for a new plan (the clocks that time the steps: ``test_timing.py``)."""
 
 from __future__ import annotations
 
@@ -25,9 +25,9 @@ from coordinator.speed import (
     timed_link,
     timed_work,
 )
+from split_models.cpu import MIN_SHARE
 from split_models.plan import EdgeAssignment, Plan, ServerAssignment
 from split_models.profiler import ModelProfile, profile_model
-from split_models.timing import LinkClock, StepClock
 from split_models.zoo import build_model
 from storage.base import RunStore
 from storage.memory import InMemoryRunStore
@@ -41,56 +41,6 @@ GOOD = {
     "compute-cuts": [2],
     "compute-examples": [64],
 }
-
-
-class Ticks:
-    """A clock that advances by the seconds it is told."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def test_the_step_clock_leaves_the_first_step_out_and_sums_the_rest_per_cut() -> None:
-    ticks, cpu = Ticks(), Ticks()
-    clock = StepClock(ticks, cpu, share=0.25)
-    for seconds, cut, examples in [(5.0, 2, 16), (1.0, 2, 16), (2.0, 3, 8), (1.0, 2, 4)]:
-        began = clock.start()
-        ticks.now += seconds
-        cpu.now += seconds / 2
-        clock.add(began, {cut: examples})
-
-    assert clock.metrics() == {
-        "compute-seconds": 4.0,
-        "compute-steps": 3,
-        "compute-cuts": [2, 3],
-        "compute-examples": [20, 8],
-        "compute-cpu-seconds": 2.0,
-        "cpu-share": 0.25,
-    }
-    clock.reset()
-    assert clock.metrics() == {}
-
-
-def test_a_pause_within_a_step_is_left_out_on_both_clocks() -> None:
-    ticks, cpu = Ticks(), Ticks()
-    clock = StepClock(ticks, cpu)
-    for _ in range(2):  # the first step is not counted
-        began = clock.start()
-        ticks.now += 1.0  # forward
-        cpu.now += 1.0
-        waiting = clock.start()
-        ticks.now += 7.0  # waiting for the gradient
-        cpu.now += 0.5  # (the thread polls)
-        paused = (waiting, clock.start())
-        ticks.now += 2.0  # backward
-        cpu.now += 2.0
-        clock.add(began, {2: 8}, paused)
-
-    metrics = clock.metrics()
-    assert (metrics["compute-seconds"], metrics["compute-cpu-seconds"]) == (3.0, 3.0)
 
 
 def test_a_quota_lowers_the_speed_of_steps_run_at_full_speed_but_never_raises_one() -> None:
@@ -140,6 +90,8 @@ def test_a_reported_timing_is_read() -> None:
         ({"compute-cpu-seconds": math.nan}, "compute-cpu-seconds"),
         ({"compute-cpu-seconds": "1"}, "compute-cpu-seconds"),
         ({"cpu-share": 0.0}, "cpu-share"),
+        ({"cpu-share": 1e-300}, "cpu-share"),
+        ({"cpu-share": 5e-324}, "cpu-share"),
         ({"cpu-share": 1.5}, "cpu-share"),
         ({"cpu-share": math.nan}, "cpu-share"),
         ({"cpu-share": True}, "cpu-share"),
@@ -226,6 +178,13 @@ def test_a_timing_at_a_cut_the_device_does_not_train_is_unusable() -> None:
     assert "[2] not planned" in bad["pi-01"] and "[3] not planned" in bad["gpu-a"]
 
 
+def test_a_speed_under_one_flop_a_second_is_unusable_not_planned_with() -> None:
+    plan = _plan({"pi-01": 1, "pi-02": 2}, {"gpu-a": (1, 4)})
+    crawl = Timed(600_000.0, {1: 1}, 1, cpu_seconds=600_000.0, share=MIN_SHARE)
+    speeds, bad, _ = measured_speeds(plan, _problem(), {"pi-01": crawl})
+    assert speeds == {} and "FLOP/s" in bad["pi-01"]
+
+
 def test_a_drift_beyond_the_share_either_way_is_named() -> None:
     believed = {"a": 100.0, "b": 100.0, "c": 100.0, "d": 100.0}
     measured = {"a": 124.0, "b": 126.0, "c": 74.0, "e": 1.0}
@@ -248,6 +207,9 @@ class FakePlanner:
 
     def per_round(self) -> tuple[int, int]:
         return 16, 1
+
+    def record(self, plan: Plan) -> dict[str, object]:
+        return plan.to_dict() | {"cuts": "per-device"}
 
     def plan(self, edges: list[Announcement], servers: list[Announcement]) -> Placement:
         plan = plan_split(self._profile, device_specs(edges, servers), self.partition())
@@ -353,27 +315,12 @@ def test_no_replan_while_a_device_is_away_or_when_turned_off(cnn: ModelProfile) 
         assert store.events("r1") == []
 
 
-def test_the_link_clock_counts_only_transfers_the_sender_waited_for() -> None:
-    ticks = Ticks()
-    link = LinkClock(ticks)
-    link.published(1000)
-    ticks.now = 0.1
-    link.acknowledged(0.0005)  # acknowledged before the next step ended: the link kept up
-    link.published(2000)
-    ticks.now = 0.5
-    link.acknowledged(0.05)  # waited: publication to acknowledgement is the transfer
-    link.acknowledged(0.05)  # nothing pending
-
-    assert link.metrics() == {"uplink-seconds": pytest.approx(0.4), "uplink-bytes": 2000}
-    link.reset()
-    assert link.metrics() == {}
-
-
 def test_a_reported_uplink_is_read_and_a_malformed_one_refused() -> None:
     assert timed_link({"uplink-seconds": 0.5, "uplink-bytes": 1000}) == 2000.0
     assert timed_link({"uplink-seconds": 0.01, "uplink-bytes": 1000}) is None  # too little
     assert timed_link({}) is None
-    for seconds, size in [(math.nan, 10), (-1.0, 10), (0.5, -3), (0.5, 0), (True, 10)]:
+    bad = [(math.nan, 10), (-1.0, 10), (0.5, -3), (0.5, 0), (True, 10), (600_000.0, 1)]
+    for seconds, size in bad:
         with pytest.raises(ValueError, match="uplink"):
             timed_link({"uplink-seconds": seconds, "uplink-bytes": size})
 

@@ -279,3 +279,14 @@ def test_an_announcement_carries_its_examples_and_refuses_a_bad_count() -> None:
         payload = json.dumps({**older, "examples": bad}).encode()
         with pytest.raises(WireError, match=r"announcement\.examples"):
             Announcement.parse(payload)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"), [("flops", 5e-324), ("flops", 0.5), ("uplink", 1e-300), ("flops", 0)]
+)
+def test_an_announced_rate_too_small_to_plan_with_is_refused(key: str, value: float) -> None:
+    # such rates made the plan's times overflow, and planning crashed
+    announced = json.loads(Announcement("pi-01", "edge", 1 << 30, 1e9, 1e6).to_json())
+    with pytest.raises(WireError, match=rf"announcement\.{key}: must be"):
+        Announcement.parse(json.dumps({**announced, key: value}).encode())
+    assert Announcement.parse(json.dumps({**announced, key: 1.0}).encode()) is not None
