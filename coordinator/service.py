@@ -274,18 +274,19 @@ class Coordinator:
         try:
             edges, servers = self.devices.wait(config.devices)
             record_devices(store, [*edges, *servers])
+            if resumed:  # the speeds measured before the restart, kept plan or not
+                self.replanner.restore(store.get_run(config.run_id).plan)
             kept = self.planner.stored(edges, servers) if resumed else None
-            placement = kept or self.planner.plan(edges, servers)
+            placement = kept or self.planner.plan(*self.replanner.believed_of(edges, servers))
         except (CoordinatorError, SplitError) as error:
             store.set_run_status(config.run_id, "failed")
             store.add_event(config.run_id, Event("planning-failed", str(error)))
             raise
         if kept is None:
-            store.set_plan(config.run_id, self.planner.record(placement.plan))
+            record = self.planner.record(placement.plan) | self.replanner.measured()
+            store.set_plan(config.run_id, record)
             store.add_event(config.run_id, Event("planned", f"cuts {placement.plan.cuts()}"))
             log.info("plan:\n%s", placement.plan)
-        else:
-            self.replanner.restore(store.get_run(config.run_id).plan)
         return placement
 
     def _round(

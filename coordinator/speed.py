@@ -292,14 +292,16 @@ class Replanner:
             return None
         self.replanned_at = number
         self.store.set_plan(
-            self.planner.config.run_id, self.planner.record(new.plan) | self._measured()
+            self.planner.config.run_id, self.planner.record(new.plan) | self.measured()
         )
         self._event(number, "replanned", f"{verdict}: new cuts {new.plan.cuts()}")
         log.info("plan after round %d, from measured speeds:\n%s", number, new.plan)
         return new
 
-    def _measured(self) -> dict[str, Any]:
-        """What is stored beside the plan: the speeds it was made with."""
+    def measured(self) -> dict[str, Any]:
+        """What is stored beside a plan: the measured speeds it was made with (none yet: {})."""
+        if not self.believed and not self.uplinks:
+            return {}
         return {
             MEASURED_KEY: {
                 "flops": dict(self.believed),
@@ -319,6 +321,13 @@ class Replanner:
         if _rates(flops) and _rates(uplinks) and (number is None or _count(number)):
             self.believed, self.uplinks = dict(flops), dict(uplinks)  # type: ignore[arg-type]
             self.replanned_at = number
+
+    def believed_of(
+        self, edges: list[Announcement], servers: list[Announcement]
+    ) -> tuple[list[Announcement], list[Announcement]]:
+        """The announced devices at the speeds the coordinator believes (measured, where a
+        restarted run took them up from its stored plan)."""
+        return [self._announced(a) for a in edges], [self._announced(a) for a in servers]
 
     def _announced(self, announcement: Announcement) -> Announcement:
         """``announcement`` at the speed (and uplink) the coordinator now believes."""

@@ -153,3 +153,27 @@ def test_without_a_drift_the_plan_stays(
 
     assert store.get_run("speed-1").plan_version == 1
     assert not [e for e in store.events("speed-1") if e.kind in {"replanned", "speed-measured"}]
+
+
+def test_a_resume_that_plans_anew_plans_at_the_speeds_measured_before_it(
+    tmp_path: Path, store: RunStore, profile: ModelProfile, slow_edges: None
+) -> None:
+    logging.getLogger("flwr").setLevel(logging.WARNING)
+    config = run_config(tmp_path, 0.25)
+    hub = InProcessHub()
+    start_fleet(hub, tmp_path)
+    assert Coordinator(config, store, hub.connect("c1"), profile=lambda _: profile).run() == 3
+    first = next(e.detail for e in store.events("speed-1") if e.kind == "planned")
+    measured = cuts(store)
+    assert store.get_run("speed-1").plan_version == 2 and first != f"cuts {measured}"
+
+    # restarted for a fourth round with one cut for all: the stored plan no longer fits the
+    # config, so it plans anew, at the edges' measured speeds (not the declared ones)
+    data = {**config.to_dict(), "rounds": 4}
+    data["devices"] = {**data["devices"], "cuts": "uniform"}
+    again = Coordinator(RunConfig.parse(data), store, hub.connect("c2"), profile=lambda _: profile)
+    assert again.run() == 1
+
+    run = store.get_run("speed-1")
+    assert run.plan_version == 3 and set(cuts(store).values()) == {min(measured.values())}
+    assert "measured" in (run.plan or {}), "the speeds stay beside the new plan"
