@@ -72,7 +72,8 @@ class Problem:
     cut_bytes: np.ndarray  # bytes/sample sent at cut s (activations + label)
     batch_size: int
     min_edge_blocks: int
-    # bytes of the weights of blocks [0, s) and the head at s: down and up once a round
+    # bytes of the state (parameters, buffers) of blocks [0, s) and the head at s: down and
+    # up once a round
     edge_weight_bytes: np.ndarray | None = None
 
     @classmethod
@@ -99,9 +100,12 @@ class Problem:
             ],
             dtype=np.float64,
         )
-        weights = np.cumsum([0] + [b.param_bytes for b in profile.blocks], dtype=np.float64)
+        # what a segment's state crosses the link as: parameters and buffers (BatchNorm's
+        # running statistics travel with the weights)
+        state = [b.param_bytes + b.buffer_bytes for b in profile.blocks]
+        weights = np.cumsum([0, *state], dtype=np.float64)
         head_weights = [
-            heads[s].param_bytes if s < profile.num_blocks else 0
+            heads[s].param_bytes + heads[s].buffer_bytes if s < profile.num_blocks else 0
             for s in range(profile.num_blocks + 1)
         ]
         ratio = COMPRESSION_BYTES[config.compression] / 4.0

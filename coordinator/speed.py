@@ -237,8 +237,9 @@ class Replanner:
         for device, why in (bad | unusable).items():
             self._event(number, "speed-unusable", f"timing not used: {why}", device)
         devices = [e.name for e in plan.edges] + [s.name for s in plan.servers]
-        if any(d not in online for d in devices):
-            return None  # a device is away: re-planning now would plan without it
+        if away := [d for d in devices if d not in online]:  # a plan now would leave it out
+            log.info("round %d: %s away: speeds compared again once all are back", number, away)
+            return None
         believed = {d: self.believed.get(d, online[d].flops) for d in devices}
         measured |= {d: f for d, f in floors.items() if f > believed[d]}  # proven faster
         uplinks = {e.name: self.uplinks.get(e.name, _uplink(online[e.name])) for e in plan.edges}

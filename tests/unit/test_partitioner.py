@@ -21,17 +21,22 @@ from split_models.devices import DeviceSpec
 from split_models.errors import ConfigError, InfeasiblePlanError
 from split_models.memory import estimate_segment_memory
 from split_models.plan import Plan
-from split_models.profiler import BlockProfile, ModelProfile
+from split_models.profiler import BlockProfile, ModelProfile, profile_model
+from split_models.segment import Segment
+from split_models.weights import segment_state
+from split_models.zoo import build_model
 
 pytestmark = pytest.mark.unit
 
 KIB = 1024
 
 
-def _block(params: int, out: int, saved: int, flops: int, working: int) -> BlockProfile:
+def _block(
+    params: int, out: int, saved: int, flops: int, working: int, buffers: int = 0
+) -> BlockProfile:
     return BlockProfile(
         param_bytes=params * KIB,
-        buffer_bytes=0,
+        buffer_bytes=buffers,
         largest_param_bytes=params * KIB,
         input_shape=(1,),
         output_shape=(out,),
@@ -58,6 +63,7 @@ def profiles(draw: st.DrawFn) -> ModelProfile:
             draw(st.integers(0, 2000)),
             draw(st.integers(1_000, 5_000_000)),
             draw(st.integers(0, 2000)),
+            draw(st.sampled_from([0, 0, 4096])),  # BatchNorm's running statistics
         )
         for _ in range(count)
     )
@@ -141,7 +147,8 @@ def _brute_force(
             upload = batch * (profile.blocks[s - 1].output_bytes + LABEL_BYTES) / edge.uplink
             step = max(TRAIN_FLOPS_FACTOR * batch * flops / edge.flops, upload)
             if edge.round_batches:  # the segment's weights down and up, spread over the round
-                weights = sum(b.param_bytes for b in profile.blocks[:s]) + heads[s].param_bytes
+                state = [*profile.blocks[:s], heads[s]]
+                weights = sum(b.param_bytes + b.buffer_bytes for b in state)
                 step += 2 * weights / edge.uplink / edge.round_batches
             edge_times.append(step)
         back = sum(sum(b.flops for b in profile.blocks[s:]) for s in splits)
@@ -360,3 +367,13 @@ def test_plan_cuts_name_each_edge_or_count_them_in_a_large_fleet() -> None:
     cut = plan.edges[0].blocks[1]
     assert plan.cuts() == str({cut: "13 edges"})
     assert plan.cuts(listed=13) == str({f"pi-{i:02d}": cut for i in range(13)})
+
+
+def test_the_weight_traffic_counted_is_the_state_an_edge_receives_batchnorm_included() -> None:
+    model = build_model("resnet8", (1, 8, 8), 10, seed=0)
+    profile = profile_model(model, ("linear",), 4)
+    problem = Problem.build(profile, PartitionConfig(batch_size=4))
+    assert problem.edge_weight_bytes is not None
+    for cut in range(1, model.num_blocks):
+        state = segment_state(Segment.from_model(model, 0, cut, "linear"))
+        assert problem.edge_weight_bytes[cut] == sum(a.nbytes for a in state.values()), cut
