@@ -92,22 +92,12 @@ class Problem:
             raise ConfigError(f"local_loss: {config.local_loss!r} heads were not profiled")
         flops = np.array([0] + [b.flops for b in profile.blocks], dtype=np.float64)
         prefix = np.cumsum(flops)
-        heads = profile.heads[config.local_loss]
-        head_flops = np.array(
-            [
-                heads[s].flops if s < profile.num_blocks else 0
-                for s in range(profile.num_blocks + 1)
-            ],
-            dtype=np.float64,
-        )
+        heads = profile.heads[config.local_loss][: profile.num_blocks]  # none after the last
+        head_flops = np.array([h.flops for h in heads] + [0], dtype=np.float64)
         # what a segment's state crosses the link as: parameters and buffers (BatchNorm's
         # running statistics travel with the weights)
-        state = [b.param_bytes + b.buffer_bytes for b in profile.blocks]
-        weights = np.cumsum([0, *state], dtype=np.float64)
-        head_weights = [
-            heads[s].param_bytes + heads[s].buffer_bytes if s < profile.num_blocks else 0
-            for s in range(profile.num_blocks + 1)
-        ]
+        weights = np.cumsum([0] + [b.param_bytes + b.buffer_bytes for b in profile.blocks])
+        head_weights = [h.param_bytes + h.buffer_bytes for h in heads] + [0]
         ratio = COMPRESSION_BYTES[config.compression] / 4.0
         cut = np.array(
             [0.0]
@@ -128,7 +118,7 @@ class Problem:
             cut_bytes=cut,
             batch_size=config.batch_size,
             min_edge_blocks=config.min_edge_blocks,
-            edge_weight_bytes=weights + np.array(head_weights, dtype=np.float64),
+            edge_weight_bytes=(weights + np.array(head_weights)).astype(np.float64),
         )
 
 
