@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +95,8 @@ def status_command(args: argparse.Namespace) -> int:
         f"run {status['run_id']}: {status['status']}, current round "
         f"{_cell(status['current_round'])}, plan version {status['plan_version']}"
     )
+    if (plan := _plan_line(status["plan"])) is not None:
+        print(plan)
     if status["checkpoint"]:
         print(
             f"checkpoint of round {status['current_round']} is unusable: {status['checkpoint']}; "
@@ -106,6 +109,22 @@ def status_command(args: argparse.Namespace) -> int:
         print(f"last events (all: edgesplit runs events {args.run}):")
         print("\n".join(f"  {format_event(e)}" for e in last))
     return 0
+
+
+def _plan_line(plan: Any, listed: int = 12) -> str | None:
+    """``cuts {'pi-01': 2, 'pi-02': 5} (per-device); GPU servers gpu-a [2, 6)`` from a stored
+    plan (over ``listed`` edges, how many hold each cut); None for none or a malformed one."""
+    try:
+        cuts = {str(e["name"]): int(e["blocks"][1]) for e in plan["edges"]}
+        backs = [f"{s['name']} [{s['blocks'][0]}, {s['blocks'][1]})" for s in plan["servers"]]
+    except (KeyError, TypeError, IndexError, ValueError):
+        return None
+    if len(cuts) > listed:
+        counts = Counter(cuts.values())
+        shown: dict[Any, Any] = {cut: f"{counts[cut]} edges" for cut in sorted(counts)}
+    else:
+        shown = cuts
+    return f"cuts {shown} ({plan.get('cuts', 'per-device')}); GPU servers {', '.join(backs)}"
 
 
 def _print_runs(runs: list[dict[str, Any]], as_json: bool) -> None:

@@ -31,6 +31,9 @@ def _populate(url: str, checkpoints: Path) -> None:
             evaluation={"accuracy": 0.75, "loss": 0.9},
         )
         store.set_run_status("demo-1", "finished")
+        edges = [{"name": "pi-01", "blocks": [0, 2]}, {"name": "pi-02", "blocks": [0, 5]}]
+        servers = [{"name": "gpu-a", "blocks": [2, 6]}]
+        store.set_plan("demo-1", {"edges": edges, "servers": servers, "cuts": "per-device"})
 
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgres"])
@@ -56,6 +59,8 @@ def test_upgrade_then_status(backend: str, tmp_path: Path, request: pytest.Fixtu
     assert first["bytes_up"] == 5120 and first["bytes_down"] == 768
     table = run("status", "--db", url, "--run", "demo-1")
     assert "committed" in table.stdout and "0.7500" in table.stdout
+    plan = "cuts {'pi-01': 2, 'pi-02': 5} (per-device); GPU servers gpu-a [2, 6)"
+    assert plan in table.stdout.splitlines(), table.stdout
 
 
 def test_status_errors_exit_2(tmp_path: Path) -> None:
