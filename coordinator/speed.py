@@ -133,9 +133,10 @@ def timed_link(metrics: Mapping[str, Any]) -> float | None:
         raise ValueError(f"uplink-seconds {seconds!r}: expected a number")
     if not _MIN_SECONDS <= seconds < _MAX_SECONDS or not _count(size) or not size:
         raise ValueError(f"uplink-seconds {seconds!r} and uplink-bytes {size!r}: out of range")
-    if size / seconds < 1.0:  # as announcements: under a byte a second is not a link
+    rate = size / seconds
+    if rate < 1.0:  # as announcements: under a byte a second is not a link
         raise ValueError(f"uplink-bytes {size!r} in {seconds!r} s: under 1 byte/s")
-    return size / seconds if seconds >= MIN_LINK_SECONDS else None
+    return rate if seconds >= MIN_LINK_SECONDS else None
 
 
 def _count(value: object) -> bool:
@@ -280,7 +281,7 @@ class Replanner:
             return None
         then = candidate.estimated_step_seconds
         verdict = f"{what}; predicted step {now:.3g} s, re-planned {then:.3g} s"
-        if then > (1 - MIN_GAIN) * now or _cuts(candidate) == _cuts(plan):
+        if then > (1 - MIN_GAIN) * now or candidate.edge_cuts() == plan.edge_cuts():
             self._event(number, "speed-measured", f"{verdict}: plan kept")
             return None
         try:  # a refusal keeps the plan: dropping an edge mid-run is not the speeds' call
@@ -374,10 +375,6 @@ def _rates(value: object) -> bool:
 
 def _uplink(announcement: Announcement) -> float:
     return announcement.uplink or 1e9  # as the planner reads a missing one
-
-
-def _cuts(plan: Plan) -> dict[str, int]:
-    return {e.name: e.blocks[1] for e in plan.edges}
 
 
 def _bandwidth(rate: float) -> str:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from split_models.errors import ConfigError
+from split_models.plan import describe_cuts
 from storage import RunStore, normalise_url, open_store
 from storage.report import run_status, runs_overview
 from wire.mqtt import redact_url
@@ -119,11 +119,7 @@ def _plan_line(plan: Any, listed: int = 12) -> str | None:
         backs = [f"{s['name']} [{s['blocks'][0]}, {s['blocks'][1]})" for s in plan["servers"]]
     except (KeyError, TypeError, IndexError, ValueError):
         return None
-    if len(cuts) > listed:
-        counts = Counter(cuts.values())
-        shown: dict[Any, Any] = {cut: f"{counts[cut]} edges" for cut in sorted(counts)}
-    else:
-        shown = cuts
+    shown = describe_cuts(cuts, listed)
     return f"cuts {shown} ({plan.get('cuts', 'per-device')}); GPU servers {', '.join(backs)}"
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -43,6 +44,15 @@ class ServerAssignment:
     budget_bytes: int
 
 
+def describe_cuts(cuts: Mapping[str, int], listed: int = 12) -> str:
+    """Each edge's cut, ``{'pi-01': 2, 'pi-02': 5}``; for more than ``listed`` edges, how many
+    edges hold each cut, ``{2: '600 edges', 5: '400 edges'}``."""
+    if len(cuts) <= listed:
+        return str(dict(cuts))
+    counts = Counter(cuts.values())
+    return str({cut: f"{counts[cut]} edges" for cut in sorted(counts)})
+
+
 @dataclass(frozen=True)
 class Plan:
     """The whole assignment of a model's blocks to devices for one configuration."""
@@ -67,13 +77,13 @@ class Plan:
                 return assignment
         raise KeyError(f"no edge named {name!r} in the plan")
 
+    def edge_cuts(self) -> dict[str, int]:
+        """Each edge's cut: ``{'pi-01': 2, 'pi-02': 5}``."""
+        return {e.name: e.blocks[1] for e in self.edges}
+
     def cuts(self, listed: int = 12) -> str:
-        """Each edge's cut, ``{'pi-01': 2, 'pi-02': 5}``; for more than ``listed`` edges, how
-        many edges hold each cut, ``{2: '600 edges', 5: '400 edges'}``."""
-        if len(self.edges) <= listed:
-            return str({e.name: e.blocks[1] for e in self.edges})
-        counts = Counter(e.blocks[1] for e in self.edges)
-        return str({cut: f"{counts[cut]} edges" for cut in sorted(counts)})
+        """The edges' cuts as :func:`describe_cuts` writes them."""
+        return describe_cuts(self.edge_cuts(), listed)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
