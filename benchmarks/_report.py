@@ -6,6 +6,16 @@ import os
 import platform
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def shared_data(name: str = "mnist8k.npz") -> Path:
+    """The project's offline data file ``name``: in ``../shared/data`` beside the checkout, or
+    in ``shared/data`` inside it (where a copy travels with the checkout to a lent machine).
+    The first of them when neither holds it (callers check ``exists()``)."""
+    places = [ROOT.parent / "shared" / "data" / name, ROOT / "shared" / "data" / name]
+    return next((p for p in places if p.exists()), places[0])
+
 
 def machine() -> str:
     """The machine in a few words, with the instruction set torch's kernels use: the same

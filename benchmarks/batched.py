@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from _report import Report, machine
+from _report import Report, machine, shared_data
 
 from split_models.runtime import configure_process
 
@@ -29,7 +29,7 @@ sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).re
 from simulation.config import SimConfig, parse_sim_config  # noqa: E402
 from simulation.simulator import simulate  # noqa: E402
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist8k.npz"
+SHARED = shared_data()
 
 
 def _config(data: str, shape: list[int], clients: int, batched: bool, device: str) -> SimConfig:
@@ -47,6 +47,7 @@ def _config(data: str, shape: list[int], clients: int, batched: bool, device: st
             "optimizer": {"name": "adam", "lr": 0.001},
             "batched": batched,
             "client_device": device,
+            "gpu": {"device": device},
             "measure_memory": False,
         }
     )
@@ -76,7 +77,9 @@ def main() -> None:
         )
         for clients in args.clients:
             for device in devices:
-                for batched in (False, True):
+                # one by one, a client's segment stays on the CPU (placing it on a GPU is not
+                # built): the GPU rows are stacked, with the GPU server's back there too
+                for batched in (False, True) if device == "cpu" else (True,):
                     config = _config(data, shape, clients, batched, device)
                     summary = simulate(config, work / f"{clients}-{device}-{batched}")
                     seconds = summary["training_wall_seconds"]

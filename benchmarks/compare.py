@@ -35,7 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from _report import Report, machine
+from _report import Report, machine, shared_data
 
 from split_models.runtime import configure_process
 
@@ -50,7 +50,7 @@ from coordinator.errors import CoordinatorError  # noqa: E402
 from simulation.config import SimConfig, parse_sim_config  # noqa: E402
 from simulation.simulator import simulate  # noqa: E402
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist8k.npz"
+SHARED = shared_data()
 METHODS = ("local-loss", "splitfed", "fedavg", "centralized")
 
 

@@ -36,10 +36,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _report import Report, machine
+from _report import Report, machine, shared_data
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared" / "data" / "mnist8k.npz"
+SHARED = shared_data()
 HELP_RAY = "Flower's simulation needs Ray: pip install 'flwr[simulation]==1.42.*'"
 
 

@@ -24,13 +24,14 @@ configure_process()
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from _report import shared_data  # noqa: E402
 
 # benchmarks/storage.py would shadow the `storage` package the simulation imports
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 from simulation.config import SimConfig, parse_sim_config  # noqa: E402
 from split_models.data import Dataset, from_arrays, partition  # noqa: E402
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist8k.npz"
+SHARED = shared_data()
 
 
 def sim_config(work: Path, clients: int, rounds: int) -> SimConfig:

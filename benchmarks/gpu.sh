@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU host's figures in one run (issue 18), made to run unchanged the first time a GPU is
-# lent: stacked client segments against one-by-one on the GPU (and the CPU) for 16, 100 and
-# 1,000 clients (benchmarks/batched.py), then the FedAvg job in edgesplit's simulation against
+# lent: first short simulations with the GPU server and the stacked clients on the GPU, checked
+# to learn (benchmarks/gpu_smoke.py), then stacked client segments on the GPU (clients and
+# GPU server) against one-by-one and stacked on the CPU for 16, 100 and 1,000 clients
+# (benchmarks/batched.py), then the FedAvg job in edgesplit's simulation against
 # Flower's own (benchmarks/flower_sim.py, both on the host's CPUs: Flower's rows need Ray,
 # whose wheel is larger than a device call can carry; the clients of neither run on the GPU
 # there, which is not built yet). One table each; under
@@ -38,7 +40,16 @@ print(f"gpu.sh: {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA 
 EOF
 out=()
 if [ -n "${GPU_OUT:-}" ]; then mkdir -p "$GPU_OUT"; out=(--out "$GPU_OUT/gpu.md"); fi
+# Every step runs, each under its own limit (a slow or failed one cannot eat the rest); the
+# exit status is the first failure's.
 status=0
-timeout 330 "$PYTHON" benchmarks/batched.py --clients 16 100 1000 "${out[@]}" || status=$?
-timeout 210 "$PYTHON" benchmarks/flower_sim.py --clients 8 100 "${out[@]}" || status=$?
+step() {
+    local limit=$1
+    shift
+    echo "gpu.sh: $* (limit ${limit} s)"
+    timeout "$limit" "$PYTHON" "$@" || { rc=$?; echo "gpu.sh: $* failed ($rc)"; [ $status -ne 0 ] || status=$rc; }
+}
+step 90 benchmarks/gpu_smoke.py --device cuda
+step 330 benchmarks/batched.py --clients 16 100 1000 "${out[@]}"
+step 120 benchmarks/flower_sim.py --clients 8 100 "${out[@]}"
 exit $status

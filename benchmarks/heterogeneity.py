@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 import yaml
-from _report import machine
+from _report import machine, shared_data
 from shaper import Shaper
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,7 +75,7 @@ RUNS: dict[str, dict[str, dict[str, object]]] = {
     },
 }
 PER_EDGE, BATCH, DECLARED_FLOPS = 640, 32, "5e9"
-SHARED = ROOT.parent / "shared" / "data" / "mnist8k.npz"
+SHARED = shared_data()
 FIXTURE = ROOT / "tests" / "fixtures" / "tiny_mnist.npz"
 
 

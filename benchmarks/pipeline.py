@@ -33,11 +33,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _report import Report, machine
+from _report import Report, machine, shared_data
 
 TARGET = 1.7
 RUN = "bench"
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "mnist8k.npz"
+SHARED = shared_data()
 
 
 def _data(batches: int, batch: int) -> tuple[np.ndarray, np.ndarray]:

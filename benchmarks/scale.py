@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _report import Report, machine
+from _report import Report, machine, shared_data
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared" / "data" / "mnist8k.npz"
+SHARED = shared_data()
 SAMPLED = 10_000  # from this many clients on, 1% are sampled a round
 
 

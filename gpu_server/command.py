@@ -7,8 +7,7 @@ import logging
 from dataclasses import replace
 
 from gpu_server.agent import GpuAgent
-from split_models.errors import ConfigError
-from split_models.runtime import configure_logging, wait_for_stop
+from split_models.runtime import configure_logging, require_device, wait_for_stop
 from split_models.units import parse_flops, parse_memory
 from wire.flower import node_will
 from wire.mqtt import MqttConfig, MqttTransport, redact_url
@@ -21,11 +20,7 @@ log = logging.getLogger("edgesplit.gpu_server")
 
 def gpu_server_command(args: argparse.Namespace) -> int:
     configure_logging(args.verbose)
-    if args.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ConfigError("--device cuda: no CUDA device is available to this process")
+    require_device(args.device, "--device")
     announcement = Announcement(
         device=args.id,
         role="gpu",

@@ -13,7 +13,7 @@ devices:                              # client profiles mixed by share
   - {profile: small, share: 0.5, memory: 8MiB, flops: 2e9, uplink: 20Mbit}
   - {profile: large, share: 0.5, memory: 64MiB, flops: 5e10, uplink: 100Mbit}
 cuts: per-device                      # or uniform: one cut for every client
-gpu: {memory: 16GiB, flops: 5e13}
+gpu: {memory: 16GiB, flops: 5e13, device: cpu}   # device: where the GPU server trains
 availability: {online: 0.9, offline: {client-003: [2, 3]}}   # optional
 workers: 4                            # clients training at once (default: one per core)
 measure_memory: true                  # each assignment's real peak, in a fresh process
@@ -255,6 +255,7 @@ class GpuConfig:
 
     memory: int = setting(16 * 1024**3, kind="memory")
     flops: float = setting(5e13, kind="flops")
+    device: str = setting("cpu", parse=_device)
 
 
 def _model() -> ModelConfig:

@@ -37,6 +37,7 @@ from split_models.data import Dataset, load_dataset, partition
 from split_models.errors import ConfigError
 from split_models.measure import measure_in_fresh_process
 from split_models.plan import EdgeAssignment, Plan
+from split_models.runtime import require_device
 from split_models.segment import Segment
 from storage import open_store
 from wire.flower import node_will
@@ -282,17 +283,13 @@ def _split_learning(
     """Train ``run`` on the simulated fleet (its store in ``out``, ``broker`` its URL and
     password); return when training ended, the stored plan, the round and client rows, and
     the batched slots' counts."""
+    require_device(config.fleet.client_device, "client_device")
+    require_device(config.gpu.device, "gpu.device")
     profiles = config.fleet.client_profiles()
     connect, closer = _transports(*broker)
     fleet = None
     try:
-        gpu = Announcement("gpu-sim", "gpu", config.gpu.memory, config.gpu.flops)
-        GpuAgent(
-            gpu,
-            connect("gpu-sim-control", node_will(gpu.node_id, "gpu-sim")),
-            connect("gpu-sim-stream"),
-            models=(config.model.name,),
-        )
+        _start_gpu_host(config, connect)
         fleet = _Fleet(config, data, profiles, connect)
         observers = _Observers(fleet, *([observer] if observer is not None else []))
         with open_store(f"sqlite:///{out / 'runs.db'}") as store:
@@ -318,6 +315,19 @@ def _split_learning(
             fleet.close()
         closer()
     return trained, plan, rows, clients, batched
+
+
+def _start_gpu_host(config: SimConfig, connect: Callable[..., Transport]) -> None:
+    """The simulation's GPU server, training on ``gpu.device``."""
+    gpu = Announcement(
+        "gpu-sim", "gpu", config.gpu.memory, config.gpu.flops, accelerator=config.gpu.device
+    )
+    GpuAgent(
+        gpu,
+        connect("gpu-sim-control", node_will(gpu.node_id, "gpu-sim")),
+        connect("gpu-sim-stream"),
+        models=(config.model.name,),
+    )
 
 
 def _plan_text(plan: Plan | None) -> str:

@@ -19,7 +19,13 @@ import signal
 import threading
 from collections.abc import Callable
 
-__all__ = ["RUNTIME_ENV", "configure_logging", "configure_process", "wait_for_stop"]
+__all__ = [
+    "RUNTIME_ENV",
+    "configure_logging",
+    "configure_process",
+    "require_device",
+    "wait_for_stop",
+]
 
 RUNTIME_ENV = {
     "OMP_WAIT_POLICY": "PASSIVE",
@@ -40,6 +46,23 @@ def configure_process(threads: int = 1, torch_too: bool = True) -> None:
     import torch
 
     torch.set_num_threads(threads)
+
+
+def require_device(device: str, key: str) -> None:
+    """Fail with a clear error, naming the setting ``key``, when torch cannot train on
+    ``device`` (cpu, cuda, cuda:N or mps) in this process."""
+    import torch
+
+    from split_models.errors import ConfigError
+
+    kind, _, index = device.partition(":")
+    if kind == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count <= int(index or 0):
+            seen = f"{count} CUDA device(s)" if count else "no CUDA device"
+            raise ConfigError(f"{key}: {device}, but torch sees {seen} in this process")
+    elif kind == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"{key}: mps, but torch has no MPS device in this process")
 
 
 def configure_logging(verbose: bool = False) -> None:

@@ -93,6 +93,7 @@ def test_splitfed_over_an_embedded_broker(tmp_path: Path) -> None:
         ("workers: 0\n", (), "workers: expected an integer >= 1"),
         ("batched: 3\n", (), "batched: expected true or false"),
         ("client_device: tpu\n", (), "client_device: expected cpu, cuda"),
+        ("gpu: {device: 'cuda:99'}\n", (), "gpu.device: cuda:99, but torch sees"),
     ],
 )
 def test_bad_simulation_configs_are_rejected_by_name(

@@ -129,6 +129,7 @@ def test_sections_read_from_a_whole_stored_config() -> None:
         ({"method": "magic"}, r"method: 'magic' is not one of \['local-loss', 'splitfed'"),
         ({"optimizer": {"name": "adam", "lr": 0}}, r"optimizer.lr: must be positive"),
         ({"client_device": "tpu"}, r"client_device: expected cpu, cuda, cuda:N or mps"),
+        ({"gpu": {"device": "gpu0"}}, r"gpu.device: expected cpu, cuda, cuda:N or mps"),
     ],
 )
 def test_bad_simulation_configs_name_the_key(change: dict[str, object], message: str) -> None:
