@@ -155,13 +155,17 @@ class GracefulNodes:
         self._grid, self._grace = grid, grace or WillGrace()
         self._link = link_of(transport)
         self._known: set[int] = set()
+        self._present: set[int] = set()  # as of the last call
 
     def __call__(self) -> set[int]:
         present = set(self._grid.get_node_ids())
-        for node in self._known - present:
+        # only the nodes that came or went since the last call (a loop over every node on
+        # each poll cost a round of 1,000 clients seconds)
+        for node in (self._known - present) - (self._known - self._present):
             self._grace.went_offline(str(node))
-        for node in present:
+        for node in present - self._present:
             self._grace.came_online(str(node))
+        self._present = present
         self._known |= present
         absent = [str(n) for n in self._known - present]
         return self._known - {int(n) for n in self._grace.offline(absent, self._link())}

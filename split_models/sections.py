@@ -3,6 +3,8 @@ against what the device may build) or written by hand (a nested ``model:`` secti
 
 from __future__ import annotations
 
+import functools
+import json
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -10,7 +12,7 @@ from split_models.config import ModelConfig, TrainingConfig, config_keys, parse_
 from split_models.errors import ConfigError
 from split_models.options import ZOO_NAMES
 
-__all__ = ["flat_model_section", "task_sections"]
+__all__ = ["flat_model_section", "parse_task_sections", "task_sections"]
 
 
 def flat_model_section(data: Mapping[str, Any]) -> dict[str, Any]:
@@ -36,6 +38,25 @@ def flat_model_section(data: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def task_sections(
+    model: object, training: object, models: Collection[str] = ()
+) -> tuple[ModelConfig, TrainingConfig]:
+    """:func:`parse_task_sections`, remembered for the last sections seen: a simulation host's
+    clients parse the same task's sections every round (the configs are frozen, so sharing
+    them is safe)."""
+    try:
+        key = json.dumps([model, training], sort_keys=True)
+    except (TypeError, ValueError):  # not what a JSON message holds: parsed, and refused
+        return parse_task_sections(model, training, models)
+    return _remembered(key, tuple(models))
+
+
+@functools.lru_cache(maxsize=64)
+def _remembered(key: str, models: tuple[str, ...]) -> tuple[ModelConfig, TrainingConfig]:
+    model, training = json.loads(key)
+    return parse_task_sections(model, training, models)
+
+
+def parse_task_sections(
     model: object, training: object, models: Collection[str] = ()
 ) -> tuple[ModelConfig, TrainingConfig]:
     """A task's ``model`` and ``training`` sections, parsed; raises :class:`ConfigError`

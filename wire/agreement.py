@@ -32,18 +32,22 @@ class RoundLedger:
         self.counts: dict[str, collections.Counter[str]] = {me: collections.Counter()}
         self.finished: set[str] = set()
         self.gone: set[str] = set()  # senders that left the round (offline)
+        # senders whose declaration or counts changed since the last settle: only they can
+        # have become finished (settling every sender each time was quadratic in senders)
+        self._changed: set[str] = set()
 
     def declare(self, sender: str, batches: int) -> bool:
         """``sender`` sent ``batches`` this round; False when it is not a sender of it."""
         if sender not in self.senders:
             return False
         self.declared[sender] = batches
+        self._changed.add(sender)
         return True
 
     def leave(self, sender: str) -> bool:
         """``sender`` went offline: stop waiting for it; False when it is not a sender of the
         round, or finished or left already."""
-        if sender not in self.senders or sender in self.finished | self.gone:
+        if sender not in self.senders or sender in self.finished or sender in self.gone:
             return False
         self.gone.add(sender)
         return True
@@ -53,13 +57,16 @@ class RoundLedger:
         if sender not in self.senders:
             return False
         self.counts[self.me][sender] += 1
+        self._changed.add(sender)
         return True
 
     def peer_counts(self, peer: str, counts: Mapping[str, int]) -> bool:
         """``peer``'s latest counts; False (ignored) unless it is a peer of this round."""
         if peer not in self.peers:
             return False
+        before = self.counts.get(peer, collections.Counter())
         self.counts[peer] = collections.Counter(counts)
+        self._changed.update(before.keys() | self.counts[peer].keys())
         return True
 
     @property
@@ -69,10 +76,13 @@ class RoundLedger:
     def settle(self) -> set[str]:
         """Mark the senders whose counts now add up as finished; return the new ones."""
         new = set()
-        for sender, batches in self.declared.items():
-            handled = sum(counts[sender] for counts in self.counts.values())
-            if handled >= batches and sender not in self.finished:
+        for sender in self._changed:
+            batches = self.declared.get(sender)
+            if batches is None or sender in self.finished:
+                continue
+            if sum(counts[sender] for counts in self.counts.values()) >= batches:
                 new.add(sender)
+        self._changed.clear()
         self.finished |= new
         return new
 

@@ -121,7 +121,8 @@ class WillGrace:
 
     def restarted(self, devices: Iterable[str], since: float) -> list[str]:
         """Those of ``devices`` that came back as a new process at or after ``since``."""
-        return sorted(d for d in set(devices) if self._restarted.get(d, -math.inf) >= since)
+        wanted = devices if isinstance(devices, set | frozenset) else set(devices)
+        return sorted(d for d, at in self._restarted.items() if at >= since and d in wanted)
 
     def effective_at(self, device: str, reconnected: float | None) -> float:
         """When ``device``'s offline counts (inf: it is not offline)."""
@@ -146,7 +147,10 @@ class WillGrace:
         if not connected:
             return []
         now, wanted = self._clock(), set(devices)
-        gone = {d for d in wanted if self.effective_at(d, reconnected) <= now}
+        # only a device with a pending offline can count (a loop over all the devices asked
+        # about was quadratic for a server polling a round's thousand senders)
+        pending = [d for d in self._since if d in wanted]
+        gone = {d for d in pending if self.effective_at(d, reconnected) <= now}
         if since is not None:
             gone |= set(self.restarted(wanted, since))
         return sorted(gone)

@@ -261,7 +261,9 @@ class Task:
         return json.dumps(key, sort_keys=True)
 
     def to_json(self) -> str:
-        data = asdict(self)
+        # fields shallowly: asdict deep-copies the model and training sections, which cost a
+        # coordinator of 1,000 clients more than the rest of building their messages
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
         data["edges"], data["servers"] = list(self.edges), list(self.servers)
         return json.dumps(data)
 
