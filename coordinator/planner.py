@@ -20,6 +20,7 @@ from coordinator.config import RunConfig
 from coordinator.errors import CoordinatorError
 from coordinator.partitioner import PartitionConfig, plan_split
 from split_models.config import config_to_dict
+from split_models.data import trained_examples
 from split_models.devices import DeviceSpec
 from split_models.errors import ConfigError, InfeasiblePlanError
 from split_models.memory import estimate_segment_memory
@@ -169,9 +170,11 @@ class Planner:
             cuts=self.config.devices.cuts,
         )
 
-    def per_round(self) -> tuple[int, int]:
-        """The batch size and local epochs: an edge's batches a round, with its examples."""
-        return self.config.training.batch_size, self.config.training.local_epochs
+    def per_round(self) -> tuple[int, int, float]:
+        """The batch size, local epochs and share held out for federated evaluation: an
+        edge's batches a round, with its announced examples."""
+        training = self.config.training
+        return training.batch_size, training.local_epochs, training.federated_eval
 
     def profile(self) -> ModelProfile:
         """The run's stored profile when it was measured for today's model, batch size and
@@ -305,12 +308,14 @@ def _answer(reply: Message) -> tuple[bool, int, str] | None:
 
 
 def device_specs(
-    edges: list[Announcement], servers: list[Announcement], per_round: tuple[int, int] = (0, 1)
+    edges: list[Announcement],
+    servers: list[Announcement],
+    per_round: tuple[int, int, float] = (0, 1, 0.0),
 ) -> list[DeviceSpec]:
     """The partitioner's view of the announced ``edges`` and ``servers``; ``per_round``: the
-    batch size and local epochs an edge's announced examples make its batches a round by
-    (batch size 0: not counted)."""
-    batch, epochs = per_round
+    batch size, local epochs and federated evaluation's held-out share that an edge's
+    announced examples make its batches a round by (batch size 0: not counted)."""
+    batch, epochs, held_out = per_round
     return [
         DeviceSpec(
             a.device,
@@ -318,7 +323,7 @@ def device_specs(
             a.memory,
             a.flops,
             a.uplink or 1e9,
-            epochs * -(-(a.examples or 0) // batch) if batch else 0,
+            epochs * -(-trained_examples(a.examples or 0, held_out) // batch) if batch else 0,
         )
         for a in edges
     ] + [DeviceSpec(s.device, "gpu", s.memory, s.flops) for s in servers]

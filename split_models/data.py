@@ -29,6 +29,7 @@ __all__ = [
     "load_dataset",
     "partition",
     "resolve_spec",
+    "trained_examples",
 ]
 
 PARTITIONS = ("iid", "dirichlet", "shards")
@@ -70,6 +71,15 @@ class Dataset:
         order = np.random.default_rng(seed).permutation(len(self))
         cut = len(self) - max(1, round(len(self) * test_fraction))
         return self.subset(order[:cut]), self.subset(order[cut:])
+
+
+def trained_examples(examples: int, held_out: float) -> int:
+    """Of ``examples``, how many an edge trains on when it holds out the share ``held_out``
+    for federated evaluation (the rule of its :meth:`Dataset.split`; none held out when the
+    share is not in (0, 1) or it has fewer than 2 examples)."""
+    if not 0 < held_out < 1 or examples < 2:
+        return examples
+    return examples - max(1, round(examples * held_out))
 
 
 def _images(x: np.ndarray) -> np.ndarray:

@@ -10,7 +10,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from split_models.data import from_torch, load_dataset, partition, resolve_spec
+from split_models.data import (
+    from_arrays,
+    from_torch,
+    load_dataset,
+    partition,
+    resolve_spec,
+    trained_examples,
+)
 from split_models.errors import ConfigError
 
 pytestmark = pytest.mark.unit
@@ -143,3 +150,13 @@ def test_a_bare_npz_path_or_folder_is_taken_as_what_it_is(tmp_path: Path) -> Non
     assert resolve_spec("digits", tmp_path) == "digits"
     with pytest.raises(ConfigError, match="unknown dataset spec 'nowhere'"):
         load_dataset(str(tmp_path / "nowhere").replace(str(tmp_path) + "/", ""))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 500), st.sampled_from([0.0, 0.05, 0.1, 0.25, 0.5, 0.9, 1.0]))
+def test_trained_examples_counts_what_an_edges_split_keeps(examples: int, share: float) -> None:
+    """The planner counts an edge's batches from its announced examples with this rule; the
+    edge holds its federated-evaluation share out with ``Dataset.split``: they must agree."""
+    data = from_arrays(np.zeros((examples, 1, 2, 2), np.float32), np.zeros(examples, np.int64))
+    kept = len(data.split(share)[0]) if 0 < share < 1 and examples >= 2 else examples
+    assert trained_examples(examples, share) == kept

@@ -205,8 +205,8 @@ class FakePlanner:
     def partition(self) -> PartitionConfig:
         return PartitionConfig(batch_size=16, optimizer="adam")
 
-    def per_round(self) -> tuple[int, int]:
-        return 16, 1
+    def per_round(self) -> tuple[int, int, float]:
+        return 16, 1, 0.0
 
     def record(self, plan: Plan) -> dict[str, object]:
         return plan.to_dict() | {"cuts": "per-device"}
@@ -434,3 +434,10 @@ def test_a_restarted_coordinator_takes_up_the_measured_speeds_of_the_stored_plan
         ignored = Replanner(planner, store, 0.25)  # type: ignore[arg-type]
         ignored.restore({**(run.plan or {}), MEASURED_KEY: bad})
         assert ignored.believed == {} and ignored.replanned_at is None
+
+
+def test_an_edges_batches_a_round_leave_out_its_federated_evaluation_share() -> None:
+    edge = Announcement("pi", "edge", 2**26, 1e9, 1e6, examples=100)
+    (all_of_it,) = device_specs([edge], [], (10, 2, 0.0))
+    (held_out,) = device_specs([edge], [], (10, 2, 0.25))
+    assert (all_of_it.round_batches, held_out.round_batches) == (20, 16)  # 100, then 75 trained
