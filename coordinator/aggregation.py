@@ -28,6 +28,7 @@ than its group's (``norm_bound``, an option of every strategy; each clip is name
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -59,8 +60,14 @@ __all__ = [
     "check_strategy",
     "flower_quiet",
     "key_groups",
+    "restore_server_state",
+    "server_state",
     "split_weighted_mean",
 ]
+
+# what a strategy's aggregate_train advances besides its result: FedAvgM's current weights and
+# momentum, FedOpt's (FedAdam, FedYogi, FedAdagrad) current weights and moments
+_SERVER_STATE = ("current_arrays", "momentum_vector", "m_t", "v_t")
 
 _MEAN: dict[str, type[FedAvg]] = {"fedavg": FedAvg, "fedprox": FedProx}
 _SERVER_STEP: dict[str, type[FedAvg]] = {
@@ -224,6 +231,23 @@ def _bound_updates(strategy: Any, replies: list[Message]) -> list[dict[str, np.n
             )
             strategy.clips.append((device, why))
     return bounded
+
+
+def server_state(strategy: Any) -> dict[str, Any]:
+    """A copy of the server-side optimizer state ``strategy`` keeps between rounds, taken
+    before an aggregation: a round that is then not committed (it diverged) must leave the
+    state as it was, or its retry steps from the refused weights and momentum."""
+    return {
+        name: copy.deepcopy(getattr(strategy, name))
+        for name in _SERVER_STATE
+        if hasattr(strategy, name)
+    }
+
+
+def restore_server_state(strategy: Any, state: Mapping[str, Any]) -> None:
+    """Put back what :func:`server_state` copied."""
+    for name, value in state.items():
+        setattr(strategy, name, value)
 
 
 def _rekey(strategy: Any, arrays: ArrayRecord) -> dict[str, np.ndarray]:

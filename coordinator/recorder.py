@@ -6,12 +6,13 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from flwr.app import Message
 from flwr.serverapp.strategy import FedAvg
 
-from coordinator.aggregation import flower_quiet
+from coordinator.aggregation import flower_quiet, restore_server_state, server_state
 from storage.base import RunStore
 from storage.errors import NotFoundError
 from storage.records import DeviceResult, Event, MetricPoint, RoundRecord
@@ -88,6 +89,8 @@ class RoundRecorder:
         self.local_keys: frozenset[str] = frozenset()
         self.local: dict[str, dict[str, np.ndarray]] = {}  # device -> its committed own tensors
         self._pending: dict[str, dict[str, np.ndarray]] = {}
+        # the strategy's server-side state before the aggregation of a try not yet committed
+        self._before: dict[str, Any] | None = None
 
     def keep_local(
         self,
@@ -122,6 +125,7 @@ class RoundRecorder:
         """The round enters ``aggregating``; the strategy's new weights, or None.
         ``devices``: who sent each reply (by the message it answers, not by what it says)."""
         self.store.set_round_state(self.run_id, number, "aggregating")
+        self._before = server_state(self.strategy)
         with flower_quiet():  # Flower logs each aggregation at INFO
             arrays, _ = self.strategy.aggregate_train(number, replies)
         for note in getattr(self.strategy, "notes", ()):  # groups a robust rule could not take
@@ -174,7 +178,13 @@ class RoundRecorder:
         return self.evaluate(weights) if self.evaluate is not None else {}
 
     def failed(self, number: int, attempt: int, attempts: int, reason: str) -> None:
-        """Attempt ``attempt`` of round ``number`` failed for ``reason``: logged and stored."""
+        """Attempt ``attempt`` of round ``number`` failed for ``reason``: logged and stored.
+        A try aggregated but refused (it diverged) leaves the strategy's server-side state
+        (FedAvgM's momentum, FedOpt's moments) as it was before it: the retry starts from the
+        last committed round, its weights and that state."""
+        if self._before is not None:
+            restore_server_state(self.strategy, self._before)
+            self._before = None
         log.warning("round %d attempt %d/%d failed: %s", number, attempt, attempts, reason)
         self.store.add_event(self.run_id, Event("round-failed", reason, round=number))
 
@@ -192,7 +202,7 @@ class RoundRecorder:
     ) -> None:
         """Results, metrics, weights and evaluation of round ``number``, in the store; the
         checkpoint files no committed round refers to any more are collected."""
-        store = self.store
+        store, self._before = self.store, None
         store.record_results(self.run_id, number, outcome.results)
         trained = [r for r in outcome.results if not r.failure]
         edges = [r for r in trained if r.device not in servers]

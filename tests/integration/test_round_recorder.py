@@ -36,26 +36,54 @@ def store(tmp_path: Path) -> Iterator[SqlRunStore]:
         yield opened
 
 
-def _recorder(store: SqlRunStore) -> RoundRecorder:
-    strategy = build_strategy("fedavg", min_available_nodes=1, min_train_nodes=1)
+def _recorder(store: SqlRunStore, name: str = "fedavg", **options: object) -> RoundRecorder:
+    strategy = build_strategy(name, min_available_nodes=1, min_train_nodes=1, **options)
     grid = EdgeView(TransportGrid(InProcessHub().connect("coordinator")), lambda: [1])
     strategy.configure_train(1, array_record(MODEL), ConfigRecord(), grid)  # notes the weights
     return RoundRecorder(store, "rec", strategy, RoundObserver(), rounds=1)
 
 
-def test_a_round_is_aggregating_while_the_strategy_aggregates(store: SqlRunStore) -> None:
-    recorder = _recorder(store)
+def _reply(content: dict[str, np.ndarray]) -> Message:
     template = Message(RecordDict(), dst_node_id=1, message_type="train")
-    content = {"block0.w": np.ones(4, np.float32)}
-    reply = Message(
+    return Message(
         RecordDict({"arrays": array_record(content), "metrics": MetricRecord({"num-examples": 3})}),
         reply_to=template,
     )
 
-    merged = recorder.aggregate(1, [reply])
+
+def test_a_round_is_aggregating_while_the_strategy_aggregates(store: SqlRunStore) -> None:
+    recorder = _recorder(store)
+    content = {"block0.w": np.ones(4, np.float32)}
+
+    merged = recorder.aggregate(1, [_reply(content)])
 
     assert merged is not None and np.array_equal(merged["block0.w"], content["block0.w"])
     assert [r.state for r in store.list_rounds("rec")] == ["aggregating"]
+
+
+@pytest.mark.parametrize(
+    ("name", "options"),
+    [("fedavgm", {"server_momentum": 0.9}), ("fedadam", {"eta": 0.1}), ("fedyogi", {})],
+)
+def test_a_refused_try_leaves_the_server_optimizer_as_it_was(
+    store: SqlRunStore, name: str, options: dict[str, object]
+) -> None:
+    # a try aggregated and then refused (it diverged) must not move FedAvgM's momentum and
+    # current weights or FedOpt's moments: its retry aggregates as the first try did
+    recorder = _recorder(store, name, **options)
+    content = {"block0.w": np.arange(4, dtype=np.float32)}
+    first = recorder.aggregate(1, [_reply(content)])
+    recorder.failed(1, 1, 3, "not committed: the evaluation loss jumped")
+    retry = recorder.aggregate(1, [_reply(content)])
+    assert first is not None and retry is not None
+    np.testing.assert_array_equal(retry["block0.w"], first["block0.w"])
+    # committed, the state moves on: the next round's same update lands elsewhere
+    outcome = Outcome([DeviceResult("pi-01", examples=3)], ["pi-01"], {}, time.monotonic())
+    recorder.commit(1, retry, outcome, {"accuracy": 0.5})
+    store.open_round("rec", 2, ["pi-01"])
+    following = recorder.aggregate(2, [_reply(content)])
+    assert following is not None
+    assert not np.allclose(following["block0.w"], first["block0.w"])
 
 
 def test_a_commit_collects_old_unreferenced_checkpoint_files(store: SqlRunStore) -> None:
