@@ -122,7 +122,8 @@ class WillGrace:
     def restarted(self, devices: Iterable[str], since: float) -> list[str]:
         """Those of ``devices`` that came back as a new process at or after ``since``."""
         wanted = devices if isinstance(devices, set | frozenset) else set(devices)
-        return sorted(d for d, at in self._restarted.items() if at >= since and d in wanted)
+        restarts = list(self._restarted.items())  # one copy: another thread may add to it
+        return sorted(d for d, at in restarts if at >= since and d in wanted)
 
     def effective_at(self, device: str, reconnected: float | None) -> float:
         """When ``device``'s offline counts (inf: it is not offline)."""
@@ -149,7 +150,7 @@ class WillGrace:
         now, wanted = self._clock(), set(devices)
         # only a device with a pending offline can count (a loop over all the devices asked
         # about was quadratic for a server polling a round's thousand senders)
-        pending = [d for d in self._since if d in wanted]
+        pending = [d for d in list(self._since) if d in wanted]
         gone = {d for d in pending if self.effective_at(d, reconnected) <= now}
         if since is not None:
             gone |= set(self.restarted(wanted, since))
