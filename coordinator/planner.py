@@ -50,6 +50,15 @@ class Placement:
     edges: list[Assignment]
     servers: list[Assignment]
 
+    def spans(self) -> dict[str, tuple[int, int, int | None]]:
+        """Each device's blocks ``[start, end)`` and the cut of the local head it trains
+        (None: the last blocks, trained on the task's loss)."""
+        last = self.plan.num_blocks
+        return {
+            a.device: (a.start, a.end, a.end if a.end < last else None)
+            for a in [*self.edges, *self.servers]
+        }
+
 
 def _edges_of(plan: Plan) -> list[Assignment]:
     return [Assignment(e.name, 0, e.blocks[1], e.estimated_peak_bytes, "edge") for e in plan.edges]

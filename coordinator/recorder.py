@@ -13,6 +13,7 @@ from flwr.app import Message
 from flwr.serverapp.strategy import FedAvg
 
 from coordinator.aggregation import flower_quiet, restore_server_state, server_state
+from coordinator.assignments import keys_for
 from storage.base import RunStore
 from storage.errors import NotFoundError
 from storage.records import DeviceResult, Event, MetricPoint, RoundRecord
@@ -114,6 +115,17 @@ class RoundRecorder:
         the federated evaluation of that round uses)."""
         mine = (self._pending if trained else self.local).get(device, {})
         return {key: mine.get(key, value) for key, value in arrays.items()}
+
+    def replanned(self, spans: Mapping[str, tuple[int, int, int | None]]) -> None:
+        """A new plan (``spans``: device -> its blocks and head cut, :meth:`Placement.spans`):
+        each device keeps its own copies of the local tensors it still holds. Copies of
+        blocks it gives up would be stale by the time a later plan hands them back; it then
+        starts from the shared ones."""
+        self.local = {
+            device: keys_for(own, *spans[device])
+            for device, own in self.local.items()
+            if device in spans
+        }
 
     def open(self, number: int, participants: Sequence[str]) -> None:
         """Round ``number`` is (re)opened with ``participants``."""

@@ -266,6 +266,7 @@ class Coordinator:
         training = self.config.training
         model = self.config.model.build(seed=training.seed)
         fresh = initial_weights(model, training.local_loss, head_cuts(new), training.seed, weights)
+        self.runner.recorder.replanned(new.spans())
         return new, fresh | weights
 
     def _placement(self, resumed: bool) -> Placement:

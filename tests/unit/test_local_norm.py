@@ -59,3 +59,25 @@ def test_the_round_being_aggregated_is_evaluated_with_the_copies_just_trained() 
     # not committed yet: the next round's train message would still carry the committed copy
     np.testing.assert_array_equal(recorder.own("pi-01", weights)["block0.1.running_mean"], 0)
     assert set(recorder._pending["pi-01"]) == {"block0.1.running_mean"}  # BatchNorm only
+
+
+def test_a_new_plan_drops_the_own_copies_of_blocks_a_device_gives_up() -> None:
+    recorder = _recorder()
+    copy = {
+        k: np.full(2, float(i), dtype=np.float32)
+        for i, k in enumerate(
+            ["block0.1.running_mean", "block3.1.running_mean", "head3.1.running_mean"]
+        )
+    }
+    recorder.local = {"pi-01": dict(copy), "pi-02": dict(copy), "pi-03": dict(copy)}
+    # pi-01 now holds [0, 2) (its head at cut 2), pi-02 [0, 4) (its head now at cut 4, so
+    # its copy of head 3 goes), pi-03 is not planned
+    recorder.replanned({"pi-01": (0, 2, 2), "pi-02": (0, 4, 4), "gpu-a": (2, 6, None)})
+    kept = {device: sorted(own) for device, own in recorder.local.items()}
+    assert kept == {
+        "pi-01": ["block0.1.running_mean"],
+        "pi-02": ["block0.1.running_mean", "block3.1.running_mean"],
+    }
+    # when a later plan hands block 3 back, pi-01 starts from the shared copy, not its old one
+    shared = {"block3.1.running_mean": np.full(2, 9.0, dtype=np.float32)}
+    np.testing.assert_array_equal(recorder.own("pi-01", shared)["block3.1.running_mean"], 9.0)
