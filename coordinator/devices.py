@@ -161,7 +161,7 @@ class GracefulNodes:
         present = set(self._grid.get_node_ids())
         # only the nodes that came or went since the last call (a loop over every node on
         # each poll cost a round of 1,000 clients seconds)
-        for node in (self._known - present) - (self._known - self._present):
+        for node in self._present - present:
             self._grace.went_offline(str(node))
         for node in present - self._present:
             self._grace.came_online(str(node))

@@ -327,14 +327,14 @@ class Coordinator:
         options = next(iter(sampled.values()), {})
         streams, routes = route(selected, servers)
         own = self.runner.recorder.own  # FedBN: a device's own BatchNorm layers
+        spans = placement.spans()  # each device's blocks and head
         # the servers' messages go first: a server that starts its round late holds up the
         # edges that already train (the push of 1,000 edges' messages takes seconds)
         for back in servers:
             if not routes[back.device][0]:
                 continue  # nothing streams into this piece this round
-            head = back.end if back.end < placement.plan.num_blocks else None
             task = build_task(self.config, back, self.session, server_route=routes[back.device])
-            arrays = array_record(own(back.device, keys_for(weights, back.start, back.end, head)))
+            arrays = array_record(own(back.device, keys_for(weights, *spans[back.device])))
             work.messages[back.device] = build_message(
                 self.grid, back.node, arrays, "train", number, task, options
             )
@@ -342,7 +342,7 @@ class Coordinator:
         for a in selected:
             feeds = [s for s, r in routes.items() if r[2] == streams[a.device]]
             task = build_task(self.config, a, self.session, streams[a.device], servers=feeds)
-            arrays = array_record(own(a.device, keys_for(weights, 0, a.end, a.end)))
+            arrays = array_record(own(a.device, keys_for(weights, *spans[a.device])))
             work.messages[a.device] = build_message(
                 self.grid, a.node, arrays, "train", number, task, sampled[a.node]
             )

@@ -69,7 +69,7 @@ class Dataset:
         if not 0 < test_fraction < 1:
             raise ConfigError(f"test_fraction: must be in (0, 1), got {test_fraction}")
         order = np.random.default_rng(seed).permutation(len(self))
-        cut = len(self) - max(1, round(len(self) * test_fraction))
+        cut = len(self) - _held_out(len(self), test_fraction)
         return self.subset(order[:cut]), self.subset(order[cut:])
 
 
@@ -79,7 +79,12 @@ def trained_examples(examples: int, held_out: float) -> int:
     share is not in (0, 1) or it has fewer than 2 examples)."""
     if not 0 < held_out < 1 or examples < 2:
         return examples
-    return examples - max(1, round(examples * held_out))
+    return examples - _held_out(examples, held_out)
+
+
+def _held_out(examples: int, share: float) -> int:
+    """How many of ``examples`` a share in (0, 1) holds out: at least one."""
+    return max(1, round(examples * share))
 
 
 def _images(x: np.ndarray) -> np.ndarray:
