@@ -219,7 +219,7 @@ def _accuracies(
 ) -> dict[str, tuple[float, float]]:
     """Each swept method's (last, best) round accuracy; NaN for a run that failed."""
     accuracy = {}
-    for method in SWEPT:
+    for method in SWEPT + (("fedavg",) if args.fedavg else ()):
         config = _config(
             work / "train.npz",
             work / "test.npz",
@@ -241,18 +241,27 @@ def _accuracies(
     return accuracy
 
 
+def _reference(accuracy: dict[str, tuple[float, float]], central: float) -> str:
+    """The whole-model FedAvg cells of a sweep row (none when it was not run)."""
+    if "fedavg" not in accuracy:
+        return ""
+    last, best = accuracy["fedavg"]
+    return f" {last:.4f} ({best:.4f}) | {last - central:+.4f} |"
+
+
 def _sweep(work: Path, args: argparse.Namespace) -> None:
     """Final accuracy of the split methods against centralized, per optimizer and partition."""
     report = Report(
         f"\n### Optimizer sweep ({machine()})\n\n`python benchmarks/compare.py --sweep "
         f"--rounds {args.rounds} --seeds {args.seeds} --settings '{args.settings}' "
-        f"--partitions {args.partitions} --extra '{args.extra}' --optimizer '{args.optimizer}'`: "
+        f"--partitions {args.partitions} --extra '{args.extra}' --optimizer '{args.optimizer}'"
+        f"{' --fedavg' if args.fedavg else ''}`: "
         "mnist8k 6,000 train / 2,000 test, 8 clients of the two profiles (two cuts), cnn, "
         "batch 32, default training options; accuracy after the last round (best round in "
         "brackets).\n\n"
         "| optimizer | partition | seed | centralized | local-loss | vs central | splitfed "
-        "| vs central | holds |\n"
-        "|---|---|---|---|---|---|---|---|---|"
+        f"| vs central | holds |{' fedavg (whole model) | vs central |' if args.fedavg else ''}\n"
+        f"|---|---|---|---|---|---|---|---|---|{'---|---|' if args.fedavg else ''}"
     )
     failures = 0
     for setting in args.settings.split(","):
@@ -267,7 +276,7 @@ def _sweep(work: Path, args: argparse.Namespace) -> None:
                 report.row(
                     f"| {setting} | {partition} | {seed} | {cells[2]} | {cells[0]} | "
                     f"{gaps[0]:+.4f} | {cells[1]} | {gaps[1]:+.4f} | "
-                    f"{'yes' if holds else 'NO'} |"
+                    f"{'yes' if holds else 'NO'} |" + _reference(accuracy, central)
                 )
     report.finish(
         f"\n{failures} row(s) where a split method is more than 1.5 points below a centralized "
@@ -276,7 +285,7 @@ def _sweep(work: Path, args: argparse.Namespace) -> None:
     )
 
 
-def main() -> None:
+def _arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=None, help="default 3; 5 with --sweep")
     parser.add_argument("--out", type=Path)
@@ -292,8 +301,19 @@ def main() -> None:
         default="{}",
         help='sweep: optimizer keys added to each setting, e.g. {"lr_decay": "cosine"}',
     )
+    parser.add_argument(
+        "--fedavg",
+        action="store_true",
+        help="sweep: also whole-model FedAvg on the same clients (what federated averaging "
+        "alone costs against centralized)",
+    )
     args = parser.parse_args()
     args.rounds = args.rounds or (5 if args.sweep else 3)
+    return args
+
+
+def main() -> None:
+    args = _arguments()
     if not SHARED.exists():
         raise SystemExit(f"needs {SHARED.name} in ../shared/data (offline data of this project)")
     with np.load(SHARED) as archive:

@@ -28,7 +28,6 @@ than its group's (``norm_bound``, an option of every strategy; each clip is name
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -60,14 +59,8 @@ __all__ = [
     "check_strategy",
     "flower_quiet",
     "key_groups",
-    "restore_server_state",
-    "server_state",
     "split_weighted_mean",
 ]
-
-# what a strategy's aggregate_train advances besides its result: FedAvgM's current weights and
-# momentum, FedOpt's (FedAdam, FedYogi, FedAdagrad) current weights and moments
-_SERVER_STATE = ("current_arrays", "momentum_vector", "m_t", "v_t")
 
 _MEAN: dict[str, type[FedAvg]] = {"fedavg": FedAvg, "fedprox": FedProx}
 _SERVER_STEP: dict[str, type[FedAvg]] = {
@@ -233,27 +226,11 @@ def _bound_updates(strategy: Any, replies: list[Message]) -> list[dict[str, np.n
     return bounded
 
 
-def server_state(strategy: Any) -> dict[str, Any]:
-    """A copy of the server-side optimizer state ``strategy`` keeps between rounds, taken
-    before an aggregation: a round that is then not committed (it diverged) must leave the
-    state as it was, or its retry steps from the refused weights and momentum."""
-    return {
-        name: copy.deepcopy(getattr(strategy, name))
-        for name in _SERVER_STATE
-        if hasattr(strategy, name)
-    }
-
-
-def restore_server_state(strategy: Any, state: Mapping[str, Any]) -> None:
-    """Put back what :func:`server_state` copied."""
-    for name, value in state.items():
-        setattr(strategy, name, value)
-
-
 def _rekey(strategy: Any, arrays: ArrayRecord) -> dict[str, np.ndarray]:
     """``arrays`` as NumPy, with the server-side optimizer state brought to their tensors (a
     re-plan adds local heads for its new cuts): FedOpt's moments (kept by name) start at zero
-    for a new tensor; FedAvgM, whose momentum is kept by position, starts again."""
+    for a new tensor; FedAvgM, whose momentum is kept by position, starts again when the
+    tensors change and follows them when only their order does."""
     keys = list(arrays.keys())
     for name in ("m_t", "v_t"):
         state = getattr(strategy, name, None)
@@ -265,7 +242,14 @@ def _rekey(strategy: Any, arrays: ArrayRecord) -> dict[str, np.ndarray]:
             )
     current = getattr(strategy, "current_arrays", None)
     if isinstance(current, ArrayRecord) and list(current.keys()) != keys:
-        strategy.current_arrays, strategy.momentum_vector = arrays, None
+        momentum = getattr(strategy, "momentum_vector", None)
+        if set(current.keys()) != set(keys):
+            strategy.current_arrays, strategy.momentum_vector = arrays, None
+        else:  # the same tensors in another order (a resumed run's): its state follows
+            if momentum is not None:
+                by_key = dict(zip(current.keys(), momentum, strict=True))
+                strategy.momentum_vector = [by_key[k] for k in keys]
+            strategy.current_arrays = ArrayRecord({k: current[k] for k in keys})
     return {key: value.numpy() for key, value in arrays.items()}
 
 

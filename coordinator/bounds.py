@@ -37,7 +37,7 @@ __all__ = [
     "cap_examples",
     "clip_update",
     "norm_limit",
-    "trained_examples",
+    "server_counts",
     "update_norm",
 ]
 
@@ -67,7 +67,7 @@ class Cap:
         )
 
 
-def trained_examples(records: Sequence[object]) -> dict[str, int] | str:
+def server_counts(records: Sequence[object]) -> dict[str, int] | str:
     """The examples the GPU servers trained per sender, summed over their ``records`` (each a
     mapping of sender name to count), or why they cannot be used."""
     total: dict[str, int] = {}

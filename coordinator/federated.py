@@ -50,6 +50,7 @@ def run_federated(
     store.set_run_status(run_id, "training")
     recorder = RoundRecorder(store, run_id, strategy, RoundObserver(), evaluate, rounds)
     recorder.keep_local(local_keys, None if state is None else state.weights)
+    recorder.take_up(state, weights)
     runner = RoundRunner(grid, strategy, recorder, seed, deadline)
     names = {node: name for name, node in devices.items()}
 

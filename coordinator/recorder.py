@@ -12,15 +12,22 @@ import numpy as np
 from flwr.app import Message
 from flwr.serverapp.strategy import FedAvg
 
-from coordinator.aggregation import flower_quiet, restore_server_state, server_state
+from coordinator.aggregation import flower_quiet
 from coordinator.assignments import keys_for
+from coordinator.server_state import (
+    restore_server_state,
+    restore_server_tensors,
+    server_state,
+    server_tensors,
+)
 from storage.base import RunStore
 from storage.errors import NotFoundError
-from storage.records import DeviceResult, Event, MetricPoint, RoundRecord
+from storage.records import DeviceResult, Event, MetricPoint, ResumeState, RoundRecord
 from wire.flower import numpy_arrays
 
 __all__ = [
     "LOCAL_PREFIX",
+    "STRATEGY_SEGMENT",
     "WEIGHTS_SEGMENT",
     "Evaluate",
     "Outcome",
@@ -31,6 +38,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 WEIGHTS_SEGMENT = "global"
 LOCAL_PREFIX = "local:"  # a round's checkpoint segment of one device's own tensors (FedBN)
+STRATEGY_SEGMENT = "strategy"  # a checkpoint's optimizer segment: the strategy's server state
 Evaluate = Callable[[Mapping[str, np.ndarray]], dict[str, float]]
 
 
@@ -106,6 +114,23 @@ class RoundRecorder:
             for name, tensors in (resumed or {}).items()
             if name.startswith(LOCAL_PREFIX)
         }
+
+    def take_up(self, resumed: ResumeState | None, weights: Mapping[str, np.ndarray]) -> None:
+        """Go on from ``resumed``'s checkpoint (none: a new run): the strategy's server-side
+        optimizer state, for the run's ``weights``; a saved tensor that does not fit them
+        is left out and the run records why."""
+        saved = {} if resumed is None else resumed.optimizer_states.get(STRATEGY_SEGMENT, {})
+        if not saved:
+            return
+        dropped = restore_server_tensors(self.strategy, saved, weights)
+        number = resumed.round.number if resumed is not None else 0
+        if dropped:
+            listed = "; ".join(dropped[:4]) + (
+                f"; {len(dropped) - 4} more" if len(dropped) > 4 else ""
+            )
+            detail = f"server optimizer state left out, starting at zero: {listed}"
+            self.event(number, "server-state", detail)
+        log.info("resumed the strategy's server state (%d tensors)", len(saved) - len(dropped))
 
     def own(
         self, device: str, arrays: Mapping[str, np.ndarray], trained: bool = False
@@ -231,7 +256,15 @@ class RoundRecorder:
         segments = {WEIGHTS_SEGMENT: weights}
         if self.local_keys:
             segments |= {LOCAL_PREFIX + d: t for d, t in sorted(self._pending.items())}
-        store.commit_round(self.run_id, number, segments, metrics=metrics, evaluation=evaluation)
+        server = server_tensors(self.strategy)
+        store.commit_round(
+            self.run_id,
+            number,
+            segments,
+            optimizer_states={STRATEGY_SEGMENT: server} if server else None,
+            metrics=metrics,
+            evaluation=evaluation,
+        )
         if self.local_keys:
             self.local = self._pending
         store.collect_garbage()  # files a crash left before its commit's transaction

@@ -25,7 +25,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
 from coordinator.aggregation import WEIGHT_KEY, flower_quiet
-from coordinator.bounds import EXAMPLES_BOUND, cap_examples, trained_examples
+from coordinator.bounds import EXAMPLES_BOUND, cap_examples, server_counts
 from coordinator.devices import GracefulNodes
 from coordinator.errors import CoordinatorError
 from coordinator.guard import divergence, non_finite_tensors
@@ -440,7 +440,7 @@ def _bound_examples(
         for d in outcome.ok
         if d in work.servers
     ]
-    counts = trained_examples(records) if work.servers else None
+    counts = server_counts(records) if work.servers else None
     if isinstance(counts, str):  # a trusted server, but something unusable
         recorder.event(number, "examples-capped", f"{counts}; peer-median used")
     trained = counts if isinstance(counts, dict) else None

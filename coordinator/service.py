@@ -242,6 +242,7 @@ class Coordinator:
         self.runner.recorder.keep_local(
             local_keys(config, model), None if resumed is None else resumed.weights
         )
+        self.runner.recorder.take_up(resumed, weights)
         store.set_run_status(config.run_id, "training")
         try:
             for number in range(done + 1, config.training.rounds + 1):

@@ -35,10 +35,12 @@ SEED = 16
 RUN = "e2e-1"
 ROUNDS = 2
 DEADLINE = 60.0
-# A fuzzed round may take this much longer than its clean counterpart (the broker and the
-# GPU server parse 10,000 more messages on shared cores); a stalled one waits out most of its
-# deadline (the GPU server gives up after 54 s of 60).
+# A fuzzed round may take twice its clean counterpart and this much more (the broker and the
+# GPU server parse 10,000 more messages on shared cores, which other tests may load too: one
+# CI run saw 30.9 s against 10.2 s); a stalled one waits out most of its deadline (the GPU
+# server gives up after 54 s of 60), so no round may come near that.
 MARGIN = 20.0
+STALLED = 50.0
 # The share of messages on topics of any kind, most of them not mallory's: the shipped broker
 # (mosquitto 2.0.11) answers a refused QoS 1 publish "Not authorized" and then drops the
 # connection, so each refusal costs a reconnection (~50 ms here). The rest go to mallory's own
@@ -231,7 +233,8 @@ def test_ten_thousand_fuzzed_messages_change_nothing(
         assert during > 0, f"round {number}: no fuzzed message while it ran"
         clean_opened, clean_committed = clean["rounds"][number]
         took, clean_took = committed - opened, clean_committed - clean_opened
-        assert took <= clean_took + MARGIN, f"round {number}: {took:.1f} s vs {clean_took:.1f} s"
+        bound = min(STALLED, 2 * clean_took + MARGIN)
+        assert took <= bound, f"round {number}: {took:.1f} s vs {clean_took:.1f} s clean"
     contents = _store_contents(fuzzed_deployment)
     assert contents == _store_contents(clean_deployment)  # 0 store changes beyond the run's
     assert contents["runs"] == [RUN]

@@ -12,7 +12,7 @@ from coordinator.bounds import (
     cap_examples,
     clip_update,
     norm_limit,
-    trained_examples,
+    server_counts,
     update_norm,
 )
 from split_models.errors import ConfigError
@@ -25,11 +25,11 @@ START = {"block0.w": np.zeros(4, np.float32), "block0.n": np.array(3, np.int64)}
 
 
 def test_server_counts_are_summed_per_sender_and_bad_ones_are_named() -> None:
-    assert trained_examples([{"pi-01": 64, "pi-02": 32}, {"pi-01": 16}]) == {
+    assert server_counts([{"pi-01": 64, "pi-02": 32}, {"pi-01": 16}]) == {
         "pi-01": 80,
         "pi-02": 32,
     }
-    assert trained_examples([]) == {}
+    assert server_counts([]) == {}
     for bad, why in [
         (None, "NoneType counts"),
         ({"pi-01": -1}, "-1 examples"),
@@ -37,7 +37,7 @@ def test_server_counts_are_summed_per_sender_and_bad_ones_are_named() -> None:
         ({"pi-01": True}, "True examples"),
         ({"pi-01": "9"}, "'9' examples"),
     ]:
-        problem = trained_examples([{"pi-02": 1}, bad])
+        problem = server_counts([{"pi-02": 1}, bad])
         assert isinstance(problem, str) and why in problem, problem
 
 
