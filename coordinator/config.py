@@ -147,6 +147,13 @@ class AggregationConfig:
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, **self.options}
 
+    @property
+    def anchors(self) -> bool:
+        """Whether every device keeps a copy of the round's weights (FedProx's anchor, for
+        its proximal term; none at ``proximal_mu: 0``, Flower's default)."""
+        mu = self.options.get("proximal_mu", 0.0)
+        return self.name == "fedprox" and isinstance(mu, int | float) and mu > 0
+
 
 @dataclass(frozen=True)
 class RunConfig:

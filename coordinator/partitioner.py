@@ -104,7 +104,7 @@ class Problem:
             + [math.ceil(b.output_bytes * ratio) + profile.label_bytes for b in profile.blocks]
         )
         memory = segment_memory_table(
-            profile, config.batch_size, config.optimizer, config.local_loss
+            profile, config.batch_size, config.optimizer, config.local_loss, config.anchor
         )
         return cls(
             num_blocks=profile.num_blocks,
@@ -284,7 +284,7 @@ def _describe(
     profile: ModelProfile, config: PartitionConfig, start: int, end: int, stream: int = 0
 ) -> str:
     estimate = estimate_segment_memory(
-        profile, start, end, config.batch_size, config.optimizer, config.local_loss
+        profile, start, end, config.batch_size, config.optimizer, config.local_loss, config.anchor
     )
     buffers = f", send buffers {format_bytes(stream)}" if stream else ""
     return (

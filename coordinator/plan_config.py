@@ -26,6 +26,7 @@ class PartitionConfig:
     compression: str = "fp32"
     min_edge_blocks: int = 1
     cuts: str = "per-device"
+    anchor: bool = False  # FedProx: each device keeps a copy of the round's weights
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:

@@ -177,6 +177,7 @@ class Planner:
             local_loss=training.local_loss,
             compression=training.compression,
             cuts=self.config.devices.cuts,
+            anchor=self.config.aggregation.anchors,
         )
 
     def per_round(self) -> tuple[int, int, float]:
@@ -277,6 +278,7 @@ class Planner:
             config.training.batch_size,
             config.training.optimizer.name,
             config.training.local_loss,
+            config.aggregation.anchors,
         ).total
         fitting = [s for s in servers if s.memory >= need]
         if fitting:

@@ -172,10 +172,11 @@ def train_centralized(
     _train(config, clients, test, store, run_id)
 
 
-def whole_model_bytes(training: TrainingConfig, profile: ModelProfile) -> int:
-    """Estimated training memory of the whole model on one client."""
+def whole_model_bytes(training: TrainingConfig, profile: ModelProfile, anchor: bool = False) -> int:
+    """Estimated training memory of the whole model on one client (``anchor``: with
+    FedProx's copy of the round's weights)."""
     return estimate_segment_memory(
-        profile, 0, profile.num_blocks, training.batch_size, training.optimizer.name
+        profile, 0, profile.num_blocks, training.batch_size, training.optimizer.name, None, anchor
     ).total
 
 
@@ -227,7 +228,7 @@ def _whole_profile(config: SimConfig) -> _Whole:
     model, training = config.model, config.training
     profile = model_profile(model, training)
     return _Whole(
-        whole_model_bytes(training, profile),
+        whole_model_bytes(training, profile, config.aggregation.anchors),
         sum(b.flops for b in profile.blocks),
         sum(b.param_bytes + b.buffer_bytes for b in profile.blocks),
         profile.num_blocks,

@@ -252,6 +252,8 @@ def _warm_up(spec: ModelConfig, args: argparse.Namespace) -> None:
     warm_segment = Segment.from_model(
         warm, args.start, args.end, args.local_loss, OptimizerConfig(args.optimizer)
     )
+    if args.proximal_mu > 0:
+        warm_segment.reset_optimizer(args.proximal_mu)
     for _ in range(3):  # the second optimizer step initialises more of the runtime lazily
         inputs = warm_inputs if warm_inputs is not None else warm.example_input(2)
         warm_segment.train_step(inputs, torch.zeros(2, *warm.label_shape, dtype=torch.long))
@@ -283,10 +285,15 @@ def _measure(args: argparse.Namespace) -> dict[str, object]:
         model, args.start, args.end, args.local_loss, OptimizerConfig(args.optimizer)
     )
     del model
+    if args.proximal_mu > 0:  # FedProx: the round's weights, kept as the proximal anchor
+        segment.reset_optimizer(args.proximal_mu)
     gc.collect()
-    # The segment's weights and its input batch exist before the meter starts; count them as
-    # part of the peak, as the estimate does, by lowering the baseline by their size.
+    # The segment's weights (and FedProx's anchor) and its input batch exist before the meter
+    # starts; count them as part of the peak, as the estimate does, by lowering the baseline
+    # by their size.
     resident = sum(t.numel() * t.element_size() for t in segment.state_tensors())
+    if args.proximal_mu > 0:
+        resident += sum(p.numel() * p.element_size() for p in segment.trainable_parameters())
     resident += nbytes(inputs) + labels.numel() * labels.element_size()
     peaks = []
     with PeakMeter() as meter:
@@ -372,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--local-loss", default="linear")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--mode", choices=("local-loss", "backprop"), default="local-loss")
+    parser.add_argument("--proximal-mu", type=float, default=0.0, help="FedProx's, > 0: anchored")
     args = parser.parse_args(argv)
     if os.environ.get("MALLOC_MMAP_THRESHOLD_") is None:
         print("warning: MALLOC_MMAP_THRESHOLD_ is not set; peaks will be noisy", file=sys.stderr)

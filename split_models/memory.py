@@ -5,7 +5,8 @@ memory that lives through the whole step:
 
 - weights: parameters and buffers of the blocks and the head;
 - optimizer state: none (SGD), one copy (momentum), two copies plus two temporaries the size of
-  the largest parameter (Adam's step);
+  the largest parameter (Adam's step); with FedProx (``anchor``) one more copy of the
+  trainable weights, the round's weights its proximal term pulls towards;
 - input: the batch and its int64 labels;
 - kernel setup: what the first step at this batch size leaves resident (generated kernels,
   primitive caches, the library code pages they run), measured per block in order and cold
@@ -96,10 +97,12 @@ class _Chain:
     ``max + params(all)`` once the chain is closed.
     """
 
-    def __init__(self, batch: int, optimizer: str, label_bytes: int = _LABEL_BYTES) -> None:
+    def __init__(
+        self, batch: int, optimizer: str, label_bytes: int = _LABEL_BYTES, anchor: bool = False
+    ) -> None:
         self.batch, self.copies, self.adam = (
             batch,
-            _OPTIMIZER_COPIES[optimizer],
+            _OPTIMIZER_COPIES[optimizer] + anchor,
             optimizer == "adam",
         )
         self.label_bytes = label_bytes
@@ -198,25 +201,30 @@ def estimate_segment_memory(
     batch_size: int,
     optimizer: str,
     local_loss: str | None = "linear",
+    anchor: bool = False,
 ) -> MemoryEstimate:
     """Estimated peak bytes to train blocks ``[start, end)`` and their head for one step.
 
     ``local_loss`` names the head used when ``end`` is not the last block; the last segment
     always uses the task loss. ``None`` means no head (backprop mode: the gradient arrives
-    from the next stage).
+    from the next stage). ``anchor``: FedProx's copy of the round's weights is kept too.
     """
     if not 0 <= start < end <= profile.num_blocks:
         raise ConfigError(f"segment [{start}, {end}) is outside 0..{profile.num_blocks} blocks")
     # the last segment has the task loss: which local head was profiled does not matter
     _validate(profile, batch_size, optimizer, local_loss if end < profile.num_blocks else None)
-    chain = _Chain(batch_size, optimizer, profile.label_bytes)
+    chain = _Chain(batch_size, optimizer, profile.label_bytes, anchor)
     for block in profile.blocks[start:end]:
         chain.add(block)
     return chain.estimate(_head(profile, end, local_loss))
 
 
 def segment_memory_table(
-    profile: ModelProfile, batch_size: int, optimizer: str, local_loss: str | None = "linear"
+    profile: ModelProfile,
+    batch_size: int,
+    optimizer: str,
+    local_loss: str | None = "linear",
+    anchor: bool = False,
 ) -> list[list[int]]:
     """``table[start][end]`` = estimated peak bytes of segment ``[start, end)`` (0 if empty).
 
@@ -226,7 +234,7 @@ def segment_memory_table(
     size = profile.num_blocks + 1
     table = [[0] * size for _ in range(size)]
     for start in range(profile.num_blocks):
-        chain = _Chain(batch_size, optimizer, profile.label_bytes)
+        chain = _Chain(batch_size, optimizer, profile.label_bytes, anchor)
         for end in range(start + 1, size):
             chain.add(profile.blocks[end - 1])
             table[start][end] = chain.estimate(_head(profile, end, local_loss)).total

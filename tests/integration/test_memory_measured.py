@@ -18,12 +18,20 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize(("start", "end", "batch"), [(0, 2, 32), (2, 6, 64)])
-def test_estimate_is_within_15_percent_of_measured_peak(start: int, end: int, batch: int) -> None:
+# (start, end, batch, FedProx's proximal_mu: > 0 keeps the round's weights as an anchor)
+@pytest.mark.parametrize(
+    ("start", "end", "batch", "mu"), [(0, 2, 32, 0.0), (2, 6, 64, 0.0), (2, 6, 16, 0.1)]
+)
+def test_estimate_is_within_15_percent_of_measured_peak(
+    start: int, end: int, batch: int, mu: float
+) -> None:
     # profiled in a fresh process: this one's heap holds whatever earlier tests freed
     spec = ModelConfig("cnn", (1, 28, 28), 10)
     profile = profile_in_fresh_process(spec, ("linear",), batch)
-    estimate = estimate_segment_memory(profile, start, end, batch, "sgd-momentum").total
+    anchor = mu > 0
+    estimate = estimate_segment_memory(
+        profile, start, end, batch, "sgd-momentum", anchor=anchor
+    ).total
     # measured as benchmarks/memory.py does: a fresh process with the measurement allocator
     done = run_measuring_child(
         [
@@ -36,6 +44,7 @@ def test_estimate_is_within_15_percent_of_measured_peak(start: int, end: int, ba
             str(end),
             "--batch-size",
             str(batch),
+            f"--proximal-mu={mu}",
         ],
         timeout=300,
     )

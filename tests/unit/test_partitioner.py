@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -98,7 +99,7 @@ def fleets(draw: st.DrawFn) -> list[DeviceSpec]:
 
 def _memory(profile: ModelProfile, config: PartitionConfig, a: int, b: int) -> int:
     return estimate_segment_memory(
-        profile, a, b, config.batch_size, config.optimizer, config.local_loss
+        profile, a, b, config.batch_size, config.optimizer, config.local_loss, config.anchor
     ).total
 
 
@@ -164,11 +165,12 @@ def _brute_force(
     devices=fleets(),
     batch=st.sampled_from([1, 8, 32]),
     cuts=st.sampled_from(["per-device", "per-device", "uniform"]),
+    anchor=st.booleans(),
 )
 def test_partitioner_matches_brute_force(
-    profile: ModelProfile, devices: list[DeviceSpec], batch: int, cuts: str
+    profile: ModelProfile, devices: list[DeviceSpec], batch: int, cuts: str, anchor: bool
 ) -> None:
-    config = PartitionConfig(batch_size=batch, optimizer="sgd", cuts=cuts)
+    config = PartitionConfig(batch_size=batch, optimizer="sgd", cuts=cuts, anchor=anchor)
     expected = _brute_force(profile, devices, config)
     if expected is None:
         with pytest.raises(InfeasiblePlanError):
@@ -377,3 +379,21 @@ def test_the_weight_traffic_counted_is_the_state_an_edge_receives_batchnorm_incl
     for cut in range(1, model.num_blocks):
         state = segment_state(Segment.from_model(model, 0, cut, "linear"))
         assert problem.edge_weight_bytes[cut] == sum(a.nbytes for a in state.values()), cut
+
+
+def test_fedprox_anchor_counts_a_copy_of_the_trainable_weights_and_can_move_the_cut() -> None:
+    profile = _small_profile()
+    plain, anchored = (
+        estimate_segment_memory(profile, 0, 2, 8, "sgd-momentum", "linear", anchor)
+        for anchor in (False, True)
+    )
+    weights = 2 * profile.blocks[0].param_bytes + profile.heads["linear"][2].param_bytes
+    assert anchored.optimizer_state - plain.optimizer_state == weights
+    assert anchored.total - plain.total == weights
+
+    # an edge with just the memory for blocks [0, 2) without the anchor: with it, it has not
+    config = PartitionConfig(batch_size=8, min_edge_blocks=2)
+    budget = Problem.build(profile, config).edge_memory[2]
+    assert plan_split(profile, _fleet(budget), config).edge("pi-01").blocks == (0, 2)
+    with pytest.raises(InfeasiblePlanError, match="'pi-01'"):
+        plan_split(profile, _fleet(budget), replace(config, anchor=True))

@@ -145,3 +145,20 @@ def test_numbers_in_exponent_form_parse_though_yaml_reads_them_as_text() -> None
     assert training.max_activation == 1e6 and training.optimizer.lr == 1e-3
     with pytest.raises(ConfigError, match="max_activation"):
         TrainingConfig.parse({"rounds": 2, "max_activation": "1e6x"})
+
+
+@pytest.mark.parametrize(
+    ("strategy", "anchors"),
+    [
+        ({"name": "fedprox", "proximal_mu": 0.1}, True),
+        ({"name": "fedprox", "proximal_mu": 0.0}, False),
+        ({"name": "fedprox"}, False),  # Flower's default mu is 0: FedAvg, no anchor kept
+        ({"name": "fedavg"}, False),
+    ],
+)
+def test_fedprox_with_a_proximal_term_plans_for_its_anchor(
+    strategy: dict[str, object], anchors: bool
+) -> None:
+    from coordinator.config import AggregationConfig
+
+    assert AggregationConfig.parse(strategy).anchors is anchors
