@@ -90,7 +90,8 @@ class CheckpointFiles:
 
     def put(self, tensors: Tensors) -> tuple[str, int]:
         """Store ``tensors`` durably; return (sha256, size). Storing equal content refreshes
-        the file's time (so that garbage collection spares it) and writes nothing. A failed
+        the file's time (so that garbage collection spares it) and writes nothing, unless the
+        stored file no longer hashes to it (corrupted in place): then it is rewritten. A failed
         write leaves no file behind and raises :class:`CheckpointWriteError`."""
         digest, payload = encode(tensors)
         self.write(digest, payload)
@@ -102,9 +103,12 @@ class CheckpointFiles:
             raise CheckpointWriteError(f"the checkpoint folder {self.root} was opened read-only")
         target = self.path(digest)
         try:
+            # equal content already stored: refreshed, not rewritten, but only when it still
+            # is that content (a file corrupted in place keeps its size; it is replaced)
             if target.exists() and target.stat().st_size == len(payload):
-                os.utime(target)
-                return
+                if _file_sha256(target) == digest:
+                    os.utime(target)
+                    return
             self._write(target, payload)
         except OSError as error:
             raise _write_failure(error, digest, self.root) from None

@@ -212,7 +212,8 @@ def test_a_corrupt_latest_checkpoint_is_shown_and_the_run_resumes_from_the_last_
         reopened = store.get_round("r", 3)
         events = [e for e in store.events("r") if e.kind == "checkpoint-corrupt"]
         metrics = {p.round for p in store.metrics("r")}
-        _commit(store, "r", 3)  # the coordinator trains round 3 again
+        _commit(store, "r", 3)  # the coordinator trains round 3 again, to the same weights
+        recommitted = store.checkpoint("r", 3)  # the corrupt file replaced, not kept: it reads
     assert "checkpoint of round 3 is unusable" in detail.stdout, detail.stdout
     assert checked.returncode == 1
     assert "rounds 1-2 usable" in checked.stdout and "resumes from round 2" in checked.stdout
@@ -220,6 +221,8 @@ def test_a_corrupt_latest_checkpoint_is_shown_and_the_run_resumes_from_the_last_
     assert run_after.current_round == 2 and reopened.state == "open"
     assert len(events) == 1 and "round 3" in events[0].detail
     assert 3 not in metrics
+    assert recommitted.round.state == "committed"
+    assert run("db", "check", "--db", str(database)).returncode == 0
 
 
 def test_a_run_without_any_usable_checkpoint_is_refused_not_restarted(tmp_path: Path) -> None:
