@@ -193,10 +193,34 @@ def _split_aware(base: type[FedAvg], mode: str) -> type[FedAvg]:
             if mode == "mean":
                 return array_record(mean), metrics
             arrays, _ = super().aggregate_train(server_round, [_reply_like(valid[0], mean)])
-            return arrays, metrics
+            return _settled(self, arrays, mean), metrics
 
     SplitAware.__name__ = SplitAware.__qualname__ = f"SplitAware{base.__name__}"
     return SplitAware
+
+
+# what normalisation layers track rather than learn: a server step (momentum, moments) on
+# them is no step of gradient descent, and FedAvgM's took running variances below zero (NaN)
+_STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
+
+
+def _settled(
+    strategy: Any, arrays: ArrayRecord | None, mean: Mapping[str, np.ndarray]
+) -> ArrayRecord | None:
+    """A server step's result with the running statistics of normalisation layers set to
+    their average over the replicas, and every tensor in the model's dtype (FedAdam's float64
+    step size made float32 weights float64: twice the bytes on the wire)."""
+    if arrays is None:
+        return None
+    current = strategy._current
+    settled = {}
+    for key, array in arrays.items():
+        value = mean[key] if key.rsplit(".", 1)[-1] in _STATISTICS else array.numpy()
+        settled[key] = np.asarray(value).astype(current[key].dtype, copy=False)
+    record = array_record(settled)
+    if isinstance(getattr(strategy, "current_arrays", None), ArrayRecord):
+        strategy.current_arrays = record  # FedAvgM steps next from the weights it returned
+    return record
 
 
 def _bound_updates(strategy: Any, replies: list[Message]) -> list[dict[str, np.ndarray]]:

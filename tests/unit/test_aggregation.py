@@ -9,6 +9,7 @@ import pytest
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import FedAdam
+from flwr.supercore.task_identity import TaskIdentity
 
 from coordinator.aggregation import (
     STRATEGIES,
@@ -179,3 +180,59 @@ def test_flower_is_quiet_while_the_strategy_works_and_gets_its_level_back() -> N
         assert not flower.isEnabledFor(logging.INFO), "no 'Sampled N nodes' every round"
         assert flower.isEnabledFor(logging.WARNING)
     assert flower.level == before
+
+
+def _replies(arrays: list[dict[str, np.ndarray]]) -> list[Message]:
+    replies = []
+    for node, tensors in enumerate(arrays, start=1):
+        template = Message(RecordDict(), dst_node_id=node, message_type="train")
+        content = RecordDict(
+            {"arrays": array_record(tensors), "metrics": MetricRecord({"num-examples": 10})}
+        )
+        replies.append(Message(content, reply_to=template))
+    return replies
+
+
+@pytest.mark.parametrize(
+    ("name", "options"),
+    [("fedavgm", {"server_momentum": 0.9}), ("fedadam", {"eta": 0.1})],
+    ids=["fedavgm", "fedadam"],
+)
+def test_server_steps_leave_running_statistics_averaged_and_dtypes_as_they_were(
+    name: str, options: dict[str, object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for field in ("_run_id", "_node_id", "_task_id"):  # a grid sets them; no grid here
+        monkeypatch.setattr(TaskIdentity, field, 1)
+    bn = "block0.1."
+    weights = {
+        bn + "weight": np.ones(3, np.float32),
+        bn + "running_var": np.ones(3, np.float32),
+        bn + "num_batches_tracked": np.array(4, np.int64),
+    }
+    strategy = build_strategy(name, **options)
+    # two rounds in which the devices' running variance falls to 0.1 and stays: FedAvgM's
+    # momentum carried the first fall on past zero in the second (NaN in the model)
+    for _ in range(2):
+        strategy._current = dict(weights)  # what configure_train sets
+        if name == "fedadam":
+            strategy.current_arrays = dict(weights)
+        elif strategy.current_arrays is None:
+            strategy.current_arrays = array_record(weights)
+        trained = [
+            {bn + "weight": weights[bn + "weight"] + step, bn + "running_var": np.full(3, var)}
+            | {bn + "num_batches_tracked": np.array(9, np.int64)}
+            for step, var in ((0.5, 0.05), (1.5, 0.15))
+        ]
+        for tensors in trained:
+            tensors[bn + "running_var"] = tensors[bn + "running_var"].astype(np.float32)
+        arrays, _ = strategy.aggregate_train(1, _replies(trained))
+        assert arrays is not None
+        weights = {k: v.numpy() for k, v in arrays.items()}
+
+    np.testing.assert_allclose(weights[bn + "running_var"], 0.1, rtol=1e-6)
+    assert int(weights[bn + "num_batches_tracked"]) == 9
+    assert {k: v.dtype for k, v in weights.items()} == {
+        bn + "weight": np.float32,
+        bn + "running_var": np.float32,
+        bn + "num_batches_tracked": np.int64,
+    }
