@@ -50,6 +50,7 @@ from flwr.serverapp.strategy import (
 )
 
 from coordinator.bounds import EXAMPLES_BOUND, NORM_BOUND, clip_update, norm_limit, update_norm
+from coordinator.strategy_options import check_options
 from split_models.errors import ConfigError
 from wire.flower import array_record, numpy_arrays
 
@@ -379,6 +380,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {"fedadagrad": {"eta": 0.01}, "fedadam": 
 def _build_strategy(name: str, options: dict[str, Any]) -> FedAvg:
     key = name.lower()
     options = _DEFAULTS.get(key, {}) | options
+    check_options(name, options)
     bounds = {option: _bound(name, option, options.pop(option, d)) for option, d in _BOUNDS.items()}
     for mode, table in (("mean", _MEAN), ("server_step", _SERVER_STEP), ("per_group", _PER_GROUP)):
         if key in table:

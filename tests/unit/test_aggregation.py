@@ -236,3 +236,36 @@ def test_server_steps_leave_running_statistics_averaged_and_dtypes_as_they_were(
         bn + "running_var": np.float32,
         bn + "num_batches_tracked": np.int64,
     }
+
+
+@pytest.mark.parametrize(
+    ("name", "option", "value", "expected"),
+    [
+        ("fedavgm", "server_momentum", "x", r"expected a number in \[0, 1\)"),
+        ("fedavgm", "server_momentum", 1.0, r"in \[0, 1\), got 1.0"),
+        ("fedavgm", "server_learning_rate", float("nan"), r"in \(0, inf\), got nan"),
+        ("fedadam", "eta", -1, r"expected a number in \(0, inf\), got -1"),
+        ("fedadam", "eta", True, "got True"),  # not read as 1.0
+        ("fedadam", "beta_1", 1.5, r"expected a number in \[0, 1\)"),
+        ("fedyogi", "tau", 0, r"expected a number in \(0, inf\)"),
+        ("fedprox", "proximal_mu", -0.1, r"expected a number in \[0, 1e\+06\]"),
+        ("fedtrimmedavg", "beta", 0.5, r"expected a number in \[0, 0.5\)"),
+        ("krum", "num_malicious_nodes", 1.5, "expected a whole number"),
+        ("multikrum", "num_nodes_to_select", 0, r"in \[1, inf\)"),
+        ("fedavg", "fraction_train", 0, r"expected a number in \(0, 1\]"),
+        ("fedavg", "arrayrecord_key", "x", "set by edgesplit itself"),
+    ],
+)
+def test_an_option_out_of_its_range_is_a_config_error_naming_it(
+    name: str, option: str, value: object, expected: str
+) -> None:
+    with pytest.raises(ConfigError, match=f"strategy '{name}': {option}: .*{expected}"):
+        build_strategy(name, **{option: value})
+
+
+def test_options_at_the_edges_of_their_ranges_build() -> None:
+    build_strategy("fedavgm", server_momentum=0.0, server_learning_rate=1e-3)
+    build_strategy("fedadam", eta=1e-4, beta_1=0.0, beta_2=0.999, tau=1e-9)
+    build_strategy("fedprox", proximal_mu=0)
+    build_strategy("multikrum", num_malicious_nodes=0, num_nodes_to_select=1)
+    build_strategy("fedavg", fraction_train=1, fraction_evaluate=0.0)
