@@ -92,5 +92,7 @@ def export_run(
             segment = Segment.from_model(model, 0, end)  # shares the weights
             if local:  # the device's model: with norm: local, its own normalization layers
                 load_segment_state(whole, weights | local.get(edge.name, {}))
-            results.append(done.setdefault(end, _export(segment, name, spec, out)))
+            result = _export(segment, name, spec, out)  # its own, checked on its own
+            done.setdefault(end, result)
+            results.append(result)
     return results

@@ -36,7 +36,7 @@ def _data(path: Path) -> None:
     np.savez(path, x=x, y=y)
 
 
-def _simulate(tmp_path: Path, method: str, norm: str = "local") -> dict[str, Any]:
+def _simulate(tmp_path: Path, method: str, norm: str = "local", **extra: Any) -> dict[str, Any]:
     tmp_path.mkdir(parents=True, exist_ok=True)
     _data(tmp_path / "train.npz")
     config = parse_sim_config(
@@ -55,6 +55,7 @@ def _simulate(tmp_path: Path, method: str, norm: str = "local") -> dict[str, Any
             "workers": 1,
             "norm": norm,
         }
+        | extra
     )
     return simulate(config, tmp_path / method)
 
@@ -68,7 +69,7 @@ def _last_checkpoint(tmp_path: Path, method: str) -> tuple[Any, dict[str, dict[s
 
 
 def test_split_devices_keep_their_own_batchnorm_and_export_it(tmp_path: Path) -> None:
-    summary = _simulate(tmp_path, "local-loss")
+    summary = _simulate(tmp_path, "local-loss", cuts="uniform")  # one cut, two own models
     shares = {c["name"]: c["examples"] for c in summary["clients"]}
     store, segments = _last_checkpoint(tmp_path, "local-loss")
     with store:
@@ -91,6 +92,12 @@ def test_split_devices_keep_their_own_batchnorm_and_export_it(tmp_path: Path) ->
         (run,) = store.list_runs()
         results = export_run(store, run.run_id, tmp_path / "onnx", per_device=True)
     assert all(r.ok for r in results), [(r.name, r.max_abs_diff) for r in results]
+    # one result per edge, each its own (devices of one cut once reported the first's)
+    devices = sorted(
+        r.name.rsplit("-", 2)[-2] + "-" + r.name.rsplit("-", 1)[-1] for r in results[1:]
+    )
+    assert devices == sorted(shares), devices
+    assert len({r.path for r in results}) == len(results)
     device = next(r for r in results if r.name.endswith("client-001"))
     # the exported segment computes with client-001's statistics, not the average's
     segment = Segment.from_model(model, 0, device.blocks[1])
