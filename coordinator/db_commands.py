@@ -36,7 +36,8 @@ def db_check_command(args: argparse.Namespace) -> int:
 
 def _verdict(report: dict[str, Any]) -> str:
     usable, unusable = report["usable"], report["unusable"]
-    line = f"run {report['run_id']}: rounds {spans(usable)} usable"
+    rounds = "round" if len(usable) == 1 else "rounds"
+    line = f"run {report['run_id']}: {rounds} {spans(usable)} usable"
     if not usable and not unusable:
         return f"run {report['run_id']}: no committed rounds"
     if unusable:

@@ -58,7 +58,7 @@ from split_models.weights import norm_keys, segment_state
 from split_models.zoo import SplittableModel
 from storage.base import RunStore
 from storage.errors import NotFoundError
-from storage.records import Event
+from storage.records import Event, ResumeState
 from wire.errors import TransportError
 from wire.flower import TransportGrid, array_record, numpy_arrays
 from wire.roles import Announcement
@@ -226,7 +226,7 @@ class Coordinator:
         # the run's one coordinator: files a killed predecessor was committing are garbage
         if discarded := store.discard_pending(config.run_id):
             log.info("removed %d checkpoint file(s) of an unfinished commit", discarded)
-        resumed = store.resume(config.run_id)
+        resumed = _resume(store, config.run_id)
         done = 0 if resumed is None else resumed.round.number
         if done >= config.training.rounds:
             store.set_run_status(config.run_id, "finished")
@@ -399,6 +399,23 @@ def create_or_check(store: RunStore, config: RunConfig, allow_config_change: boo
     store.add_event(
         config.run_id, Event("resumed", f"after round {run.current_round or 0} ({run.status})")
     )
+
+
+def _resume(store: RunStore, run_id: str) -> ResumeState | None:
+    """The run's last committed round whose checkpoint verifies (None: none committed); the
+    console says so when later rounds' checkpoints did not and are trained again."""
+    recorded = store.get_run(run_id).current_round or 0
+    resumed = store.resume(run_id)
+    done = 0 if resumed is None else resumed.round.number
+    if done < recorded:
+        rounds = f"round {recorded}" if done + 1 == recorded else f"rounds {done + 1}-{recorded}"
+        log.warning(
+            "the checkpoint of %s is unusable (events: checkpoint-corrupt); resuming from "
+            "round %d and training again",
+            rounds,
+            done,
+        )
+    return resumed
 
 
 def _central(config: RunConfig, data: Dataset) -> Evaluate:

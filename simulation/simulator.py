@@ -24,7 +24,13 @@ from typing import Any
 
 import numpy as np
 
-from coordinator.config import STRUCTURE_KEYS, TRAINING_KEYS, RunConfig, config_changes
+from coordinator.config import (
+    STRUCTURE_KEYS,
+    TRAINING_KEYS,
+    RunConfig,
+    config_changes,
+    describe_changes,
+)
 from coordinator.planner import stored_plan
 from coordinator.service import Coordinator, RoundObserver
 from edge_client.agent import EdgeAgent
@@ -226,10 +232,10 @@ def simulate(
         return summary
     names = client_names(config.fleet.clients)
     data = {name: train.subset(rows) for name, rows in zip(names, parts, strict=True)}
-    trained, plan, rows, clients, batched = _split_learning(
+    trained, plan, now, rows, clients, batched = _split_learning(
         config, run, data, out, (broker, password), observer
     )
-    training = sum(r["wall_seconds"] or 0.0 for r in rows)
+    training = sum(r["wall_seconds"] or 0.0 for r in now)  # this process's rounds
     summary = {
         "run_id": run_id,
         "method": config.method,
@@ -264,12 +270,20 @@ def _cancelled_run(config: SimConfig, out: Path, test_data: str) -> str | None:
             reverse=True,
         )
         keys = (*STRUCTURE_KEYS, *TRAINING_KEYS)
-        same = (
-            r
+        changes = {
+            r.run_id: config_changes(r.config, run_config(config, r.run_id, test_data), keys)
             for r in runs
-            if not config_changes(r.config, run_config(config, r.run_id, test_data), keys)
+        }
+    same = next((run_id for run_id, changed in changes.items() if not changed), None)
+    if same is None and changes:  # say why the latest cancelled run is not the one resumed
+        latest, changed = next(iter(changes.items()))
+        log.warning(
+            "not resuming cancelled run %s, which trained with other settings (%s): "
+            "starting a new run",
+            latest,
+            describe_changes(changed),
         )
-        return next((r.run_id for r in same), None)
+    return same
 
 
 def _split_learning(
@@ -279,10 +293,12 @@ def _split_learning(
     out: Path,
     broker: tuple[str, str | None],
     observer: RoundObserver | None,
-) -> tuple[float, Plan | None, list[dict[str, Any]], list[dict[str, Any]], Any]:
+) -> tuple[
+    float, Plan | None, list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]], Any
+]:
     """Train ``run`` on the simulated fleet (its store in ``out``, ``broker`` its URL and
-    password); return when training ended, the stored plan, the round and client rows, and
-    the batched slots' counts."""
+    password); return when training ended, the stored plan, the rows of the rounds trained
+    now and of all rounds, the client rows, and the batched slots' counts."""
     require_device(config.fleet.client_device, "client_device")
     require_device(config.gpu.device, "gpu.device")
     profiles = config.fleet.client_profiles()
@@ -301,7 +317,7 @@ def _split_learning(
                 profile=lambda run: model_profile(run.model, run.training),
             )
             fleet.coordinator = coordinator
-            coordinator.run()
+            ran = coordinator.run()  # rounds trained now (a resumed run had others before)
             trained = time.perf_counter()
             plan = stored_plan(store.get_run(run.run_id))
             edges = {e.name: e for e in plan.edges} if plan is not None else {}
@@ -314,7 +330,7 @@ def _split_learning(
         if fleet is not None:
             fleet.close()
         closer()
-    return trained, plan, rows, clients, batched
+    return trained, plan, rows[len(rows) - ran :], rows, clients, batched
 
 
 def _start_gpu_host(config: SimConfig, connect: Callable[..., Transport]) -> None:
