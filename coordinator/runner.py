@@ -143,6 +143,7 @@ class RoundRunner:
         coordinator announces it, so devices still at an earlier try give that up)."""
         self.grid, self.strategy, self.recorder = grid, strategy, recorder
         self.on_attempt = on_attempt or (lambda _number, _attempt: None)
+        self.first_try: dict[int, int] = {}  # round -> its first try's number (a resumed one's)
         self.seed, self.deadline, self.attempts, self.min_edges = (
             seed,
             deadline,
@@ -154,8 +155,7 @@ class RoundRunner:
         self.link = LinkWatch(transport, clock, sleep)
         self._nodes = GracefulNodes(grid, transport, WillGrace(clock=clock))
         self.reported: dict[str, dict[str, Any]] = {}  # the last committed round's metrics
-        # raises to stop the run (a stop request): called at each try and while collecting
-        self.stop_check: Callable[[], None] = lambda: None
+        self.stop_check: Callable[[], None] = lambda: None  # raises to stop the run (tries, waits)
 
     def sample(
         self, number: int, nodes: Sequence[int], weights: Mapping[str, np.ndarray]
@@ -187,7 +187,7 @@ class RoundRunner:
         the weights the round starts from, evaluated to judge the first round by when no
         committed round precedes it."""
         previous = self.recorder.committed(number - 1) or self.recorder.baseline(start)
-        attempt, counted, outages, unready, waited = 0, 0, 0, 0, 0.0
+        attempt, counted, outages, unready, waited = self.first_try.pop(number, 1) - 1, 0, 0, 0, 0.0
         while counted < self.attempts:
             attempt += 1
             tries = (attempt, counted + 1, unready + 1)

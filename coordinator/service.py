@@ -75,6 +75,7 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+_MAX_FIRST_TRY = 900  # devices take tries up to 999; the round's own tries come after it
 
 
 def initial_weights(
@@ -228,6 +229,7 @@ class Coordinator:
             log.info("removed %d checkpoint file(s) of an unfinished commit", discarded)
         resumed = _resume(store, config.run_id)
         done = 0 if resumed is None else resumed.round.number
+        self.runner.first_try[done + 1] = first_try(store, config.run_id, done + 1)
         if done >= config.training.rounds:
             store.set_run_status(config.run_id, "finished")
             log.info("run %s already has all %d rounds", config.run_id, config.training.rounds)
@@ -399,6 +401,29 @@ def create_or_check(store: RunStore, config: RunConfig, allow_config_change: boo
     store.add_event(
         config.run_id, Event("resumed", f"after round {run.current_round or 0} ({run.status})")
     )
+
+
+def first_try(store: RunStore, run_id: str, number: int) -> int:
+    """The number round ``number``'s first try takes in this process: above any an earlier
+    coordinator of the run gave it (1 for a round no coordinator opened yet). Devices tell a
+    round's tries apart by number (credits, batches); a restarted coordinator numbering from
+    1 again made the GPU server's credits for "try 1" reach edges still in the old try 1,
+    whose restart then dropped them: each resume lost a whole round deadline. An earlier
+    coordinator's tries of the round ended in an event of the round (failed, an outage)
+    or were cut short by its end (one ``resumed`` event each), so their count bounds them."""
+    events = store.events(run_id)
+    if not any(e.round == number for e in events) and not _opened(store, run_id, number):
+        return 1
+    earlier = sum(e.round == number for e in events) + sum(e.kind == "resumed" for e in events)
+    return min(1 + earlier, _MAX_FIRST_TRY)
+
+
+def _opened(store: RunStore, run_id: str, number: int) -> bool:
+    try:
+        store.get_round(run_id, number)
+    except NotFoundError:
+        return False
+    return True
 
 
 def _resume(store: RunStore, run_id: str) -> ResumeState | None:
