@@ -105,10 +105,13 @@ class CheckpointFiles:
         try:
             # equal content already stored: refreshed, not rewritten, but only when it still
             # is that content (a file corrupted in place keeps its size; it is replaced)
-            if target.exists() and target.stat().st_size == len(payload):
-                if _file_sha256(target) == digest:
-                    os.utime(target)
-                    return
+            if (
+                target.exists()
+                and target.stat().st_size == len(payload)
+                and _file_sha256(target) == digest
+            ):
+                os.utime(target)
+                return
             self._write(target, payload)
         except OSError as error:
             raise _write_failure(error, digest, self.root) from None
