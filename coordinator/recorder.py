@@ -120,10 +120,10 @@ class RoundRecorder:
         optimizer state, for the run's ``weights``; a saved tensor that does not fit them
         is left out and the run records why."""
         saved = {} if resumed is None else resumed.optimizer_states.get(STRATEGY_SEGMENT, {})
-        if not saved:
+        if resumed is None or not saved:
             return
         dropped = restore_server_tensors(self.strategy, saved, weights)
-        number = resumed.round.number if resumed is not None else 0
+        number = resumed.round.number
         if dropped:
             listed = "; ".join(dropped[:4]) + (
                 f"; {len(dropped) - 4} more" if len(dropped) > 4 else ""

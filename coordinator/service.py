@@ -229,11 +229,11 @@ class Coordinator:
             log.info("removed %d checkpoint file(s) of an unfinished commit", discarded)
         resumed = _resume(store, config.run_id)
         done = 0 if resumed is None else resumed.round.number
-        self.runner.first_try[done + 1] = first_try(store, config.run_id, done + 1)
         if done >= config.training.rounds:
             store.set_run_status(config.run_id, "finished")
             log.info("run %s already has all %d rounds", config.run_id, config.training.rounds)
             return 0
+        self.runner.first_try[done + 1] = first_try(store, config.run_id, done + 1)
         store.set_run_status(config.run_id, "planning")
         placement = self._placement(resumed is not None)
         cuts = head_cuts(placement)
