@@ -20,7 +20,7 @@ import torch
 
 from split_models.activations import Activation, activation_arrays, detached, primary
 from split_models.cpu import process_cpu_share
-from split_models.data import Dataset
+from split_models.data import Dataset, shuffle_rng
 from split_models.segment import Segment, StepResult
 from split_models.timing import LinkClock, StepClock
 from wire import topics
@@ -196,7 +196,8 @@ class EdgeTrainer:
         ``step`` trains one batch (default: the segment's own step; a simulation host passes
         one that trains this client together with others, see ``simulation.stack``).
         ``cancelled`` is asked while waiting for the servers (true: :class:`RoundAbandoned`),
-        ``offline()`` too: the round's servers offline now (any: :class:`PeerOffline`)."""
+        ``offline()`` too: the round's servers offline now (any: :class:`PeerOffline`).
+        ``attempt``: the coordinator's try; a retry trains in another batch order."""
         step = step or self.segment.train_step
         self._offline, cancelled = offline, _either(cancelled, offline)
         started, before = time.perf_counter(), self._counters()
@@ -205,7 +206,7 @@ class EdgeTrainer:
         self._attempt, self._sent = attempt, 0
         self.clock.reset()
         self.link.reset()
-        batches = self._batches(round_number, seed)
+        batches = self._batches(shuffle_rng(seed, round_number, attempt))
         for batch in batches:
             if cancelled is not None and cancelled():  # a replaced try stops sending at once,
                 _check(cancelled, round_number, self._offline)  # credits or not
@@ -249,9 +250,8 @@ class EdgeTrainer:
             *(config.run, round_number, self._attempt, config.device, self._sent),
         )
 
-    def _batches(self, round_number: int, seed: int) -> list[np.ndarray]:
-        """The round's mini-batches: a seeded permutation per local epoch, in order."""
-        generator = np.random.default_rng(seed + round_number)
+    def _batches(self, generator: np.random.Generator) -> list[np.ndarray]:
+        """The round's mini-batches: a permutation per local epoch, in order."""
         return [
             order[begin : begin + self.config.batch_size]
             for order in (

@@ -30,7 +30,7 @@ from coordinator.aggregation import build_strategy
 from coordinator.federated import run_federated
 from simulation.config import BASELINES, Profile, SimConfig
 from split_models.config import ModelConfig, TrainingConfig
-from split_models.data import Dataset
+from split_models.data import Dataset, shuffle_rng
 from split_models.errors import ConfigError
 from split_models.evaluation import evaluate_weights
 from split_models.isolated import profile_in_fresh_process
@@ -43,6 +43,7 @@ from wire.flower import (
     FlowerNode,
     TransportGrid,
     array_record,
+    attempt_of,
     node_will,
     numpy_arrays,
     proximal_mu_of,
@@ -69,9 +70,10 @@ def _whole(config: SimConfig) -> Segment:
     return Segment.from_model(built, 0, built.num_blocks, optimizer=config.training.optimizer)
 
 
-def _epochs(segment: Segment, data: Dataset, training: TrainingConfig, seed: int) -> float:
-    """``local_epochs`` shuffled passes; the mean loss."""
-    generator = np.random.default_rng(seed)
+def _epochs(
+    segment: Segment, data: Dataset, training: TrainingConfig, generator: np.random.Generator
+) -> float:
+    """``local_epochs`` passes, each in ``generator``'s order; the mean loss."""
     losses = []
     batch = training.batch_size
     for _ in range(training.local_epochs):
@@ -103,7 +105,8 @@ def _client(config: SimConfig, data: Dataset, reset: bool, upload: bool) -> Clie
         if reset:  # the centralized baseline keeps its optimizer state (one client)
             segment.reset_optimizer(proximal_mu_of(message))
         segment.lr_scale = training.lr_scale(round_of(message))
-        loss = _epochs(segment, data, training, training.seed + round_of(message))
+        order = shuffle_rng(training.seed, round_of(message), attempt_of(message))
+        loss = _epochs(segment, data, training, order)
         arrays = segment_state(segment)
         metrics = MetricRecord(
             {

@@ -29,6 +29,7 @@ __all__ = [
     "load_dataset",
     "partition",
     "resolve_spec",
+    "shuffle_rng",
     "trained_examples",
 ]
 
@@ -80,6 +81,15 @@ def trained_examples(examples: int, held_out: float) -> int:
     if not 0 < held_out < 1 or examples < 2:
         return examples
     return examples - _held_out(examples, held_out)
+
+
+def shuffle_rng(seed: int, round_number: int, attempt: int = 1) -> np.random.Generator:
+    """The generator of a round's batch order: the first try of a round shuffles as every
+    earlier version did (``seed + round_number``); a retry draws another order, so a try
+    that failed for its order (one unlucky batch sequence) is not repeated step for step."""
+    if attempt <= 1:
+        return np.random.default_rng(seed + round_number)
+    return np.random.default_rng([seed, round_number, attempt])
 
 
 def _held_out(examples: int, share: float) -> int:

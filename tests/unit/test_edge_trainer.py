@@ -9,7 +9,7 @@ import torch
 from edge_client.trainer import EdgeTrainer, EdgeTrainerConfig
 from split_models.cpu import process_cpu_share
 from split_models.data import Dataset
-from split_models.segment import OptimizerConfig, Segment
+from split_models.segment import OptimizerConfig, Segment, StepResult
 from split_models.zoo import build_model
 from wire.channel import Channel
 from wire.codec import Envelope
@@ -78,3 +78,30 @@ def test_the_round_reports_its_timed_steps_without_the_first() -> None:
     # share of a core this process's quota allows
     assert 0 < compute["compute-cpu-seconds"] <= compute["compute-seconds"] + 1e-3  # type: ignore[operator]
     assert compute["cpu-share"] == process_cpu_share(torch.get_num_threads())
+
+
+def _trained_order(attempt: int) -> list[float]:
+    """The first pixel of every example a fresh trainer trains in try ``attempt`` of round 1
+    (seed 0), in the order it trained them."""
+    channel, gate, data = _granted(InProcessTransport(InProcessHub(), "pi-01-stream"), 40)
+    gate.on_credit(
+        Envelope("credit", "run", "gpu-a", 0, round=1, meta={"credits": 100, "attempt": attempt})
+    )
+    segment = Segment.from_model(build_model("mlp", (1, 8, 8), 10, seed=0), 0, 1, "linear")
+    config = EdgeTrainerConfig("run", "pi-01", "seg-0", batch_size=8)
+    seen: list[float] = []
+
+    def step(inputs: torch.Tensor, labels: torch.Tensor) -> StepResult:
+        seen.extend(inputs[:, 0, 0, 0].tolist())
+        return segment.train_step(inputs, labels)
+
+    EdgeTrainer(channel, gate, segment, data, config).train_round(1, step=step, attempt=attempt)
+    return seen
+
+
+def test_a_retried_round_trains_the_same_examples_in_another_order() -> None:
+    first, again, retry = _trained_order(1), _trained_order(1), _trained_order(2)
+    assert first == again, "the same try of the same round trains in the same order"
+    assert retry != first, "a retry that repeated the failed try's order step for step"
+    assert sorted(retry) == sorted(first) and len(first) == 40
+    assert _trained_order(3) not in (first, retry)
