@@ -12,6 +12,7 @@ line on stderr with the cause and the fix (``EDGESPLIT_TRACEBACK=1`` adds the tr
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import traceback
@@ -43,8 +44,27 @@ class Signalled(KeyboardInterrupt):
         self.signum = signum
 
 
-def _raise(signum: int, _frame: FrameType | None) -> None:
-    raise Signalled(signum)
+STOPPING = (
+    b"edgesplit: stopping already (saving the run's state so it can resume); "
+    b"signal once more to quit at once\n"
+)
+
+
+class _Interrupts:
+    """The first signal raises :class:`Signalled`; the second is absorbed, so the stop the
+    first began can record the run as cancelled (Ctrl-C pressed twice, or ``timeout``
+    signalling the process and its group at once, used to interrupt that write and leave
+    the run neither cancelled nor resumable); a third raises again, for a stop that hangs."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, signum: int, _frame: FrameType | None) -> None:
+        self.count += 1
+        if self.count == 2:
+            os.write(2, STOPPING)  # stderr; no logging: its locks may be held
+            return
+        raise Signalled(signum)
 
 
 @contextmanager
@@ -53,8 +73,10 @@ def signals_interrupt(
         getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name)
     ),
 ) -> Iterator[None]:
-    """Within the block, each of ``signums`` raises :class:`Signalled` in the main thread."""
-    previous = {s: signal.signal(s, _raise) for s in signums}
+    """Within the block, the first of ``signums`` to arrive raises :class:`Signalled` in the
+    main thread, the second is absorbed while the stop runs, a third raises again."""
+    handler = _Interrupts()
+    previous = {s: signal.signal(s, handler) for s in signums}
     try:
         yield
     finally:
