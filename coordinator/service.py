@@ -397,6 +397,8 @@ def create_or_check(store: RunStore, config: RunConfig, allow_config_change: boo
         store.add_event(config.run_id, Event("config-changed", describe_changes(changes)))
     if run.config != config.to_dict():  # also rounds, deadline, devices: allowed
         store.set_run_config(config.run_id, config.to_dict())
+    if run.status == "created":  # created before (a simulation's digests), never started
+        return
     log.info("resuming run %s after round %s", config.run_id, run.current_round or 0)
     store.add_event(
         config.run_id, Event("resumed", f"after round {run.current_round or 0} ({run.status})")

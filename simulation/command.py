@@ -92,8 +92,12 @@ def _print_summary(summary: dict[str, object], out: object) -> None:
             + ("  does not fit its budget" if client.get("fits") is False else "")
         )
     print(
-        f"final accuracy {summary['final_accuracy']:.4f}, "
+        f"final accuracy {_accuracy(summary['final_accuracy'])}, "
         f"wall {summary['total_wall_seconds']:.1f} s "
         f"(training {summary.get('training_wall_seconds', 0.0):.1f} s), "
         f"simulated {summary['total_simulated_seconds']:.1f} s on the declared devices"
     )
+
+
+def _accuracy(value: object) -> str:
+    return f"{value:.4f}" if isinstance(value, float) else "-"  # none: no round evaluated

@@ -71,6 +71,8 @@ def round_rows(
     """One row per committed round; ``edges``: the stored plan's edge assignments by name."""
     rows: list[dict[str, Any]] = []
     for record in store.list_rounds(run_id):
+        if record.state != "committed":  # a try cut short (a resume with none left to train)
+            continue
         trained = [r for r in record.results if not r.failure and r.device in profiles]
         federated: dict[str, Any] = {
             key: record.evaluation[key]

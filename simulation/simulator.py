@@ -25,11 +25,7 @@ from typing import Any
 import numpy as np
 
 from coordinator.config import (
-    STRUCTURE_KEYS,
-    TRAINING_KEYS,
     RunConfig,
-    config_changes,
-    describe_changes,
 )
 from coordinator.planner import stored_plan
 from coordinator.service import Coordinator, RoundObserver
@@ -39,6 +35,7 @@ from simulation.baselines import model_profile, run_baseline
 from simulation.config import BASELINES, Profile, SimConfig, client_names, run_config
 from simulation.pool import SegmentPool
 from simulation.report import client_rows, round_rows, write_outputs
+from simulation.resume import cancelled_run, fingerprint, start_run
 from split_models.data import Dataset, load_dataset, partition
 from split_models.errors import ConfigError
 from split_models.measure import measure_in_fresh_process
@@ -216,20 +213,19 @@ def simulate(
     started = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     train, test = _data(config)
-    if tuple(train.x.shape[1:]) != config.model.input_shape:
-        raise ConfigError(
-            f"input_shape: the data has samples of shape {list(train.x.shape[1:])}, "
-            f"the config says {list(config.model.input_shape)}"
-        )
+    _check_data(config, train, test)
     test_path = out / "test.npz"
     np.savez(test_path, x=test.x, y=test.y)
-    run_id = run_id or _run_id(config, out, f"npz:{test_path}")
-    run = run_config(config, run_id, f"npz:{test_path}")
     parts = _partition(config, train)
+    prints = fingerprint(train, parts, config.fleet.client_profiles())
+    run_id = run_id or _run_id(config, out, f"npz:{test_path}", prints)
+    run = run_config(config, run_id, f"npz:{test_path}")
     if config.method in BASELINES:
         summary = _baseline(config, (train, test), parts, out, run_id, started)
         write_outputs(out, summary, summary.pop("_plan_text"))
         return summary
+    with open_store(f"sqlite:///{out / 'runs.db'}") as store:
+        start_run(store, run, prints)
     names = client_names(config.fleet.clients)
     data = {name: train.subset(rows) for name, rows in zip(names, parts, strict=True)}
     trained, plan, now, rows, clients, batched = _split_learning(
@@ -253,37 +249,30 @@ def simulate(
     return summary
 
 
-def _run_id(config: SimConfig, out: Path, test_data: str) -> str:
+def _run_id(config: SimConfig, out: Path, test_data: str, prints: dict[str, str]) -> str:
     """The latest cancelled run in ``out`` that trains as this configuration does (rounds may
-    differ), to resume; else a new id."""
+    differ) on the same data, partition and devices, to resume; else a new id."""
     resumed = None
     if config.method not in BASELINES and (out / "runs.db").exists():
-        resumed = _cancelled_run(config, out, test_data)
+        resumed = cancelled_run(config, out, test_data, prints)
     return resumed or f"sim-{uuid.uuid4().hex[:8]}"
 
 
-def _cancelled_run(config: SimConfig, out: Path, test_data: str) -> str | None:
-    with open_store(f"sqlite:///{out / 'runs.db'}") as store:
-        runs = sorted(
-            (r for r in store.list_runs() if r.status == "cancelled"),
-            key=lambda r: r.updated_at,
-            reverse=True,
+def _check_data(config: SimConfig, *sets: Dataset) -> None:
+    """Samples of another shape than the model's, labels it has no output for: named before
+    anything is planned or trained."""
+    shape = tuple(sets[0].x.shape[1:])
+    if shape != config.model.input_shape:
+        raise ConfigError(
+            f"input_shape: the data has samples of shape {list(shape)}, "
+            f"the config says {list(config.model.input_shape)}"
         )
-        keys = (*STRUCTURE_KEYS, *TRAINING_KEYS)
-        changes = {
-            r.run_id: config_changes(r.config, run_config(config, r.run_id, test_data), keys)
-            for r in runs
-        }
-    same = next((run_id for run_id, changed in changes.items() if not changed), None)
-    if same is None and changes:  # say why the latest cancelled run is not the one resumed
-        latest, changed = next(iter(changes.items()))
-        log.warning(
-            "not resuming cancelled run %s, which trained with other settings (%s): "
-            "starting a new run",
-            latest,
-            describe_changes(changed),
+    top = max(int(s.y.max()) for s in sets if len(s.y))
+    if top >= config.model.num_classes:
+        raise ConfigError(
+            f"num_classes: the data has labels up to {top}, the model {config.model.num_classes} "
+            f"outputs; set num_classes to {top + 1} or more"
         )
-    return same
 
 
 def _split_learning(

@@ -1,0 +1,120 @@
+"""Which cancelled run a simulation resumes. The same command run again resumes the latest
+cancelled run in ``--out`` that trains as it would: the same run settings (rounds may
+differ), and the same data, partition and devices, which the run config does not hold; the
+simulation records their digests as a ``simulation`` event when it starts a run. A resume
+that would end before the rounds already committed is refused by name."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from coordinator.config import (
+    STRUCTURE_KEYS,
+    TRAINING_KEYS,
+    RunConfig,
+    config_changes,
+    describe_changes,
+)
+from coordinator.service import create_or_check
+from simulation.config import Profile, SimConfig, run_config
+from split_models.data import Dataset
+from split_models.errors import ConfigError
+from storage import open_store
+from storage.base import RunStore
+from storage.errors import NotFoundError
+from storage.records import Event
+
+log = logging.getLogger(__name__)
+
+RECORD = "simulation"  # the event that holds a run's digests
+
+
+def fingerprint(
+    train: Dataset, parts: Sequence[np.ndarray], profiles: Mapping[str, Profile]
+) -> dict[str, str]:
+    """Digests of what a simulated run trains on and with: the training data, each client's
+    share of it (so the number of clients, the partition and its seed), the devices."""
+
+    def digest(*chunks: bytes) -> str:
+        hashed = hashlib.sha256()
+        for chunk in chunks:
+            hashed.update(len(chunk).to_bytes(8, "little") + chunk)
+        return hashed.hexdigest()[:16]
+
+    arrays = (np.ascontiguousarray(train.x), np.ascontiguousarray(train.y))
+    layout = json.dumps([[a.dtype.str, list(a.shape)] for a in arrays]).encode()
+    devices = [[name, p.name, p.memory, p.flops, p.uplink] for name, p in profiles.items()]
+    return {
+        "data": digest(layout, *(a.tobytes() for a in arrays)),
+        "partition": digest(*(np.asarray(p, dtype=np.int64).tobytes() for p in parts)),
+        "devices": digest(json.dumps(devices).encode()),
+    }
+
+
+def start_run(store: RunStore, run: RunConfig, prints: Mapping[str, str]) -> None:
+    """Create ``run`` (unless it is resumed) with its digests, for a later resume to check."""
+    try:
+        store.get_run(run.run_id)
+    except NotFoundError:
+        create_or_check(store, run, allow_config_change=False)
+        store.add_event(run.run_id, Event(RECORD, json.dumps(dict(prints), sort_keys=True)))
+
+
+def _recorded(store: RunStore, run_id: str) -> dict[str, str] | None:
+    for event in store.events(run_id):
+        if event.kind == RECORD:
+            try:
+                loaded = json.loads(event.detail)
+            except ValueError:
+                return None
+            return loaded if isinstance(loaded, dict) else None
+    return None  # a run from before the digests were recorded: not checked
+
+
+def cancelled_run(
+    config: SimConfig, out: Path, test_data: str, prints: Mapping[str, str]
+) -> str | None:
+    """The latest cancelled run in ``out`` that trains as ``config`` does on the data,
+    partition and devices of ``prints``; None (with a warning naming why the latest was
+    passed over) when there is none."""
+    keys = (*STRUCTURE_KEYS, *TRAINING_KEYS)
+    with open_store(f"sqlite:///{out / 'runs.db'}") as store:
+        runs = sorted(
+            (r for r in store.list_runs() if r.status == "cancelled"),
+            key=lambda r: r.updated_at,
+            reverse=True,
+        )
+        why: dict[str, str] = {}
+        for run in runs:
+            changed = config_changes(run.config, run_config(config, run.run_id, test_data), keys)
+            recorded = _recorded(store, run.run_id) or {}
+            other = [k for k in prints if k in recorded and recorded[k] != prints[k]]
+            if not changed and not other:
+                _check_rounds(run.run_id, run.current_round or 0, config.training.rounds)
+                return run.run_id
+            why[run.run_id] = "; ".join(
+                filter(None, [describe_changes(changed), ", ".join(f"other {k}" for k in other)])
+            )
+    if why:
+        latest, reason = next(iter(why.items()))
+        log.warning(
+            "not resuming cancelled run %s, which trained otherwise (%s): starting a new run",
+            latest,
+            reason,
+        )
+    return None
+
+
+def _check_rounds(run_id: str, committed: int, rounds: int) -> None:
+    if committed > rounds:
+        raise ConfigError(
+            f"rounds: cancelled run {run_id} in this --out has {committed} rounds committed "
+            f"and {rounds} would end before them; resume it with --rounds {committed + 1} or "
+            "more, or give another --out for a new run"
+        )

@@ -1,0 +1,85 @@
+"""The same ``edgesplit simulate`` run again resumes a cancelled run only when it would train
+as that run did: the same settings, data, partition and devices (the run config holds the
+settings; the simulation records digests of the rest), and rounds that do not end before
+those already committed (simulations on the bundled digits, in-process, SQLite file)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from simulation.config import parse_sim_config
+from simulation.simulator import simulate
+from split_models.errors import ConfigError
+from storage import open_store
+
+pytestmark = pytest.mark.integration
+pytest.importorskip("sklearn")
+
+
+def _simulate(out: Path, **settings: Any) -> dict[str, Any]:
+    base = {"rounds": 2, "clients": 2, "measure_memory": False, "workers": 1}
+    return simulate(parse_sim_config({**base, **settings}), out)
+
+
+def _cancel(out: Path, run_id: str) -> None:
+    with open_store(f"sqlite:///{out / 'runs.db'}") as store:
+        store.set_run_status(run_id, "cancelled")  # as Ctrl-C leaves it
+
+
+def _kinds(out: Path, run_id: str) -> list[str]:
+    with open_store(f"sqlite:///{out / 'runs.db'}") as store:
+        return [e.kind for e in store.events(run_id)]
+
+
+def test_a_cancelled_run_resumes_only_on_the_same_data_partition_and_devices(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    out = tmp_path / "sim"
+    first = _simulate(out)["run_id"]
+    assert _kinds(out, first)[0] == "simulation" and "resumed" not in _kinds(out, first)
+    changes = [
+        ({"clients": 3}, "other partition, other devices"),
+        ({"partition": {"kind": "dirichlet", "alpha": 0.5}}, "other partition"),
+        ({"test_fraction": 0.3}, "other data"),
+    ]
+    for settings, why in changes:
+        _cancel(out, first)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="simulation.resume"):
+            other = _simulate(out, rounds=3, **settings)["run_id"]
+        assert other != first, settings
+        assert f"not resuming cancelled run {first}" in caplog.text, caplog.text
+        assert why in caplog.text, caplog.text
+
+    _cancel(out, first)
+    resumed = _simulate(out, rounds=3)
+    assert resumed["run_id"] == first
+    assert [r["round"] for r in resumed["rounds"]] == [1, 2, 3]
+    assert _kinds(out, first).count("resumed") == 1
+
+
+def test_a_resume_that_would_end_before_the_committed_rounds_is_refused(tmp_path: Path) -> None:
+    out = tmp_path / "sim"
+    run_id = _simulate(out)["run_id"]
+    with open_store(f"sqlite:///{out / 'runs.db'}") as store:
+        store.open_round(run_id, 3, ["client-000", "client-001"])  # the try Ctrl-C cut short
+    _cancel(out, run_id)
+    with pytest.raises(ConfigError, match=rf"{run_id} .* has 2 rounds committed.*--rounds 3"):
+        _simulate(out, rounds=1)
+    with open_store(f"sqlite:///{out / 'runs.db'}") as store:
+        run = store.get_run(run_id)
+    assert (run.status, run.current_round) == ("cancelled", 2)  # left as it was
+
+    again = _simulate(out, rounds=2)  # nothing left to train: it finishes as it stands
+    assert again["run_id"] == run_id and again["final_accuracy"] is not None
+    assert [r["round"] for r in again["rounds"]] == [1, 2]  # not the open try of round 3
+
+
+def test_labels_the_model_has_no_output_for_are_named_before_planning(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"num_classes: the data has labels up to 9, .* 5 "):
+        _simulate(tmp_path / "sim", num_classes=5)
+    assert not (tmp_path / "sim" / "runs.db").exists()
