@@ -217,9 +217,12 @@ SWEPT = ("local-loss", "splitfed", "centralized")
 def _accuracies(
     work: Path, args: argparse.Namespace, setting: str, partition: str, seed: int
 ) -> dict[str, tuple[float, float]]:
-    """Each swept method's (last, best) round accuracy; NaN for a run that failed."""
+    """Each swept method's (last, best) round accuracy; NaN for a run that failed; the
+    methods ``--only`` leaves out are missing."""
     accuracy = {}
     for method in SWEPT + (("fedavg",) if args.fedavg else ()):
+        if args.only and method not in args.only:
+            continue
         config = _config(
             work / "train.npz",
             work / "test.npz",
@@ -249,13 +252,42 @@ def _reference(accuracy: dict[str, tuple[float, float]], central: float) -> str:
     return f" {last:.4f} ({best:.4f}) | {last - central:+.4f} |"
 
 
+def _row(accuracy: dict[str, tuple[float, float]]) -> tuple[str, str]:
+    """A sweep row's cells after its setting, and whether it holds ("-": a method of the
+    comparison was not run)."""
+    ran = [m for m in SWEPT if m in accuracy]
+    central = accuracy["centralized"][0] if "centralized" in accuracy else None
+    cells = {m: f"{accuracy[m][0]:.4f} ({accuracy[m][1]:.4f})" for m in ran}
+    gaps = {
+        m: f"{accuracy[m][0] - central:+.4f}"
+        for m in ("local-loss", "splitfed")
+        if m in accuracy and central is not None
+    }
+    if len(ran) < len(SWEPT) or central is None:
+        holds = "-"
+    else:  # NaN (a failed run) fails
+        fine = all(accuracy[m][0] - central >= -0.015 for m in ("local-loss", "splitfed"))
+        holds = "yes" if central < 0.95 or fine else "NO"
+    row = (
+        f"{cells.get('centralized', '-')} | {cells.get('local-loss', '-')} | "
+        f"{gaps.get('local-loss', '-')} | {cells.get('splitfed', '-')} | "
+        f"{gaps.get('splitfed', '-')} | {holds} |"
+    )
+    if central is not None:
+        row += _reference(accuracy, central)
+    elif "fedavg" in accuracy:
+        row += f" {accuracy['fedavg'][0]:.4f} ({accuracy['fedavg'][1]:.4f}) | - |"
+    return row, holds
+
+
 def _sweep(work: Path, args: argparse.Namespace) -> None:
     """Final accuracy of the split methods against centralized, per optimizer and partition."""
     report = Report(
         f"\n### Optimizer sweep ({machine()})\n\n`python benchmarks/compare.py --sweep "
         f"--rounds {args.rounds} --seeds {args.seeds} --settings '{args.settings}' "
         f"--partitions {args.partitions} --extra '{args.extra}' --optimizer '{args.optimizer}'"
-        f"{' --fedavg' if args.fedavg else ''}`: "
+        f"{' --fedavg' if args.fedavg else ''}"
+        f"{' --only ' + ','.join(args.only) if args.only else ''}`: "
         "mnist8k 6,000 train / 2,000 test, 8 clients of the two profiles (two cuts), cnn, "
         "batch 32, default training options; accuracy after the last round (best round in "
         "brackets).\n\n"
@@ -268,16 +300,9 @@ def _sweep(work: Path, args: argparse.Namespace) -> None:
         for partition in args.partitions.split(","):
             for seed in (int(s) for s in args.seeds.split(",")):
                 accuracy = _accuracies(work, args, setting, partition, seed)
-                central = accuracy["centralized"][0]
-                gaps = [accuracy[m][0] - central for m in ("local-loss", "splitfed")]
-                holds = central < 0.95 or all(g >= -0.015 for g in gaps)  # NaN fails
-                failures += not holds
-                cells = [f"{accuracy[m][0]:.4f} ({accuracy[m][1]:.4f})" for m in SWEPT]
-                report.row(
-                    f"| {setting} | {partition} | {seed} | {cells[2]} | {cells[0]} | "
-                    f"{gaps[0]:+.4f} | {cells[1]} | {gaps[1]:+.4f} | "
-                    f"{'yes' if holds else 'NO'} |" + _reference(accuracy, central)
-                )
+                row, holds = _row(accuracy)
+                failures += holds == "NO"
+                report.row(f"| {setting} | {partition} | {seed} | {row}")
     report.finish(
         f"\n{failures} row(s) where a split method is more than 1.5 points below a centralized "
         "run that reaches 95% (nan: a round diverged on all its attempts, the run failed).",
@@ -307,7 +332,19 @@ def _arguments() -> argparse.Namespace:
         help="sweep: also whole-model FedAvg on the same clients (what federated averaging "
         "alone costs against centralized)",
     )
+    parser.add_argument(
+        "--only",
+        type=lambda text: text.split(","),
+        default=[],
+        help=f"sweep: run only these of {[*SWEPT, 'fedavg']} (the others' cells show "
+        "'-'; a row holds only when all three ran)",
+    )
     args = parser.parse_args()
+    unknown = set(args.only) - {*SWEPT, "fedavg"}
+    if unknown:
+        parser.error(f"--only: unknown method(s) {sorted(unknown)}; of {[*SWEPT, 'fedavg']}")
+    if "fedavg" in args.only:
+        args.fedavg = True
     args.rounds = args.rounds or (5 if args.sweep else 3)
     return args
 

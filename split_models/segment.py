@@ -121,9 +121,10 @@ class Segment:
         params = self.trainable_parameters()
         self._anchor = [p.detach().clone() for p in params] if proximal_mu > 0 else []
 
-    def _step(self) -> None:
+    def _step(self) -> float:
         """The optimizer step on the gradients just computed, with the proximal term's
-        gradient ``mu * (w - w_round)`` added, the clipping and the warm-up applied."""
+        gradient ``mu * (w - w_round)`` added, the clipping and the warm-up applied; returns
+        the factor the clip scaled the gradients by (1.0 when it did not)."""
         params = self.trainable_parameters()
         if self._anchor:
             with torch.no_grad():
@@ -131,12 +132,15 @@ class Segment:
                     if param.grad is not None:
                         param.grad.add_(param - anchor, alpha=self.proximal_mu)
         config = self.optimizer_config
+        factor = 1.0
         if config.clip_norm is not None:
-            torch.nn.utils.clip_grad_norm_(params, config.clip_norm)
+            norm = float(torch.nn.utils.clip_grad_norm_(params, config.clip_norm))
+            factor = min(1.0, config.clip_norm / (norm + 1e-6))  # as clip_grad_norm_ scales
         for group in self.optimizer.param_groups:
             group["lr"] = config.lr_at(self._steps) * self.lr_scale
         self.optimizer.step()
         self._steps += 1
+        return factor
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Parameters and buffers of the blocks and the head."""
@@ -159,7 +163,9 @@ class Segment:
         for the last segment) for a batch entering at global block ``block`` (``inputs`` are
         the output of block ``block - 1``); blocks before ``block`` take no part. With
         ``input_gradient`` the result carries the loss's gradient of ``inputs`` (backprop
-        mode: the sender back-propagates it through its own blocks). With ``finite_only``
+        mode: the sender back-propagates it through its own blocks), scaled by the factor
+        the clip scaled this segment's gradients by, so the sender's blocks step as those of
+        one clipped model would. With ``finite_only``
         a batch whose loss is not finite raises :class:`NonFiniteLoss` without a step (a
         server does so for batches from the network; an edge steps and its NaN weights leave
         it out of the round)."""
@@ -182,9 +188,11 @@ class Segment:
                 f"the loss of this batch is NaN or infinite ({float(loss)}); no step was taken"
             )
         loss.backward()  # type: ignore[no-untyped-call]
-        self._step()
+        factor = self._step()
         grad = primary(inputs).grad
         gradient = grad.detach() if input_gradient and grad is not None else None
+        if gradient is not None and factor < 1.0:
+            gradient = gradient * factor
         return StepResult(detached(output), float(loss.detach()), gradient)
 
     def forward_for_backprop(self, inputs: Activation) -> Activation:

@@ -106,3 +106,38 @@ def test_cosine_decay_scales_each_round_and_the_segment_applies_the_scale() -> N
     assert halved.optimizer.param_groups[0]["lr"] == pytest.approx(0.1)
     for got, whole, first in zip(segment_steps, full, start, strict=True):
         torch.testing.assert_close(got - first, (whole - first) / 2)
+
+
+@pytest.mark.parametrize("clip", [1e-3, 1e6])
+def test_a_clipped_back_scales_the_gradient_it_sends_by_its_clip_factor(clip: float) -> None:
+    """Backprop mode: the front steps on the gradient the back sends; scaled as the back's
+    own were, the two halves step as one clipped model would (unscaled, a front trained at lr
+    0.1 took steps the clip kept from the back, and splitfed fell to chance)."""
+    model = build_model("cnn", (1, 8, 8), 4, seed=0)
+    inputs = Segment.from_model(model, 0, 2, "linear", OptimizerConfig("sgd")).forward(X)
+    end = model.num_blocks
+
+    def back(clip_norm: float | None) -> Segment:
+        config = OptimizerConfig("sgd", lr=0.1, clip_norm=clip_norm)
+        return Segment.from_model(
+            build_model("cnn", (1, 8, 8), 4, seed=0), 2, end, "linear", config
+        )
+
+    clipped, plain = back(clip), back(None)
+    got = clipped.train_from(2, inputs, Y, input_gradient=True).input_gradient
+    unclipped = plain.train_from(2, inputs, Y, input_gradient=True).input_gradient
+    assert got is not None and unclipped is not None
+    norm = float(
+        torch.linalg.vector_norm(
+            torch.stack(
+                [
+                    torch.linalg.vector_norm(p.grad)
+                    for p in plain.trainable_parameters()
+                    if p.grad is not None
+                ]
+            )
+        )
+    )
+    factor = min(1.0, clip / (norm + 1e-6))
+    assert (factor < 0.01) == (clip < 1), (factor, norm)
+    torch.testing.assert_close(got, unclipped * factor)
