@@ -28,6 +28,7 @@ than its group's (``norm_bound``, an option of every strategy; each clip is name
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -377,6 +378,23 @@ def build_strategy(name: str, quiet: bool = True, **options: Any) -> FedAvg:
 _DEFAULTS: dict[str, dict[str, Any]] = {"fedadagrad": {"eta": 0.01}, "fedadam": {"eta": 0.01}}
 
 
+def _taken(strategy: type) -> str:
+    """``; it takes a, b, c``: the options a strategy class accepts, and edgesplit's bounds
+    (callbacks, record keys and the node counts the coordinator sets itself left out)."""
+    own = {"self", "min_train_nodes", "min_available_nodes", "min_evaluate_nodes"}
+    names = sorted(
+        {
+            p.name
+            for p in inspect.signature(strategy).parameters.values()
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+            and p.name not in own
+            and not p.name.endswith(("_fn", "_key"))
+        }
+        | set(_BOUNDS)
+    )
+    return f"; it takes {', '.join(names)}" if names else ""
+
+
 def _build_strategy(name: str, options: dict[str, Any]) -> FedAvg:
     key = name.lower()
     options = _DEFAULTS.get(key, {}) | options
@@ -387,7 +405,8 @@ def _build_strategy(name: str, options: dict[str, Any]) -> FedAvg:
             try:
                 strategy = _split_aware(table[key], mode)(**options)
             except (TypeError, ValueError) as error:  # an unknown option, or a bad value
-                raise ConfigError(f"strategy {name!r}: bad option: {error}") from error
+                taken = _taken(table[key])
+                raise ConfigError(f"strategy {name!r}: bad option: {error}{taken}") from error
             strategy.__dict__.update(bounds)
             return strategy
     raise ConfigError(f"strategy.name: unknown {name!r}; use one of {list(STRATEGIES)}")

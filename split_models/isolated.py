@@ -144,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
             config.build(seed=0), args.local_loss or ("linear",), args.batch_size, config
         )
     except (SplitError, ValueError) as error:
-        print(f"{type(error).__name__}: {error}", file=sys.stderr)
+        said = error if isinstance(error, ConfigError) else f"{type(error).__name__}: {error}"
+        print(said, file=sys.stderr)  # a ConfigError reaches the user as its message
         return _ERROR_EXIT
     print(json.dumps(profile.to_dict()))
     return 0

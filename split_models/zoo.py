@@ -203,7 +203,8 @@ def _import_factory(path: str) -> Callable[..., object]:
     module_name, _, attribute = path.partition(":")
     if not module_name or not attribute:
         raise ConfigError(
-            f"model: {path!r} is neither a zoo model ({', '.join(ZOO_NAMES)}) "
+            f"model: {path!r} is neither a zoo model ({', '.join(ZOO_NAMES)}, or any "
+            "resnetN with N = 6n+2) "
             "nor an import path of the form 'package.module:function'"
         )
     try:

@@ -73,4 +73,10 @@ def open_store(
         return InMemoryRunStore()
     from storage.sql import SqlRunStore
 
-    return SqlRunStore(normalise_url(url), checkpoint_dir, password=password, readonly=readonly)
+    url = normalise_url(url)
+    folder = Path(url.removeprefix("sqlite:///")) if url.startswith("sqlite:///") else None
+    if folder is not None and folder.is_dir():  # SQLite says only "disk I/O error"
+        inside = folder / "runs.db"
+        hint = f": give the file, {inside}" if inside.is_file() else ": give the database file"
+        raise StoreError(f"{folder} is a folder, not a SQLite database{hint}")
+    return SqlRunStore(url, checkpoint_dir, password=password, readonly=readonly)

@@ -87,3 +87,14 @@ def test_bad_devices_file_exits_2(tmp_path: Path, content: str, message: str) ->
 def test_unknown_model_exits_2() -> None:
     done = run("plan", "--model", "vgg", "--devices", str(EXAMPLE))
     assert done.returncode == 2 and "neither a zoo model" in done.stderr
+
+
+def test_unknown_model_in_a_simulation_is_one_plain_line(tmp_path: Path) -> None:
+    pytest.importorskip("sklearn")
+    done = run("simulate", "--model", "vgg", "--out", str(tmp_path / "sim"), "--quiet")
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == (  # profiled in a fresh process; its error reads the same
+        "edgesplit simulate: error: model: 'vgg' is neither a zoo model (mlp, cnn, resnet8, "
+        "resnet20, resnet32, or any resnetN with N = 6n+2) nor an import path of the form "
+        "'package.module:function'"
+    )

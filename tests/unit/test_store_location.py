@@ -46,3 +46,14 @@ def test_only_this_hosts_ended_processes_leave_collectable_temporary_files() -> 
     assert temporary_owner_gone(f"ab.safetensors.h-{ended}.tmp", host="h")
     assert not temporary_owner_gone(f"ab.safetensors.other-{ended}.tmp", host="h")
     assert not temporary_owner_gone("ab.safetensors.1234.tmp", host="h")  # old naming: by age
+
+
+def test_a_folder_given_as_the_database_is_named(tmp_path: Path) -> None:
+    from storage import open_store
+
+    with pytest.raises(StoreError, match=r"is a folder, not a SQLite database: give the d"):
+        open_store(str(tmp_path))
+    with open_store(str(tmp_path / "runs.db")):
+        pass
+    with pytest.raises(StoreError, match=rf"give the file, {tmp_path / 'runs.db'}$"):
+        open_store(f"sqlite:///{tmp_path}")
