@@ -76,12 +76,15 @@ def export_run(
     model = spec.build(seed=0)
     whole = Segment.from_model(model, 0, model.num_blocks)
     load_segment_state(whole, weights)
+    plan = stored_plan(run) if per_device else None
+    if per_device and (plan is None or not plan.edges):  # before any file is written
+        raise ConfigError(
+            f"--per-device: run {run_id!r} has no stored plan, so no device segments (a "
+            "fedavg or centralized run trains the whole model); export without it"
+        )
     out.mkdir(parents=True, exist_ok=True)
     results = [_export(whole, f"{run_id}-round{number}-model", spec, out)]
-    if per_device:
-        plan = stored_plan(run)
-        if plan is None or not plan.edges:
-            raise ConfigError(f"run {run_id!r} has no stored plan, so no device segments")
+    if plan is not None:
         done: dict[int, ExportResult] = {}  # by end block: devices of one cut share a file
         for edge in plan.edges:
             name, end = f"{run_id}-round{number}-{edge.name}", edge.blocks[1]

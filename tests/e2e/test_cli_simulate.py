@@ -147,6 +147,12 @@ def test_fedavg_flags_clients_the_whole_model_does_not_fit(tmp_path: Path) -> No
     }
     assert "does not fit client-000, client-001" in (out / "plan.txt").read_text()
     assert "does not fit its budget" in done.stdout
+    # the whole model trained on every client: no device segments to export, said up front
+    onnx = tmp_path / "onnx"
+    export = run_cli("export", "--db", str(out / "runs.db"), "--out", str(onnx), "--per-device")
+    assert export.returncode == 2, export.stderr
+    assert "--per-device: run" in export.stderr and "export without it" in export.stderr
+    assert not onnx.exists() or not any(onnx.iterdir()), "nothing written before the refusal"
 
 
 @pytest.mark.parametrize("transport", ["in-process", "mqtt"])
