@@ -211,6 +211,7 @@ TRAINING_KEYS = (
     "strategy",
     "seed",
     "server_clip_norm",
+    "server_max_step",
     "max_activation",
     "server_fill",
     "norm",

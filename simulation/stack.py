@@ -33,12 +33,12 @@ __all__ = ["SegmentStack", "StepGroup", "stackable"]
 
 def stackable(segment: Segment) -> bool:
     """Whether ``segment`` can be stacked: no buffers, a loss that vmap can batch, a plain
-    optimizer step (no clipping or warm-up, which the stacked update does not do) and one
-    tensor at its cut (side tensors such as a mask are not stacked yet)."""
+    optimizer step (no clipping, step bound or warm-up, which the stacked update does not
+    do) and one tensor at its cut (side tensors such as a mask are not stacked yet)."""
     modules = (segment.module, segment.head)
     no_buffers = not any(True for m in modules for _ in m.buffers())
     config = segment.optimizer_config
-    plain = config.clip_norm is None and config.warmup_steps == 0
+    plain = config.clip_at(1.0) is None and config.warmup_steps == 0
     per_position = getattr(segment.head, "per_position", False)
     kind = getattr(segment.head, "kind", "")
     single = segment.side_outputs == 0

@@ -462,9 +462,13 @@ class TrainingConfig:
     # strategy; "local" keeps each device's own between rounds (FedBN; the global model holds
     # their average, for central evaluation and export)
     norm: str = setting("average", choices=NORMS)
-    # GPU servers clip the back's gradient norm to this (and optimizer.clip_norm): without
-    # it SGD momentum 0.9 at lr 0.05 diverges (docs/benchmarks.md, "Stable split training")
-    server_clip_norm: float | None = setting(1.0, above=0, what="a positive number (or null: off)")
+    # GPU servers bound each step of the back (optimizer.max_step: its gradient is clipped
+    # at the norm server_max_step / lr): without a bound SGD momentum 0.9 at lr 0.05
+    # diverged; a fixed clip of the gradient's norm at 1.0 held lr 0.05-0.1 but slowed lr
+    # 0.01 by 2 points in 5 rounds (docs/benchmarks.md, "Stable split training")
+    server_max_step: float | None = setting(0.05, above=0, what="a positive number (or null: off)")
+    # and clip the back's gradient norm to this (and optimizer.clip_norm; null: off)
+    server_clip_norm: float | None = setting(None, above=0, what="a positive number (or null: off)")
     # GPU servers refuse activations of larger magnitude (finite, but overflowing the back)
     max_activation: float = setting(1e8, above=0, what="a positive number")
     # local-loss: GPU servers merge edge batches smaller than batch_size into steps of
@@ -472,9 +476,14 @@ class TrainingConfig:
     server_fill: bool = True
 
     def server_optimizer(self) -> OptimizerConfig:
-        """The optimizer of a GPU server's piece: ``optimizer`` with the servers' clip."""
+        """The optimizer of a GPU server's piece: ``optimizer`` with the servers' bounds."""
         clips = [c for c in (self.optimizer.clip_norm, self.server_clip_norm) if c is not None]
-        return dataclasses.replace(self.optimizer, clip_norm=min(clips) if clips else None)
+        steps = [c for c in (self.optimizer.max_step, self.server_max_step) if c is not None]
+        return dataclasses.replace(
+            self.optimizer,
+            clip_norm=min(clips) if clips else None,
+            max_step=min(steps) if steps else None,
+        )
 
     def lr_scale(self, round_number: int) -> float:
         """The factor of the learning rate in ``round_number`` (``optimizer.lr_decay``)."""

@@ -112,7 +112,11 @@ class OptimizerConfig:
     steps of every round (each round starts a fresh optimizer state, so momentum and Adam's
     moments restart with it); ``lr_decay``: ``cosine`` scales round r of R by
     ``(1 + cos(pi (r - 1) / R)) / 2`` (1 in the first round, about ``2.5 / R**2`` in the
-    last), which every edge, GPU server and baseline applies to the rounds it trains."""
+    last), which every edge, GPU server and baseline applies to the rounds it trains;
+    ``max_step``: each step's gradient is clipped at the norm ``max_step / lr``, ``lr`` the
+    step's own (warm-up and decay applied), so a plain SGD step moves the weights by at most
+    ``max_step``: a bound on the step, where ``clip_norm`` bounds the gradient (a clip that
+    holds lr 0.1 steady slowed lr 0.01 down; GPU servers bound theirs: ``server_max_step``)."""
 
     name: str = "sgd-momentum"
     lr: float = 0.01
@@ -121,6 +125,7 @@ class OptimizerConfig:
     clip_norm: float | None = None
     warmup_steps: int = 0
     lr_decay: str = "none"
+    max_step: float | None = None
 
     def __post_init__(self) -> None:
         if self.lr_decay not in LR_DECAYS:
@@ -140,6 +145,10 @@ class OptimizerConfig:
                 f"optimizer.clip_norm: must be positive (or absent: no clipping), got "
                 f"{self.clip_norm}"
             )
+        if self.max_step is not None and not 0 < self.max_step < math.inf:
+            raise ConfigError(
+                f"optimizer.max_step: must be positive (or absent: no bound), got {self.max_step}"
+            )
         if not 0 <= self.warmup_steps <= 10**9:
             raise ConfigError(
                 f"optimizer.warmup_steps: must be in [0, 1e9], got {self.warmup_steps}"
@@ -157,6 +166,13 @@ class OptimizerConfig:
         if step >= self.warmup_steps:
             return self.lr
         return self.lr * (step + 1) / (self.warmup_steps + 1)
+
+    def clip_at(self, lr: float) -> float | None:
+        """The gradient norm a step at learning rate ``lr`` is clipped to (None: not clipped):
+        ``clip_norm`` or ``max_step / lr``, the lower."""
+        bounds = [self.clip_norm, self.max_step / lr if self.max_step is not None else None]
+        present = [b for b in bounds if b is not None]
+        return min(present) if present else None
 
     def build(self, parameters: list[nn.Parameter]) -> torch.optim.Optimizer:
         import torch

@@ -132,12 +132,13 @@ class Segment:
                     if param.grad is not None:
                         param.grad.add_(param - anchor, alpha=self.proximal_mu)
         config = self.optimizer_config
-        factor = 1.0
-        if config.clip_norm is not None:
-            norm = float(torch.nn.utils.clip_grad_norm_(params, config.clip_norm))
-            factor = min(1.0, config.clip_norm / (norm + 1e-6))  # as clip_grad_norm_ scales
+        lr = config.lr_at(self._steps) * self.lr_scale
+        clip, factor = config.clip_at(lr), 1.0
+        if clip is not None:
+            norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
+            factor = min(1.0, clip / (norm + 1e-6))  # as clip_grad_norm_ scales
         for group in self.optimizer.param_groups:
-            group["lr"] = config.lr_at(self._steps) * self.lr_scale
+            group["lr"] = lr
         self.optimizer.step()
         self._steps += 1
         return factor

@@ -165,3 +165,21 @@ def test_fedprox_with_a_proximal_term_plans_for_its_anchor(
     from coordinator.config import AggregationConfig
 
     assert AggregationConfig.parse(strategy).anchors is anchors
+
+
+def test_gpu_servers_bound_the_backs_step_by_default_and_take_the_lower_bounds() -> None:
+    from split_models.config import TrainingConfig
+
+    default = TrainingConfig.parse({"rounds": 1}).server_optimizer()
+    assert (default.max_step, default.clip_norm) == (0.05, None)
+    both = TrainingConfig.parse(
+        {
+            "rounds": 1,
+            "server_clip_norm": 2.0,
+            "optimizer": {"name": "sgd", "clip_norm": 1.0, "max_step": 0.5},
+        }
+    )
+    assert (both.server_optimizer().max_step, both.server_optimizer().clip_norm) == (0.05, 1.0)
+    assert both.optimizer.max_step == 0.5, "the edges keep the optimizer as configured"
+    off = TrainingConfig.parse({"rounds": 1, "server_max_step": None}).server_optimizer()
+    assert (off.max_step, off.clip_norm) == (None, None)

@@ -77,12 +77,31 @@ def test_clipping_bounds_the_step_and_warmup_ramps_the_learning_rate() -> None:
     assert segment.optimizer.param_groups[0]["lr"] == pytest.approx(0.1)
 
 
+@pytest.mark.parametrize("lr", [2.0, 0.5, 1e-4])
+def test_max_step_bounds_the_step_at_any_learning_rate(lr: float) -> None:
+    """``max_step`` clips the gradient at ``max_step / lr``: a plain SGD step moves by at most
+    ``max_step`` at a high rate, and a low rate's steps, already short, are left alone."""
+    start = [p.detach().clone() for p in _segment(OptimizerConfig("sgd")).trainable_parameters()]
+    bounded = _trained(_segment(OptimizerConfig("sgd", lr=lr, max_step=0.02)), 1)
+    plain = _trained(_segment(OptimizerConfig("sgd", lr=lr)), 1)
+    if _distance(plain, start) > 0.02:  # the bound is reached: the step is cut to it
+        assert _distance(bounded, start) == pytest.approx(0.02, rel=1e-3)
+    else:
+        assert all(torch.equal(a, b) for a, b in zip(bounded, plain, strict=True))
+    assert (_distance(plain, start) > 0.02) == (lr > 1e-3), "both cases are run"
+    both = OptimizerConfig("sgd", lr=lr, clip_norm=0.5, max_step=0.02)
+    assert both.clip_at(lr) == min(0.5, 0.02 / lr)
+    assert OptimizerConfig("sgd").clip_at(lr) is None
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [
         ({"clip_norm": 0.0}, "clip_norm"),
         ({"warmup_steps": -1}, "warmup_steps"),
         ({"lr_decay": "linear"}, "lr_decay"),
+        ({"max_step": 0.0}, "max_step"),
+        ({"max_step": float("inf")}, "max_step"),
     ],
 )
 def test_bad_step_options_are_named(options: dict[str, float], message: str) -> None:
