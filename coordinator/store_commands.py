@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -83,7 +84,9 @@ def status_command(args: argparse.Namespace) -> int:
             raise ConfigError(f"--run: {error}") from error
         # a failed or cancelled run: its last events say why (failure messages point there)
         ended = status["status"] in ("failed", "cancelled")
-        last = store.events(args.run)[-_LAST_EVENTS:] if ended else []
+        events = store.events(args.run)
+        last = events[-_LAST_EVENTS:] if ended else []
+    status["events"] = dict(Counter(e.kind for e in events))  # retries, refusals... at a glance
     if last:
         from coordinator.run_commands import event_record, format_event
 
@@ -105,6 +108,9 @@ def status_command(args: argparse.Namespace) -> int:
         )
     if status["rounds"]:
         print(_table(status["rounds"], _ROUND_COLUMNS))
+    if status["events"]:
+        counts = ", ".join(f"{kind} {n}" for kind, n in status["events"].items())
+        print(f"events: {counts} (edgesplit runs events {args.run})")
     if last:
         print(f"last events (all: edgesplit runs events {args.run}):")
         print("\n".join(f"  {format_event(e)}" for e in last))
