@@ -90,7 +90,7 @@ def cancelled_run(
             key=lambda r: r.updated_at,
             reverse=True,
         )
-        why: dict[str, str] = {}
+        passed: tuple[str, str] | None = None  # the latest run not resumed, and why
         for run in runs:
             changed = config_changes(run.config, run_config(config, run.run_id, test_data), keys)
             recorded = _recorded(store, run.run_id) or {}
@@ -98,11 +98,10 @@ def cancelled_run(
             if not changed and not other:
                 _check_rounds(run.run_id, run.current_round or 0, config.training.rounds)
                 return run.run_id
-            why[run.run_id] = "; ".join(
-                filter(None, [describe_changes(changed), ", ".join(f"other {k}" for k in other)])
-            )
-    if why:
-        latest, reason = next(iter(why.items()))
+            reasons = [describe_changes(changed), ", ".join(f"other {k}" for k in other)]
+            passed = passed or (run.run_id, "; ".join(filter(None, reasons)))
+    if passed is not None:
+        latest, reason = passed
         log.warning(
             "not resuming cancelled run %s, which trained otherwise (%s): starting a new run",
             latest,

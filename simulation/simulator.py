@@ -24,9 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from coordinator.config import (
-    RunConfig,
-)
+from coordinator.config import RunConfig
 from coordinator.planner import stored_plan
 from coordinator.service import Coordinator, RoundObserver
 from edge_client.agent import EdgeAgent
@@ -217,19 +215,18 @@ def simulate(
     test_path = out / "test.npz"
     np.savez(test_path, x=test.x, y=test.y)
     parts = _partition(config, train)
-    prints = fingerprint(train, parts, config.fleet.client_profiles())
+    baseline = config.method in BASELINES  # the whole model: never resumed, nothing to digest
+    prints = None if baseline else fingerprint(train, parts, config.fleet.client_profiles())
     run_id = run_id or _run_id(config, out, f"npz:{test_path}", prints)
     run = run_config(config, run_id, f"npz:{test_path}")
-    if config.method in BASELINES:
+    if prints is None:
         summary = _baseline(config, (train, test), parts, out, run_id, started)
         write_outputs(out, summary, summary.pop("_plan_text"))
         return summary
-    with open_store(f"sqlite:///{out / 'runs.db'}") as store:
-        start_run(store, run, prints)
     names = client_names(config.fleet.clients)
     data = {name: train.subset(rows) for name, rows in zip(names, parts, strict=True)}
     trained, plan, now, rows, clients, batched = _split_learning(
-        config, run, data, out, (broker, password), observer
+        config, (run, prints), data, out, (broker, password), observer
     )
     training = sum(r["wall_seconds"] or 0.0 for r in now)  # this process's rounds
     summary = {
@@ -249,11 +246,12 @@ def simulate(
     return summary
 
 
-def _run_id(config: SimConfig, out: Path, test_data: str, prints: dict[str, str]) -> str:
+def _run_id(config: SimConfig, out: Path, test_data: str, prints: dict[str, str] | None) -> str:
     """The latest cancelled run in ``out`` that trains as this configuration does (rounds may
-    differ) on the same data, partition and devices, to resume; else a new id."""
+    differ) on the same data, partition and devices (``prints``; None: a baseline, never
+    resumed), to resume; else a new id."""
     resumed = None
-    if config.method not in BASELINES and (out / "runs.db").exists():
+    if prints is not None and (out / "runs.db").exists():
         resumed = cancelled_run(config, out, test_data, prints)
     return resumed or f"sim-{uuid.uuid4().hex[:8]}"
 
@@ -277,7 +275,7 @@ def _check_data(config: SimConfig, *sets: Dataset) -> None:
 
 def _split_learning(
     config: SimConfig,
-    run: RunConfig,
+    started: tuple[RunConfig, dict[str, str]],
     data: dict[str, Dataset],
     out: Path,
     broker: tuple[str, str | None],
@@ -285,9 +283,10 @@ def _split_learning(
 ) -> tuple[
     float, Plan | None, list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]], Any
 ]:
-    """Train ``run`` on the simulated fleet (its store in ``out``, ``broker`` its URL and
-    password); return when training ended, the stored plan, the rows of the rounds trained
-    now and of all rounds, the client rows, and the batched slots' counts."""
+    """Train the run of ``started`` (its config and digests) on the simulated fleet (its
+    store in ``out``, ``broker`` its URL and password); return when training ended, the
+    stored plan, the rows of the rounds trained now and of all rounds, the client rows, and
+    the batched slots' counts."""
     require_device(config.fleet.client_device, "client_device")
     require_device(config.gpu.device, "gpu.device")
     profiles = config.fleet.client_profiles()
@@ -297,7 +296,9 @@ def _split_learning(
         _start_gpu_host(config, connect)
         fleet = _Fleet(config, data, profiles, connect)
         observers = _Observers(fleet, *([observer] if observer is not None else []))
+        run = started[0]
         with open_store(f"sqlite:///{out / 'runs.db'}") as store:
+            start_run(store, *started)  # a new run is created with its digests
             coordinator = Coordinator(
                 run,
                 store,

@@ -38,7 +38,7 @@ def stackable(segment: Segment) -> bool:
     modules = (segment.module, segment.head)
     no_buffers = not any(True for m in modules for _ in m.buffers())
     config = segment.optimizer_config
-    plain = config.clip_at(1.0) is None and config.warmup_steps == 0
+    plain = config.clip_norm is None and config.max_step is None and config.warmup_steps == 0
     per_position = getattr(segment.head, "per_position", False)
     kind = getattr(segment.head, "kind", "")
     single = segment.side_outputs == 0
