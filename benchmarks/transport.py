@@ -15,12 +15,14 @@ consumes); "wire MB/s" counts the bytes that crossed the broker.
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
 import os
 import statistics
 import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import paho.mqtt.client as mqtt
@@ -34,7 +36,9 @@ from wire.mqtt import MqttConfig, MqttTransport
 
 SIZES = {"64 KiB": 64 * 1024, "1 MiB": 1024 * 1024, "8 MiB": 8 * 1024 * 1024}
 FEATURES = 256
-TARGET = 0.70
+TARGET = 0.70  # issue 18: at 64 KiB
+LARGE = 0.95  # and at 1 MiB and more
+ENCODINGS = ("fp32", "fp16", "int8")
 
 
 def _client(port: int, name: str) -> mqtt.Client:
@@ -48,7 +52,57 @@ def _client(port: int, name: str) -> mqtt.Client:
     return client
 
 
-def raw_paho(port: int, size: int, count: int) -> float:
+def _batch(size: int) -> dict[str, np.ndarray]:
+    rows = size // (4 * FEATURES)
+    x = np.random.default_rng(0).standard_normal((rows, FEATURES), dtype=np.float32)
+    return {"x": x, "y": np.arange(rows, dtype=np.int64)}
+
+
+def _publish(port: int, size: int, count: int, topic: str, encoding: str | None) -> None:
+    """Send ``count`` messages: opaque payloads from a raw paho client (``encoding`` None), or
+    activation batches through a Channel; return once the broker acknowledged them all."""
+    if encoding is None:
+        publisher, payload = _client(port, "raw-pub"), os.urandom(size)
+        infos = [publisher.publish(topic, payload, qos=1) for _ in range(count)]
+        for info in infos:
+            info.wait_for_publish(60)
+        publisher.disconnect()
+        publisher.loop_stop()
+        return
+    config = MqttConfig.from_url(f"mqtt://127.0.0.1:{port}")
+    transport = MqttTransport(config, f"es-pub-{uuid.uuid4().hex[:6]}")
+    sender, tensors = Channel(transport, "pi-01"), _batch(size)
+    for _ in range(count):
+        sender.send(topic, "activations", "bench", tensors=tensors, encoding=encoding)
+    transport.close()
+
+
+def _child(port: int, size: int, count: int, topic: str, encoding: str | None, go: Any) -> None:
+    go.wait(60)
+    _publish(port, size, count, topic, encoding)
+
+
+def _start(port: int, size: int, count: int, topic: str, encoding: str | None, apart: bool) -> Any:
+    """Start the sender: a thread of this process, or ``apart`` a process of its own (as
+    deployed: an edge and a GPU server do not share an interpreter). Return (when it began
+    sending, the thread or process to join)."""
+    args = (port, size, count, topic, encoding)
+    if not apart:
+        thread = threading.Thread(target=_publish, args=args)
+        started = time.perf_counter()
+        thread.start()
+        return started, thread
+    context = mp.get_context("spawn")
+    go = context.Event()
+    child = context.Process(target=_child, args=(*args, go))
+    child.start()
+    time.sleep(1.0)  # the child imports and connects
+    started = time.perf_counter()
+    go.set()
+    return started, child
+
+
+def raw_paho(port: int, size: int, count: int, apart: bool = False) -> float:
     """MB/s of opaque payloads from one paho client to another."""
     topic, received, done = f"bench/raw/{uuid.uuid4().hex[:6]}", [0], threading.Event()
 
@@ -57,33 +111,27 @@ def raw_paho(port: int, size: int, count: int) -> float:
         if received[0] == count:
             done.set()
 
-    subscriber, publisher = _client(port, "raw-sub"), _client(port, "raw-pub")
+    subscriber = _client(port, "raw-sub")
     subscriber.on_message = on_message
     subscriber.subscribe(topic, qos=1)
     time.sleep(0.3)
-    payload = os.urandom(size)
-    started = time.perf_counter()
-    infos = [publisher.publish(topic, payload, qos=1) for _ in range(count)]
+    started, sender = _start(port, size, count, topic, None, apart)
     done.wait(300)
     elapsed = time.perf_counter() - started
-    for info in infos:
-        info.wait_for_publish(10)
-    for client in (subscriber, publisher):
-        client.disconnect()
-        client.loop_stop()
+    sender.join(120)
+    subscriber.disconnect()
+    subscriber.loop_stop()
     return count * size / elapsed / 1e6
 
 
-def edgesplit(port: int, size: int, count: int, encoding: str) -> tuple[float, float]:
+def edgesplit(
+    port: int, size: int, count: int, encoding: str, apart: bool = False
+) -> tuple[float, float]:
     """(activation MB/s, wire MB/s) of validated activation batches through Channels."""
     config = MqttConfig.from_url(f"mqtt://127.0.0.1:{port}")
-    tx_transport = MqttTransport(config, f"es-pub-{uuid.uuid4().hex[:6]}")
     rx_transport = MqttTransport(config, f"es-sub-{uuid.uuid4().hex[:6]}")
-    sender, receiver = Channel(tx_transport, "pi-01"), Channel(rx_transport, "gpu-a")
+    receiver = Channel(rx_transport, "gpu-a")
     topic = f"edgesplit/v1/bench/act/seg/{uuid.uuid4().hex[:6]}"
-    batch = size // (4 * FEATURES)
-    x = np.random.default_rng(0).standard_normal((batch, FEATURES), dtype=np.float32)
-    y = np.arange(batch, dtype=np.int64)
     received, done = [0], threading.Event()
 
     def on_batch(envelope: Envelope) -> None:
@@ -97,15 +145,39 @@ def edgesplit(port: int, size: int, count: int, encoding: str) -> tuple[float, f
         expect={"x": TensorSpec("float32", (None, FEATURES)), "y": TensorSpec("int64", (None,))},
     )
     time.sleep(0.3)
-    started = time.perf_counter()
-    for _ in range(count):
-        sender.send(topic, "activations", "bench", tensors={"x": x, "y": y}, encoding=encoding)
+    started, sender = _start(port, size, count, topic, encoding, apart)
     done.wait(300)
     elapsed = time.perf_counter() - started
+    sender.join(120)
     wire = receiver.stats.bytes_received
-    tx_transport.close()
     rx_transport.close()
-    return count * x.nbytes / elapsed / 1e6, wire / elapsed / 1e6
+    activations = count * _batch(size)["x"].nbytes
+    return activations / elapsed / 1e6, wire / elapsed / 1e6
+
+
+def _row(port: int, label: str, count: int, repeat: int, apart: bool) -> tuple[str, float]:
+    """One table row and its fp32 ratio; raw and edgesplit runs alternate, so drift in the
+    machine's speed reaches both alike."""
+    size = SIZES[label]
+    raws: list[float] = []
+    results: dict[str, list[tuple[float, float]]] = {e: [] for e in ENCODINGS}
+    for _ in range(repeat):
+        raws.append(raw_paho(port, size, count, apart))
+        for encoding in ENCODINGS:
+            results[encoding].append(edgesplit(port, size, count, encoding, apart))
+    raw = statistics.median(raws)
+    medians = {
+        e: (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs))
+        for e, runs in results.items()
+    }
+    ratio = medians["fp32"][0] / raw
+    layout = "two processes" if apart else "one process"
+    row = (
+        f"| {label} | {layout} | {raw:.0f} | {medians['fp32'][0]:.0f} | {ratio:.2f} | "
+        f"{medians['fp16'][0]:.0f} / {medians['fp16'][1]:.0f} | "
+        f"{medians['int8'][0]:.0f} / {medians['int8'][1]:.0f} |"
+    )
+    return row, ratio
 
 
 def main() -> int:
@@ -113,40 +185,36 @@ def main() -> int:
     parser.add_argument("--total-mb", type=int, default=192, help="data per measurement")
     parser.add_argument("--repeat", type=int, default=3, help="median of this many runs")
     parser.add_argument("--out", type=Path, help="append the table to this markdown file")
+    parser.add_argument(
+        "--sizes", nargs="+", choices=list(SIZES), default=list(SIZES), help="payloads to measure"
+    )
+    parser.add_argument(
+        "--layouts",
+        nargs="+",
+        choices=("one", "two"),
+        default=["one", "two"],
+        help="sender and receiver in one process, or in two",
+    )
     args = parser.parse_args()
     header = (
-        "| payload | raw paho MB/s | edgesplit fp32 (activation MB/s) | ratio | "
-        "fp16 activation / wire MB/s | int8 activation / wire MB/s |\n"
-        "|---|---|---|---|---|---|"
+        "| payload | sender, receiver | raw paho MB/s | edgesplit fp32 (activation MB/s) | "
+        "ratio | fp16 activation / wire MB/s | int8 activation / wire MB/s |\n"
+        "|---|---|---|---|---|---|---|"
     )
     report = Report(header)
     verdicts = []
     with Broker() as broker:
-        for label, size in SIZES.items():
-            count = max(8, args.total_mb * 1024 * 1024 // size)
-            raw = statistics.median(raw_paho(broker.port, size, count) for _ in range(args.repeat))
-            results = {
-                e: [edgesplit(broker.port, size, count, e) for _ in range(args.repeat)]
-                for e in ("fp32", "fp16", "int8")
-            }
-            medians = {
-                e: (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs))
-                for e, runs in results.items()
-            }
-            ratio = medians["fp32"][0] / raw
-            if size >= 1024 * 1024:
-                verdicts.append(ratio >= TARGET)
-            row = (
-                f"| {label} | {raw:.0f} | {medians['fp32'][0]:.0f} | {ratio:.2f} | "
-                f"{medians['fp16'][0]:.0f} / {medians['fp16'][1]:.0f} | "
-                f"{medians['int8'][0]:.0f} / {medians['int8'][1]:.0f} |"
-            )
-            report.row(row)
+        for label in args.sizes:
+            count = max(8, args.total_mb * 1024 * 1024 // SIZES[label])
+            for layout in args.layouts:
+                row, ratio = _row(broker.port, label, count, args.repeat, layout == "two")
+                report.row(row)
+                verdicts.append(ratio >= (TARGET if SIZES[label] < 1024 * 1024 else LARGE))
     verdict = "PASS" if all(verdicts) else "FAIL"
     summary = (
-        f"\ntarget: edgesplit fp32 >= {TARGET:.0%} of raw paho at 1 MiB and 8 MiB: "
-        f"{verdict}; median of {args.repeat} runs of {args.total_mb} MB each; mosquitto "
-        f"on loopback; {machine()}"
+        f"\ntarget: edgesplit fp32 >= {TARGET:.0%} of raw paho below 1 MiB and >= {LARGE:.0%} "
+        f"at 1 MiB and more: {verdict}; median of {args.repeat} runs of {args.total_mb} MB "
+        f"each, raw and edgesplit alternating; mosquitto on loopback; {machine()}"
     )
     report.finish(summary, args.out)
     return 0 if verdict == "PASS" else 1

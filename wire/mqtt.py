@@ -30,7 +30,9 @@ from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from wire.errors import TransportError, UnreachableError
+from wire.bundles import Held, bundle, is_bundle, unbundle
+from wire.errors import TransportError, UnreachableError, WireError
+from wire.logs import warn
 from wire.transport import Handler, Mailbox, Transport, Will, matches, split_shared
 
 __all__ = [
@@ -94,6 +96,11 @@ class MqttConfig:
     reconnect_max: int = 5  # a restarted broker sees every agent back within seconds
     max_payload: int = 64 * 1024 * 1024
     max_queued: int = 64
+    # While ``bundle_after`` or more messages await the broker's acknowledgement, payloads of at
+    # most a quarter of ``bundle_bytes`` are held back and sent to their topic together
+    # (``wire.bundles``); 0 sends every payload on its own.
+    bundle_bytes: int = 1024 * 1024
+    bundle_after: int = 4
 
     @classmethod
     def from_url(cls, url: str, password: str | None = None, **overrides: Any) -> MqttConfig:
@@ -200,6 +207,10 @@ class MqttTransport(Transport):
         self._outstanding: set[int] = set()
         self._acked: set[int] = set()
         self._acks = threading.Condition()
+        self._held = Held(config.bundle_bytes)  # guarded by _acks
+        self._draining = False
+        self.bundles_sent = self.bundled = 0  # bundles published, payloads they carried
+        self.malformed = 0  # bundles received whose frame was broken (dropped whole)
         self.mailbox = Mailbox(self.client_id)
         self._closed = False
         self.refused: collections.Counter[str] = collections.Counter()  # PUBACK >= 0x80
@@ -270,6 +281,9 @@ class MqttTransport(Transport):
             else:
                 self._acked.add(mid)
             self._acks.notify_all()
+            drain = bool(self._held) and len(self._outstanding) < self.config.bundle_after
+        if drain:
+            self._drain()
 
     def _on_disconnect(
         self, _client: mqtt.Client, _userdata: Any, _flags: Any, reason: Any, _properties: Any
@@ -284,6 +298,7 @@ class MqttTransport(Transport):
         # With overlapping subscriptions the broker sends one copy per subscription, each
         # naming its subscription identifiers: deliver each copy to exactly those handlers.
         identifiers = set(getattr(message.properties, "SubscriptionIdentifier", None) or ())
+        parts = self._parts(message.topic, bytes(message.payload))
         with self._lock:
             if identifiers:
                 targets = [h for i, h in self._handlers.values() if i in identifiers]
@@ -294,28 +309,110 @@ class MqttTransport(Transport):
                     if matches(split_shared(f)[1], message.topic)
                 ]
             if not targets:
-                self._keep_unclaimed(message.topic, bytes(message.payload))
+                for part in parts:
+                    self._keep_unclaimed(message.topic, part)
                 return
         for handler in targets:
-            self.mailbox.put(handler, message.topic, bytes(message.payload))
+            for part in parts:
+                self.mailbox.put(handler, message.topic, part)
+
+    def _parts(self, topic: str, payload: bytes) -> list[bytes]:
+        """The payloads ``payload`` carries: itself, or a bundle's parts (none when broken)."""
+        try:
+            if not is_bundle(payload):
+                return [payload]
+            return unbundle(payload)
+        except WireError as error:
+            self.malformed += 1
+            warn(log, (topic, "bundle"), "dropped a broken bundle on %s: %s", topic, error)
+            return []
 
     # ---------------------------------------------------------------- Transport
     def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
         self._check_size(payload)
+        if not retain and 0 < len(payload) <= self.config.bundle_bytes // 4:
+            if self._held_back(topic, payload):
+                return
+        else:  # keep the order: what is held back goes first
+            self._drain()
+            self._wait_until(lambda: not self._held and not self._draining)
+        self._publish_now(topic, payload, retain)
+
+    def _held_back(self, topic: str, payload: bytes) -> bool:
+        """Hold ``payload`` for a bundle while earlier messages await their acknowledgements
+        (or are held themselves); whether it was held. At most 4 bundles' worth is held: a
+        producer beyond that waits, as for paho's bounded queue."""
+        cap = 4 * self.config.bundle_bytes
+        with self._acks:
+            after = self.config.bundle_after
+            if not (self._held or self._draining or len(self._outstanding) >= after):
+                return False
+            self._wait_until(lambda: self._held.bytes < cap)
+            self._held.add(topic, payload)
+            idle = len(self._outstanding) < after  # acked meanwhile: no ack will send it
+        if idle:
+            self._drain()
+        return True
+
+    def _publish_now(self, topic: str, payload: bytes, retain: bool) -> None:
         while True:
             info = self._client.publish(topic, payload, qos=1, retain=retain)
             if info.rc == mqtt.MQTT_ERR_QUEUE_SIZE:  # bounded queue full: wait for the broker
                 self._wait_until(lambda: len(self._outstanding) < self.config.max_queued)
                 continue
-            # MQTT_ERR_NO_CONN: paho keeps QoS 1 messages and sends them after reconnecting.
-            if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
-                raise TransportError(f"publish to {topic!r} failed: {mqtt.error_string(info.rc)}")
-            with self._acks:
-                if info.mid in self._acked:
-                    self._acked.discard(info.mid)
-                else:
-                    self._outstanding.add(info.mid)
+            self._register(topic, info)
             return
+
+    def _register(self, topic: str, info: mqtt.MQTTMessageInfo) -> None:
+        # MQTT_ERR_NO_CONN: paho keeps QoS 1 messages and sends them after reconnecting.
+        if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
+            raise TransportError(f"publish to {topic!r} failed: {mqtt.error_string(info.rc)}")
+        with self._acks:
+            if info.mid in self._acked:
+                self._acked.discard(info.mid)
+            else:
+                self._outstanding.add(info.mid)
+
+    def _drain(self) -> None:
+        """Send what is held, one message per run, while paho's queue has room. One drainer
+        at a time: the network thread (on an acknowledgement) or a publisher."""
+        while True:
+            with self._acks:
+                if self._draining or not self._held:
+                    return
+                self._draining = True
+            try:
+                while self._send_held():
+                    pass
+            finally:
+                with self._acks:
+                    self._draining = False
+                    self._acks.notify_all()
+                    again = bool(self._held) and len(self._outstanding) < self.config.bundle_after
+            if not again:  # else something was held while this drainer stopped
+                return
+
+    def _send_held(self) -> bool:
+        """Publish the oldest held run; False when none is held or paho's queue is full."""
+        with self._acks:
+            if not self._held or len(self._outstanding) >= self.config.max_queued - 2:
+                return False
+            topic, parts = self._held.take()
+            self._acks.notify_all()  # room for a waiting producer
+        info = self._client.publish(topic, parts[0] if len(parts) == 1 else bundle(parts), qos=1)
+        if info.rc == mqtt.MQTT_ERR_QUEUE_SIZE:
+            with self._acks:
+                self._held.put_back(topic, parts)
+            return False
+        try:
+            self._register(topic, info)
+        except TransportError as error:  # on the network thread: log, never raise
+            log.error("%s (%d messages lost)", error, len(parts))
+            return True
+        if len(parts) > 1:
+            self.bundles_sent += 1
+            self.bundled += len(parts)
+        return True
 
     def _wait_until(self, ready: Callable[[], bool], timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
@@ -330,7 +427,10 @@ class MqttTransport(Transport):
                 self._acks.wait(min(remaining, 0.5))
 
     def flush(self, timeout: float = 30.0) -> None:
-        self._wait_until(lambda: not self._outstanding, timeout)
+        self._drain()
+        self._wait_until(
+            lambda: not self._outstanding and not self._held and not self._draining, timeout
+        )
 
     def on_reconnect(self, callback: Callable[[], None]) -> None:
         self._reconnect_hooks.append(callback)
@@ -391,6 +491,8 @@ class MqttTransport(Transport):
             return
         self._closed = True
         self._client.loop_stop()
+        with self._acks:
+            self._held.clear()  # a crash loses what was held back, as it does paho's queue
         sock = self._client.socket()
         if sock is not None:
             sock.close()

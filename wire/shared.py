@@ -42,7 +42,9 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
-from wire.errors import TransportError
+from wire.bundles import is_bundle, unbundle
+from wire.errors import TransportError, WireError
+from wire.logs import warn
 from wire.mqtt import MqttConfig, account_client_id, connect_and_wait, paho_client
 from wire.transport import Handler, Mailbox, Transport, Will, matches, split_shared
 
@@ -166,8 +168,16 @@ class _Connection:
             else:
                 held = [s for s in self._subscriptions.values() if matches(s.plain, topic)]
             targets = [target for subscription in held for target in subscription.targets()]
+        parts = [payload]
+        if is_bundle(payload):  # several payloads a sender coalesced (wire.bundles)
+            try:
+                parts = unbundle(payload)
+            except WireError as error:
+                warn(log, (topic, "bundle"), "dropped a broken bundle on %s: %s", topic, error)
+                return
         for view, handler in targets:  # one payload object for every view: no copies
-            view.mailbox.put(handler, topic, payload)
+            for part in parts:
+                view.mailbox.put(handler, topic, part)
 
     # ---------------------------------------------------------------- for the views
     def publish(self, view: SharedView | None, topic: str, payload: bytes, retain: bool) -> None:

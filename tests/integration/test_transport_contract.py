@@ -64,6 +64,24 @@ class TransportContract:
         assert [p for _, p in plus.wait(2)] == [b"one", b"two"]  # type: ignore[misc]
         assert exact.wait(1) == [("edgesplit/v1/r/act/seg-a", b"one")]
 
+    def test_a_burst_arrives_whole_and_in_order(self, connect: Factory) -> None:
+        """Small messages faster than the broker acknowledges them (the MQTT transport then
+        bundles them), a large one and a retained one in between: each arrives once, in the
+        order sent, on its own topic; an empty one too."""
+        publisher, subscriber = connect("pub"), connect("sub")
+        inbox = Inbox()
+        subscriber.subscribe("edgesplit/v1/burst/#", inbox)
+        settle()
+        sent = []
+        for index in range(600):
+            topic = f"edgesplit/v1/burst/{'a' if index % 50 < 40 else 'b'}"
+            payload = index.to_bytes(4, "big") * {200: 0, 300: 100_000}.get(index, 2048)
+            publisher.publish(topic, payload, retain=index == 450)
+            sent.append((topic, payload))
+        publisher.flush()
+        assert inbox.wait(len(sent), timeout=30) == sent
+        publisher.publish("edgesplit/v1/burst/a", b"", retain=True)  # clear the retained one
+
     def test_retained_presence_and_last_will(self, connect: Factory) -> None:
         device = f"pi-{uuid.uuid4().hex[:6]}"
         will = Will(topics.presence(device), b"offline")
