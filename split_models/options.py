@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -27,6 +28,7 @@ __all__ = [
     "ModelOptions",
     "OptimizerConfig",
     "add_model_path",
+    "unused_optimizer_keys",
 ]
 
 LOCAL_LOSSES = ("linear", "mlp", "supcon")
@@ -183,6 +185,21 @@ class OptimizerConfig:
         return torch.optim.SGD(
             parameters, lr=self.lr, momentum=momentum, weight_decay=self.weight_decay
         )
+
+
+def unused_optimizer_keys(written: object, used: OptimizerConfig) -> list[str]:
+    """What a config file's ``optimizer`` section (``written``) sets that the optimizer it
+    ends up with (``used``, after the command line's flags) ignores, one line each: momentum
+    with anything but ``sgd-momentum``. Said, not refused: a stored run's config carries the
+    default momentum whatever its optimizer."""
+    if not isinstance(written, Mapping) or "momentum" not in written:
+        return []
+    if used.name == "sgd-momentum":
+        return []
+    return [
+        f"optimizer.momentum {written['momentum']!r} has no effect with optimizer "
+        f"{used.name!r}: only 'sgd-momentum' uses it"
+    ]
 
 
 def add_model_path(folder: str | os.PathLike[str]) -> None:

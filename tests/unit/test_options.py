@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
+
 import pytest
 
 from split_models import options
@@ -22,3 +25,26 @@ def test_every_named_local_loss_and_zoo_model_builds() -> None:
         LocalHead(kind, (4, 8, 8), 10)
     for name in options.ZOO_NAMES:
         assert build_model(name, (3, 8, 8), 10, seed=0).num_blocks >= 2, name
+
+
+def test_momentum_written_for_an_optimizer_without_it_is_named() -> None:
+    adam = options.OptimizerConfig("adam", 0.001)
+    (line,) = options.unused_optimizer_keys({"name": "adam", "momentum": 0.5}, adam)
+    assert "momentum 0.5" in line and "'adam'" in line and "sgd-momentum" in line
+    sgd_m = options.OptimizerConfig("sgd-momentum", 0.01)
+    assert options.unused_optimizer_keys({"momentum": 0.5}, sgd_m) == []
+    assert options.unused_optimizer_keys({"name": "adam"}, adam) == []  # not written
+    assert options.unused_optimizer_keys(None, adam) == []
+
+
+def test_a_simulation_config_file_warns_of_unused_momentum(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from simulation.config import load_sim_config
+
+    path = tmp_path / "SIM.yaml"
+    path.write_text("optimizer: {name: sgd, lr: 0.05, momentum: 0.8}\n")
+    with caplog.at_level(logging.WARNING):
+        config = load_sim_config(path, {})
+    assert config.training.optimizer.name == "sgd"
+    assert "momentum 0.8 has no effect with optimizer 'sgd'" in caplog.text
