@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["TransportError", "UnreachableError", "WireError"]
+__all__ = ["TransportClosed", "TransportError", "UnreachableError", "WireError"]
 
 
 class WireError(ValueError):
@@ -20,3 +20,8 @@ class TransportError(RuntimeError):
 
 class UnreachableError(TransportError):
     """The MQTT broker cannot be reached (not running, wrong host or port, firewall)."""
+
+
+class TransportClosed(TransportError):
+    """The transport was closed (its process is shutting down): a handler that still tries to
+    publish on it stops, which is no fault."""

@@ -45,11 +45,13 @@ _LAST_ROUND = 999_999_999  # the largest round an announcement carries: after ev
 
 
 class RoundAbandoned(RuntimeError):
-    """The coordinator that asked for this round was replaced; nobody waits for its end."""
+    """The coordinator that asked for this round stopped or was replaced (a later session,
+    round or try was announced); nobody waits for its end."""
 
     def __init__(self, round_number: int) -> None:
         super().__init__(
-            f"round {round_number} abandoned: the coordinator that asked for it was replaced"
+            f"round {round_number} abandoned: the coordinator that asked for it stopped or "
+            "was replaced"
         )
 
 

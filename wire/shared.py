@@ -43,7 +43,7 @@ from paho.mqtt.properties import Properties
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from wire.bundles import is_bundle, unbundle
-from wire.errors import TransportError, WireError
+from wire.errors import TransportClosed, TransportError, WireError
 from wire.logs import warn
 from wire.mqtt import MqttConfig, account_client_id, connect_and_wait, paho_client
 from wire.transport import Handler, Mailbox, Transport, Will, matches, split_shared
@@ -292,13 +292,13 @@ class SharedView(Transport):
 
     def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
         if self._closed:
-            raise TransportError(f"transport {self.client_id!r} is closed")
+            raise TransportClosed(f"transport {self.client_id!r} is closed")
         self._check_size(payload)
         self._connection.publish(self, topic, payload, retain)
 
     def subscribe(self, topic_filter: str, handler: Handler) -> None:
         if self._closed:
-            raise TransportError(f"transport {self.client_id!r} is closed")
+            raise TransportClosed(f"transport {self.client_id!r} is closed")
         self._filters.add(topic_filter)
         self._connection.subscribe(self, topic_filter, handler)
 

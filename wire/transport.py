@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from wire.errors import TransportError
+from wire.errors import TransportClosed, TransportError
 
 __all__ = [
     "Handler",
@@ -111,7 +111,9 @@ _LINGER = 0.5  # seconds a delivery thread waits for more before it ends
 def _deliver(handler: Handler, topic: str, payload: bytes) -> None:
     try:
         handler(topic, payload)
-    except TransportError as error:  # e.g. its reply's transport closed (shutdown)
+    except TransportClosed as error:  # its reply's transport closed: a shutdown, no fault
+        log.info("handler for %s stopped: %s", topic, error)
+    except TransportError as error:
         log.warning("handler for %s stopped: %s", topic, error)
     except Exception:  # a failing handler must not stop delivery to the others
         log.exception("handler for %s failed", topic)
@@ -302,7 +304,7 @@ class InProcessTransport(Transport):
 
     def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
         if self._closed:
-            raise TransportError(f"transport {self.client_id!r} is closed")
+            raise TransportClosed(f"transport {self.client_id!r} is closed")
         self._check_size(payload)
         self.hub.publish(topic, bytes(payload), retain)
 

@@ -4,12 +4,14 @@ and hold no delivery thread for an idle client."""
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 import time
 from typing import Any
 
 import numpy as np
+import pytest
 
 from wire.transport import Handler, InProcessHub, matches
 
@@ -157,3 +159,27 @@ def test_flower_arrays_decode_as_flowers_own_parser_does() -> None:
         assert np.array_equal(got, want) and got.flags.writeable
     lying = Array(dtype="float32", shape=(4, 3), stype="numpy.ndarray", data=Array(samples[0]).data)
     assert array_numpy(lying).shape == (3, 4)  # a header that disagrees: parsed, not trusted
+
+
+def test_a_handler_stopped_by_a_closed_transport_is_no_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A shutdown closes the transport a handler replies on: said at INFO; any other
+    transport error stopping a handler stays a warning."""
+    from wire.errors import TransportClosed, TransportError
+    from wire.transport import _deliver
+
+    def closed(_topic: str, _payload: bytes) -> None:
+        raise TransportClosed("transport 'edge' is closed")
+
+    def broken(_topic: str, _payload: bytes) -> None:
+        raise TransportError("publish failed")
+
+    with caplog.at_level(logging.INFO, logger="wire.transport"):
+        _deliver(closed, "t/a", b"")
+        _deliver(broken, "t/b", b"")
+    levels = {r.getMessage().split(":")[0]: r.levelno for r in caplog.records}
+    assert levels == {
+        "handler for t/a stopped": logging.INFO,
+        "handler for t/b stopped": logging.WARNING,
+    }
