@@ -16,7 +16,7 @@ import logging
 import threading
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -227,4 +227,6 @@ class Channel:
             self.stats.bytes_received += len(payload)
             self.stats.received_by_kind[envelope.kind] += len(payload)
         meta = {k: v for k, v in envelope.meta.items() if k != "epoch"}
-        return replace(envelope, meta=meta)
+        # built anew, not with dataclasses.replace (about 6 us more): this runs for every message
+        head = (envelope.kind, envelope.run, envelope.sender, envelope.seq, envelope.round)
+        return Envelope(*head, meta, envelope.tensors)

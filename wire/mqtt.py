@@ -313,8 +313,7 @@ class MqttTransport(Transport):
                     self._keep_unclaimed(message.topic, part)
                 return
         for handler in targets:
-            for part in parts:
-                self.mailbox.put(handler, message.topic, part)
+            self.mailbox.put_all(handler, message.topic, parts)
 
     def _parts(self, topic: str, payload: bytes) -> list[bytes]:
         """The payloads ``payload`` carries: itself, or a bundle's parts (none when broken)."""

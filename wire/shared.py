@@ -176,8 +176,7 @@ class _Connection:
                 warn(log, (topic, "bundle"), "dropped a broken bundle on %s: %s", topic, error)
                 return
         for view, handler in targets:  # one payload object for every view: no copies
-            for part in parts:
-                view.mailbox.put(handler, topic, part)
+            view.mailbox.put_all(handler, topic, parts)
 
     # ---------------------------------------------------------------- for the views
     def publish(self, view: SharedView | None, topic: str, payload: bytes, retain: bool) -> None:

@@ -13,7 +13,7 @@ import collections
 import itertools
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from wire.errors import TransportClosed, TransportError
@@ -136,10 +136,14 @@ class Mailbox:
         return self._thread is not None
 
     def put(self, handler: Handler, topic: str, payload: bytes) -> None:
+        self.put_all(handler, topic, (payload,))
+
+    def put_all(self, handler: Handler, topic: str, payloads: Sequence[bytes]) -> None:
+        """Queue ``payloads`` (a bundle's parts) for ``handler`` in order, with one wake-up."""
         with self._condition:
             if self._stopped:
                 return
-            self._items.append((handler, topic, payload))
+            self._items.extend((handler, topic, payload) for payload in payloads)
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name=f"deliver-{self._name}", daemon=True
