@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from wire.errors import WireError
 
-__all__ = ["BUNDLE_MAGIC", "MAX_PARTS", "Held", "bundle", "is_bundle", "unbundle"]
+__all__ = ["BUNDLE_MAGIC", "MAX_PARTS", "Held", "bundle", "holdable", "is_bundle", "unbundle"]
 
 BUNDLE_MAGIC = b"ESB1"
 MAX_PARTS = 4096
@@ -32,6 +32,19 @@ _COUNT = struct.Struct("<I")
 
 def is_bundle(data: bytes) -> bool:
     return data[: len(BUNDLE_MAGIC)] == BUNDLE_MAGIC
+
+
+def holdable(topic: str, payload: bytes, retain: bool, bundle_bytes: int) -> bool:
+    """Whether a transport may hold ``payload`` back for a bundle: small, not empty, not
+    retained, and to a topic paho will take (a bad one must fail the caller's publish at once,
+    not the network thread's later)."""
+    if retain or not 0 < len(payload) <= bundle_bytes // 4:
+        return False
+    try:
+        name = topic.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return 0 < len(name) <= 65535 and b"+" not in name and b"#" not in name
 
 
 def bundle(parts: Sequence[bytes]) -> bytes:

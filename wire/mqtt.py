@@ -30,7 +30,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from wire.bundles import Held, bundle, is_bundle, unbundle
+from wire.bundles import Held, bundle, holdable, is_bundle, unbundle
 from wire.errors import TransportError, UnreachableError, WireError
 from wire.logs import warn
 from wire.transport import Handler, Mailbox, Transport, Will, matches, split_shared
@@ -329,7 +329,7 @@ class MqttTransport(Transport):
     # ---------------------------------------------------------------- Transport
     def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
         self._check_size(payload)
-        if not retain and 0 < len(payload) <= self.config.bundle_bytes // 4:
+        if holdable(topic, payload, retain, self.config.bundle_bytes):
             if self._held_back(topic, payload):
                 return
         else:  # keep the order: what is held back goes first

@@ -64,6 +64,9 @@ def test_a_fast_sender_bundles_and_every_batch_arrives_validated(
     channel = Channel(sender, "pi-01")
     for index in range(400):
         channel.send(TOPIC, "activations", "r", tensors={"x": np.full((32, 64), index, "f4")})
+        if index == 200:  # a bad topic fails the caller's publish, bundles or not
+            with pytest.raises(ValueError):
+                sender.publish("edgesplit/v1/+/act", b"x")
     sender.flush()
     got = inbox.wait(400, timeout=30)
     assert sender.bundles_sent > 0 and sender.bundled > sender.bundles_sent

@@ -7,7 +7,7 @@ import struct
 
 import pytest
 
-from wire.bundles import BUNDLE_MAGIC, MAX_PARTS, Held, bundle, is_bundle, unbundle
+from wire.bundles import BUNDLE_MAGIC, MAX_PARTS, Held, bundle, holdable, is_bundle, unbundle
 from wire.errors import WireError
 
 pytestmark = pytest.mark.unit
@@ -73,3 +73,13 @@ def test_a_run_put_back_goes_first() -> None:
     held.put_back(topic, parts)
     assert held.take() == ("a", [b"1"]) and held.bytes == 1
     assert held.clear() == 1 and not held and held.bytes == 0
+
+
+def test_only_small_payloads_to_plain_topics_are_held() -> None:
+    assert holdable("edgesplit/v1/a", b"x" * 100, False, 1024)
+    assert not holdable("edgesplit/v1/a", b"x" * 257, False, 1024)  # above a quarter
+    assert not holdable("edgesplit/v1/a", b"", False, 1024)
+    assert not holdable("edgesplit/v1/a", b"x", True, 1024)  # retained
+    assert not holdable("edgesplit/v1/a", b"x", False, 0)  # bundles off
+    for topic in ("edgesplit/+/a", "edgesplit/#", "", "bad\udc80", "t" * 70_000):
+        assert not holdable(topic, b"x", False, 1024), topic  # paho refuses: the caller hears
