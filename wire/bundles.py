@@ -17,13 +17,24 @@ the parts it yields are then validated one by one like any message.
 from __future__ import annotations
 
 import collections
+import logging
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from wire.errors import WireError
+from wire.logs import warn
 
-__all__ = ["BUNDLE_MAGIC", "MAX_PARTS", "Held", "bundle", "holdable", "is_bundle", "unbundle"]
+__all__ = [
+    "BUNDLE_MAGIC",
+    "MAX_PARTS",
+    "Held",
+    "bundle",
+    "holdable",
+    "is_bundle",
+    "parts_of",
+    "unbundle",
+]
 
 BUNDLE_MAGIC = b"ESB1"
 MAX_PARTS = 4096
@@ -81,6 +92,18 @@ def unbundle(data: bytes) -> list[bytes]:
         parts.append(data[offset : offset + length])
         offset += length
     return parts
+
+
+def parts_of(topic: str, payload: bytes, log: logging.Logger) -> list[bytes]:
+    """What a received ``payload`` carries: itself, or a bundle's parts; none for a broken
+    bundle, which is logged to ``log`` (rate-limited) and must be counted by the caller."""
+    if not is_bundle(payload):
+        return [payload]
+    try:
+        return unbundle(payload)
+    except WireError as error:
+        warn(log, (topic, "bundle"), "dropped a broken bundle on %s: %s", topic, error)
+        return []
 
 
 @dataclass

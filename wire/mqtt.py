@@ -9,7 +9,8 @@ link through :attr:`MqttTransport.link_epoch` (one more each time it drops) and
 :attr:`MqttTransport.last_reconnect` (when it came back): a will queued during an outage is
 judged with that in mind (``wire.presence``), and a coordinator whose link dropped during a
 try redoes it. Outgoing messages wait in a bounded queue: a producer faster than the network
-blocks instead of growing memory or dropping data.
+blocks instead of growing memory or dropping data, and meanwhile its small messages to a topic
+travel together (``wire.bundles``). The connection's settings are ``wire.mqtt_config``.
 """
 
 from __future__ import annotations
@@ -21,18 +22,16 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, replace
 from typing import Any
-from urllib.parse import parse_qs, unquote, urlparse
 
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from wire.bundles import Held, bundle, holdable, is_bundle, unbundle
-from wire.errors import TransportError, UnreachableError, WireError
-from wire.logs import warn
+from wire.bundles import Held, bundle, holdable, parts_of
+from wire.errors import TransportError, UnreachableError
+from wire.mqtt_config import MqttConfig, account_client_id, redact_url
 from wire.transport import Handler, Mailbox, Transport, Will, matches, split_shared
 
 __all__ = [
@@ -45,96 +44,11 @@ __all__ = [
 ]
 
 _UNCLAIMED_BYTES = 256 * 1024 * 1024
+# what a kept message costs beyond its payload (a bundle of 4,096 tiny parts is 4,096 entries)
+_ENTRY_BYTES = 128
+_UNCLAIMED_COUNT = 65_536
 
 log = logging.getLogger(__name__)
-
-
-def account_client_id(username: str | None, client_id: str) -> str:
-    """The MQTT client id for ``client_id`` under ``username``: ``<account>:<id>``.
-
-    The production broker's plugin (deploy/mosquitto/clientid_bind.c) accepts only client ids
-    that are the account's name or start with it and ``:``, so no account can connect with
-    another's id and drop its connection (MQTT's session takeover). Account names cannot hold
-    ``:`` (mosquitto's password file separates with it)."""
-    if username is None or client_id == username or client_id.startswith(f"{username}:"):
-        return client_id
-    return f"{username}:{client_id}"
-
-
-def redact_url(url: str) -> str:
-    """``url`` with its password replaced by ``***`` (for logs and messages); the rest as
-    written, even a malformed port."""
-    parsed = urlparse(url)
-    if parsed.password is None:
-        return url
-    user = parsed.netloc.rpartition("@")[0].partition(":")[0]
-    host = parsed.netloc.rpartition("@")[2]
-    return parsed._replace(netloc=f"{user}:***@{host}").geturl()
-
-
-@dataclass(frozen=True)
-class MqttConfig:
-    """Where and how to connect. ``from_url`` reads ``mqtt://user:pass@host:port`` and
-    ``mqtts://...?ca=FILE&cert=FILE&key=FILE`` (TLS)."""
-
-    host: str = "127.0.0.1"
-    port: int = 1883
-    username: str | None = None
-    password: str | None = None
-    tls: bool = False
-    ca_file: str | None = None
-    cert_file: str | None = None
-    key_file: str | None = None
-    keepalive: int = 30
-    session_expiry: int = 3600
-    clean_start: bool = False
-    # Start a new session when the process starts, keep it across reconnects: for stateless
-    # agents, whose queued messages from before a restart are stale.
-    fresh_session: bool = False
-    connect_timeout: float = 10.0
-    reconnect_min: int = 1
-    reconnect_max: int = 5  # a restarted broker sees every agent back within seconds
-    max_payload: int = 64 * 1024 * 1024
-    max_queued: int = 64
-    # While ``bundle_after`` or more messages await the broker's acknowledgement, payloads of at
-    # most a quarter of ``bundle_bytes`` are held back and sent to their topic together
-    # (``wire.bundles``); 0 sends every payload on its own.
-    bundle_bytes: int = 1024 * 1024
-    bundle_after: int = 4
-
-    @classmethod
-    def from_url(cls, url: str, password: str | None = None, **overrides: Any) -> MqttConfig:
-        """The config of broker ``url``; ``password`` is the account's when the URL names the
-        account but holds no password (the CLI reads it from a file or the environment, so
-        that it is in no argv)."""
-        parsed = urlparse(url)
-        if parsed.scheme not in ("mqtt", "mqtts"):
-            raise ValueError(
-                f"broker URL: expected mqtt://host:port or mqtts://..., got {redact_url(url)!r}"
-            )
-        query = {k: v[-1] for k, v in parse_qs(parsed.query).items()}
-        tls = parsed.scheme == "mqtts"
-        try:
-            port = parsed.port
-        except ValueError as error:
-            raise ValueError(f"broker URL {redact_url(url)!r}: {error}") from None
-        parsed_config = cls(
-            host=parsed.hostname or "127.0.0.1",
-            port=port or (8883 if tls else 1883),
-            username=unquote(parsed.username) if parsed.username else None,
-            password=(
-                unquote(parsed.password)
-                if parsed.password
-                else password
-                if parsed.username
-                else None
-            ),
-            tls=tls,
-            ca_file=query.get("ca"),
-            cert_file=query.get("cert"),
-            key_file=query.get("key"),
-        )
-        return replace(parsed_config, **overrides)
 
 
 def paho_client(
@@ -208,6 +122,11 @@ class MqttTransport(Transport):
         self._acked: set[int] = set()
         self._acks = threading.Condition()
         self._held = Held(config.bundle_bytes)  # guarded by _acks
+        # paho's queue room a drain leaves (0: unbounded); bundles only where a drain at
+        # bundle_after outstanding messages finds room, else an ack's drain could never send
+        self._room = config.max_queued - 2 if config.max_queued > 0 else float("inf")
+        self._bundle_bytes = config.bundle_bytes if config.bundle_after < self._room else 0
+        self._awaiting = 0  # publishers and flushes waiting for what is held to go
         self._draining = False
         self.bundles_sent = self.bundled = 0  # bundles published, payloads they carried
         self.malformed = 0  # bundles received whose frame was broken (dropped whole)
@@ -256,12 +175,16 @@ class MqttTransport(Transport):
             log.warning(
                 "MQTT connection back (session %s)", "kept" if flags.session_present else "new"
             )
-            for hook in list(self._reconnect_hooks):
-                try:
-                    hook()
-                except Exception:  # a failing hook must not break the connection
-                    log.exception("reconnect hook failed")
+            # hooks publish: never block the network thread (it processes the acks) on them
+            threading.Thread(target=self._run_hooks, name="reconnect-hooks", daemon=True).start()
         self._connected.set()
+
+    def _run_hooks(self) -> None:
+        for hook in list(self._reconnect_hooks):
+            try:
+                hook()
+            except Exception:  # a failing hook must not stop the others
+                log.exception("reconnect hook failed")
 
     def _send_subscribe(self, topic_filter: str, identifier: int) -> int:
         properties = Properties(PacketTypes.SUBSCRIBE)  # type: ignore[no-untyped-call]
@@ -281,9 +204,17 @@ class MqttTransport(Transport):
             else:
                 self._acked.add(mid)
             self._acks.notify_all()
-            drain = bool(self._held) and len(self._outstanding) < self.config.bundle_after
+            drain = self._drain_now()
         if drain:
             self._drain()
+
+    def _drain_now(self) -> bool:
+        """Whether what is held should go now (under ``_acks``): when fewer than
+        ``bundle_after`` messages await acks, or as soon as there is room while a publisher
+        or a flush waits for it (else a large message would wait for the window to empty)."""
+        waiting = len(self._outstanding)
+        wanted = waiting < self.config.bundle_after or self._awaiting > 0
+        return bool(self._held) and wanted and waiting < self._room
 
     def _on_disconnect(
         self, _client: mqtt.Client, _userdata: Any, _flags: Any, reason: Any, _properties: Any
@@ -298,7 +229,9 @@ class MqttTransport(Transport):
         # With overlapping subscriptions the broker sends one copy per subscription, each
         # naming its subscription identifiers: deliver each copy to exactly those handlers.
         identifiers = set(getattr(message.properties, "SubscriptionIdentifier", None) or ())
-        parts = self._parts(message.topic, bytes(message.payload))
+        parts = parts_of(message.topic, bytes(message.payload), log)
+        if not parts:
+            self.malformed += 1
         with self._lock:
             if identifiers:
                 targets = [h for i, h in self._handlers.values() if i in identifiers]
@@ -315,27 +248,26 @@ class MqttTransport(Transport):
         for handler in targets:
             self.mailbox.put_all(handler, message.topic, parts)
 
-    def _parts(self, topic: str, payload: bytes) -> list[bytes]:
-        """The payloads ``payload`` carries: itself, or a bundle's parts (none when broken)."""
-        try:
-            if not is_bundle(payload):
-                return [payload]
-            return unbundle(payload)
-        except WireError as error:
-            self.malformed += 1
-            warn(log, (topic, "bundle"), "dropped a broken bundle on %s: %s", topic, error)
-            return []
-
     # ---------------------------------------------------------------- Transport
     def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
         self._check_size(payload)
-        if holdable(topic, payload, retain, self.config.bundle_bytes):
+        if holdable(topic, payload, retain, self._bundle_bytes):
             if self._held_back(topic, payload):
                 return
         else:  # keep the order: what is held back goes first
-            self._drain()
-            self._wait_until(lambda: not self._held and not self._draining)
+            self._held_gone(60.0)
         self._publish_now(topic, payload, retain)
+
+    def _held_gone(self, timeout: float) -> None:
+        """Send what is held and wait until it is in paho's hands."""
+        with self._acks:
+            self._awaiting += 1
+        try:
+            self._drain()
+            self._wait_until(lambda: not self._held and not self._draining, timeout)
+        finally:
+            with self._acks:
+                self._awaiting -= 1
 
     def _held_back(self, topic: str, payload: bytes) -> bool:
         """Hold ``payload`` for a bundle while earlier messages await their acknowledgements
@@ -387,14 +319,14 @@ class MqttTransport(Transport):
                 with self._acks:
                     self._draining = False
                     self._acks.notify_all()
-                    again = bool(self._held) and len(self._outstanding) < self.config.bundle_after
+                    again = self._drain_now()
             if not again:  # else something was held while this drainer stopped
                 return
 
     def _send_held(self) -> bool:
         """Publish the oldest held run; False when none is held or paho's queue is full."""
         with self._acks:
-            if not self._held or len(self._outstanding) >= self.config.max_queued - 2:
+            if not self._held or len(self._outstanding) >= self._room:
                 return False
             topic, parts = self._held.take()
             self._acks.notify_all()  # room for a waiting producer
@@ -426,10 +358,8 @@ class MqttTransport(Transport):
                 self._acks.wait(min(remaining, 0.5))
 
     def flush(self, timeout: float = 30.0) -> None:
-        self._drain()
-        self._wait_until(
-            lambda: not self._outstanding and not self._held and not self._draining, timeout
-        )
+        self._held_gone(timeout)
+        self._wait_until(lambda: not self._outstanding, timeout)
 
     def on_reconnect(self, callback: Callable[[], None]) -> None:
         self._reconnect_hooks.append(callback)
@@ -437,10 +367,12 @@ class MqttTransport(Transport):
     def _keep_unclaimed(self, topic: str, payload: bytes) -> None:
         """Hold a message no handler wants yet; beyond the bound, drop the oldest loudly."""
         self._unclaimed.append((topic, payload))
-        self._unclaimed_bytes += len(payload)
-        while self._unclaimed_bytes > _UNCLAIMED_BYTES and self._unclaimed:
+        self._unclaimed_bytes += len(payload) + _ENTRY_BYTES
+        while self._unclaimed and (
+            self._unclaimed_bytes > _UNCLAIMED_BYTES or len(self._unclaimed) > _UNCLAIMED_COUNT
+        ):
             dropped_topic, dropped = self._unclaimed.popleft()
-            self._unclaimed_bytes -= len(dropped)
+            self._unclaimed_bytes -= len(dropped) + _ENTRY_BYTES
             log.error("dropped an unclaimed message on %s: no handler subscribed", dropped_topic)
 
     def subscribe(self, topic_filter: str, handler: Handler) -> None:
@@ -451,7 +383,7 @@ class MqttTransport(Transport):
                 self._unclaimed = collections.deque(
                     (t, p) for t, p in self._unclaimed if not matches(plain, t)
                 )
-                self._unclaimed_bytes = sum(len(p) for _, p in self._unclaimed)
+                self._unclaimed_bytes = sum(len(p) + _ENTRY_BYTES for _, p in self._unclaimed)
             for topic, payload in claimed:
                 self.mailbox.put(handler, topic, payload)
             identifier = self._handlers.get(topic_filter, (self._next_id, handler))[0]

@@ -42,9 +42,8 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
-from wire.bundles import is_bundle, unbundle
-from wire.errors import TransportClosed, TransportError, WireError
-from wire.logs import warn
+from wire.bundles import parts_of
+from wire.errors import TransportClosed, TransportError
 from wire.mqtt import MqttConfig, account_client_id, connect_and_wait, paho_client
 from wire.transport import Handler, Mailbox, Transport, Will, matches, split_shared
 
@@ -88,6 +87,7 @@ class _Connection:
         self._acks = threading.Condition()
         self._pending: dict[int, SharedView | None] = {}  # message id -> publishing view
         self._early: set[int] = set()  # acks that beat publish() to _pending
+        self.malformed = 0  # bundles received whose frame was broken (dropped whole)
         self._connected = threading.Event()
         self._connections = 0
         self.max_queued = config.max_queued * 4
@@ -168,13 +168,9 @@ class _Connection:
             else:
                 held = [s for s in self._subscriptions.values() if matches(s.plain, topic)]
             targets = [target for subscription in held for target in subscription.targets()]
-        parts = [payload]
-        if is_bundle(payload):  # several payloads a sender coalesced (wire.bundles)
-            try:
-                parts = unbundle(payload)
-            except WireError as error:
-                warn(log, (topic, "bundle"), "dropped a broken bundle on %s: %s", topic, error)
-                return
+        parts = parts_of(topic, payload, log)  # a bundle's parts (wire.bundles)
+        if not parts:
+            self.malformed += 1
         for view, handler in targets:  # one payload object for every view: no copies
             view.mailbox.put_all(handler, topic, parts)
 
@@ -230,8 +226,8 @@ class _Connection:
                 for topic, payload in self._retained.items()
                 if not new and subscription.group is None and matches(subscription.plain, topic)
             ]
-        for topic, payload in retained:
-            view.mailbox.put(handler, topic, payload)
+        for topic, payload in retained:  # split as when it came live
+            view.mailbox.put_all(handler, topic, parts_of(topic, payload, log))
         if new:
             result = self._send_subscribe(topic_filter, subscription.identifier)
             if result not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):

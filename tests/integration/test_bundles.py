@@ -4,7 +4,10 @@ broken bundle from a hostile client is dropped whole without stopping delivery."
 
 from __future__ import annotations
 
+import socket
 import struct
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -121,4 +124,92 @@ def test_shared_connections_split_bundles_too(broker: Broker) -> None:
         _hostile(broker, [bundle([b"a", b"b"]), *_broken()])
         assert [p for _, p in inbox.wait(3)] == [b"a", b"b", b"three"]  # type: ignore[misc]
     finally:
+        pool.close()
+
+
+@pytest.mark.parametrize(
+    "overrides", [{"max_queued": 5}, {"max_queued": 0}, {"bundle_after": 63}, {"bundle_after": 1}]
+)
+def test_any_queue_setting_delivers_everything(
+    broker: Broker, transports: list[MqttTransport], overrides: dict[str, int]
+) -> None:
+    """A bundle_after that paho's queue never leaves room for drained nothing from the
+    network thread, which spun (the review's finding): bundles are off there instead."""
+    sender = _connect(broker, transports, **overrides)
+    receiver = _connect(broker, transports)
+    inbox = Inbox()
+    receiver.subscribe(TOPIC, inbox)
+    settle()
+    for index in range(300):
+        sender.publish(TOPIC, index.to_bytes(4, "big") * 64)
+    sender.flush(timeout=20)
+    got = inbox.wait(300, timeout=20)
+    assert [int.from_bytes(p[:4], "big") for _, p in got] == list(range(300))  # type: ignore[misc]
+
+
+def test_queue_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match="bundle_after"):
+        MqttConfig(bundle_after=0)
+    with pytest.raises(ValueError, match="max_queued"):
+        MqttConfig(max_queued=-1)
+    assert MqttConfig(max_payload=1024 * 1024).bundle_bytes == 512 * 1024  # capped
+
+
+def test_reconnect_hooks_run_off_the_network_thread(
+    broker: Broker, transports: list[MqttTransport]
+) -> None:
+    """A hook that blocks (one publishing into a full queue did) must not stop the network
+    thread, which processes the acknowledgements the hook waits for."""
+    config = MqttConfig.from_url(broker.url, reconnect_min=1, reconnect_max=1)
+    sender = MqttTransport(config, f"bundles-{uuid.uuid4().hex[:6]}")
+    transports.append(sender)
+    receiver = _connect(broker, transports)
+    inbox, release = Inbox(), threading.Event()
+    receiver.subscribe(TOPIC, inbox)
+    sender.on_reconnect(lambda: release.wait(30))
+    settle()
+    sock = sender._client.socket()
+    assert sock is not None
+    sock.shutdown(socket.SHUT_RDWR)  # paho reconnects; the hook then blocks
+    deadline = time.monotonic() + 15
+    while sender.last_reconnect is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        for index in range(50):
+            sender.publish(TOPIC, index.to_bytes(4, "big"))
+        sender.flush(timeout=10)  # acknowledged while the hook still waits
+        assert len(inbox.wait(50, timeout=10)) == 50
+    finally:
+        release.set()
+
+
+def test_unclaimed_messages_are_bounded_in_number_too(
+    broker: Broker, transports: list[MqttTransport]
+) -> None:
+    """A bundle of 4,096 tiny parts is 4,096 kept messages: the bound counts entries as well
+    as bytes."""
+    receiver = _connect(broker, transports)
+    for index in range(70_000):
+        receiver._keep_unclaimed(TOPIC, index.to_bytes(4, "big"))
+    assert len(receiver._unclaimed) == 65_536
+    assert receiver._unclaimed[0][1] == (70_000 - 65_536).to_bytes(4, "big")  # oldest dropped
+
+
+def test_a_retained_bundle_reaches_a_late_shared_view_split(broker: Broker) -> None:
+    pool = SharedMqtt(MqttConfig.from_url(broker.url), per_connection=4)
+    client = mqtt.Client(CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5)
+    client.connect("127.0.0.1", broker.port)
+    client.loop_start()
+    topic = f"{TOPIC}/retained-{uuid.uuid4().hex[:6]}"
+    try:
+        client.publish(topic, bundle([b"a", b"b"]), qos=1, retain=True).wait_for_publish(10)
+        first, late = Inbox(), Inbox()
+        pool.connect("gpu-a").subscribe(f"{TOPIC}/#", first)
+        assert [p for _, p in first.wait(2)] == [b"a", b"b"]  # type: ignore[misc]
+        pool.connect("gpu-b").subscribe(f"{TOPIC}/#", late)  # replayed by the connection
+        assert [p for _, p in late.wait(2)] == [b"a", b"b"]  # type: ignore[misc]
+    finally:
+        client.publish(topic, b"", qos=1, retain=True).wait_for_publish(10)
+        client.disconnect()
+        client.loop_stop()
         pool.close()
