@@ -41,7 +41,6 @@ out of the stored run (a broker URL may carry a password, and the store is where
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,11 +60,9 @@ from split_models.config import (
 )
 from split_models.data import resolve_spec
 from split_models.errors import ConfigError
-from split_models.options import add_model_path, unused_optimizer_keys
+from split_models.options import add_model_path, warn_unused_optimizer_keys
 from split_models.sections import flat_model_section
 from wire.topics import check_name
-
-log = logging.getLogger(__name__)
 
 __all__ = [
     "MODES",
@@ -251,7 +248,5 @@ def load_run_config(path: str | Path) -> RunConfig:
     if isinstance(data, dict) and isinstance(data.get("eval_data"), str):
         data = {**data, "eval_data": resolve_spec(data["eval_data"], folder)}
     config = RunConfig.parse(data)
-    written = data.get("optimizer") if isinstance(data, Mapping) else None
-    for line in unused_optimizer_keys(written, config.training.optimizer):
-        log.warning("%s: %s", path, line)
+    warn_unused_optimizer_keys(path, data, config.training.optimizer)
     return config

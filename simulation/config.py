@@ -43,7 +43,6 @@ the flat keys that ``parse_sim_config`` reads back to an equal object.
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import random
@@ -67,11 +66,9 @@ from split_models.config import (
 )
 from split_models.data import PARTITIONS, resolve_spec
 from split_models.errors import ConfigError
-from split_models.options import OptimizerConfig, add_model_path, unused_optimizer_keys
+from split_models.options import OptimizerConfig, add_model_path, warn_unused_optimizer_keys
 from split_models.sections import flat_model_section
 from wire.topics import check_name
-
-log = logging.getLogger(__name__)
 
 __all__ = [
     "BASELINES",
@@ -338,9 +335,7 @@ def load_sim_config(path: str | Path | None, overrides: Mapping[str, Any]) -> Si
                 },
             }
     config = parse_sim_config(data, overrides)
-    written = data.get("optimizer") if isinstance(data, Mapping) else None
-    for line in unused_optimizer_keys(written, config.training.optimizer):
-        log.warning("%s: %s", path, line)
+    warn_unused_optimizer_keys(path, data, config.training.optimizer)
     return config
 
 

@@ -5,6 +5,7 @@ The modules that build things (:mod:`split_models.segment`, :mod:`split_models.z
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import sys
@@ -18,6 +19,8 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+log = logging.getLogger(__name__)
+
 __all__ = [
     "INPUT_DTYPE_NAMES",
     "LOCAL_LOSSES",
@@ -29,6 +32,7 @@ __all__ = [
     "OptimizerConfig",
     "add_model_path",
     "unused_optimizer_keys",
+    "warn_unused_optimizer_keys",
 ]
 
 LOCAL_LOSSES = ("linear", "mlp", "supcon")
@@ -200,6 +204,14 @@ def unused_optimizer_keys(written: object, used: OptimizerConfig) -> list[str]:
         f"optimizer.momentum {written['momentum']!r} has no effect with optimizer "
         f"{used.name!r}: only 'sgd-momentum' uses it"
     ]
+
+
+def warn_unused_optimizer_keys(source: object, data: object, used: OptimizerConfig) -> None:
+    """A warning for each :func:`unused_optimizer_keys` line of config file ``source`` (its
+    parsed mapping ``data``), whose optimizer ended up as ``used``."""
+    written = data.get("optimizer") if isinstance(data, Mapping) else None
+    for line in unused_optimizer_keys(written, used):
+        log.warning("%s: %s", source, line)
 
 
 def add_model_path(folder: str | os.PathLike[str]) -> None:
