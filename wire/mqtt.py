@@ -32,6 +32,7 @@ from paho.mqtt.properties import Properties
 from wire.bundles import Held, bundle, holdable, parts_of
 from wire.errors import TransportError, UnreachableError
 from wire.mqtt_config import MqttConfig, account_client_id, redact_url
+from wire.paho_decode import FastClient
 from wire.transport import Handler, Mailbox, Transport, Will, matches, split_shared
 
 __all__ = [
@@ -57,7 +58,7 @@ def paho_client(
     """A paho MQTT v5 client for ``config``: credentials, TLS, ``will``, the reconnect
     back-off and ``max_queued`` outgoing messages (``config.max_queued`` when None); the
     caller sets its callbacks."""
-    client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv5)
+    client = FastClient(CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv5)
     if config.username is not None:
         client.username_pw_set(config.username, config.password)
     if config.tls:

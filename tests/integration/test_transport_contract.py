@@ -64,6 +64,28 @@ class TransportContract:
         assert [p for _, p in plus.wait(2)] == [b"one", b"two"]  # type: ignore[misc]
         assert exact.wait(1) == [("edgesplit/v1/r/act/seg-a", b"one")]
 
+    def test_many_subscriptions_each_get_their_own(self, connect: Factory) -> None:
+        """200 filters on one client (over MQTT, subscription identifiers above 127 take two
+        bytes) and one wildcard over all of them: each message reaches its own filter's
+        handler and the wildcard's, once, with its payload intact."""
+        publisher, subscriber = connect("pub"), connect("sub")
+        inboxes = [Inbox() for _ in range(200)]
+        for index, inbox in enumerate(inboxes):
+            subscriber.subscribe(f"edgesplit/v1/many/{index}", inbox)
+        everything = Inbox()
+        subscriber.subscribe("edgesplit/v1/many/+", everything)
+        settle()
+        picked = [0, 127, 128, 199]
+        for index in picked:
+            publisher.publish(f"edgesplit/v1/many/{index}", bytes([index % 256]) * 70_000)
+        assert len(everything.wait(4)) == 4
+        for index in picked:
+            expected = [(f"edgesplit/v1/many/{index}", bytes([index % 256]) * 70_000)]
+            assert inboxes[index].wait(1) == expected
+        settle()  # nothing more comes, to these or to the others
+        assert [len(inbox.items) for inbox in inboxes] == [int(i in picked) for i in range(200)]
+        assert len(everything.items) == 4
+
     def test_a_burst_arrives_whole_and_in_order(self, connect: Factory) -> None:
         """Small messages faster than the broker acknowledges them (the MQTT transport then
         bundles them), a large one and a retained one in between: each arrives once, in the
