@@ -142,6 +142,7 @@ class SegmentStack:
         steps = self._steps[index]
         for name, param in params.items():
             grad = grads[name]
+            rate = lr * config.head_lr_scale if name.startswith("head.") else lr
             if config.weight_decay:
                 grad = grad + config.weight_decay * param
             if config.name == "adam":
@@ -153,14 +154,14 @@ class SegmentStack:
                 bias1 = (1 - 0.9**steps).to(param.dtype).view(shape)
                 bias2 = (1 - 0.999**steps).to(param.dtype).view(shape)
                 denom = v.sqrt() / bias2.sqrt() + 1e-8
-                param = param - (lr / bias1) * m / denom
+                param = param - (rate / bias1) * m / denom
             elif config.name == "sgd-momentum":
                 buffer = self._state[0][name]
                 update = config.momentum * buffer[index] + grad
                 buffer[index] = update
-                param = param - lr * update
+                param = param - rate * update
             else:
-                param = param - lr * grad
+                param = param - rate * grad
             self.params[name][index] = param
 
 

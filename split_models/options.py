@@ -9,7 +9,7 @@ import logging
 import math
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -122,7 +122,12 @@ class OptimizerConfig:
     ``max_step``: each step's gradient is clipped at the norm ``max_step / lr``, ``lr`` the
     step's own (warm-up and decay applied), so a plain SGD step moves the weights by at most
     ``max_step``: a bound on the step, where ``clip_norm`` bounds the gradient (a clip that
-    holds lr 0.1 steady slowed lr 0.01 down; GPU servers bound theirs: ``server_max_step``)."""
+    holds lr 0.1 steady slowed lr 0.01 down; GPU servers bound theirs: ``server_max_step``);
+    ``head_lr_scale``: a local-loss head (the auxiliary classifier under a segment) learns at
+    this multiple of the segment's rate, so it keeps up with the features it reads (1 by
+    default; 10 lifted local-loss at SGD lr 0.01-0.05 by 0.1-1.2 points and diverged at lr 0.1:
+    docs/benchmarks.md, "Local heads at a faster rate"). ``max_step`` counts the head's faster
+    steps; ``clip_norm`` bounds the gradient whatever the rates."""
 
     name: str = "sgd-momentum"
     lr: float = 0.01
@@ -132,6 +137,7 @@ class OptimizerConfig:
     warmup_steps: int = 0
     lr_decay: str = "none"
     max_step: float | None = None
+    head_lr_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if self.lr_decay not in LR_DECAYS:
@@ -155,6 +161,10 @@ class OptimizerConfig:
             raise ConfigError(
                 f"optimizer.max_step: must be positive (or absent: no bound), got {self.max_step}"
             )
+        if not 0 < self.head_lr_scale <= 10_000:
+            raise ConfigError(
+                f"optimizer.head_lr_scale: must be in (0, 10000], got {self.head_lr_scale}"
+            )
         if not 0 <= self.warmup_steps <= 10**9:
             raise ConfigError(
                 f"optimizer.warmup_steps: must be in [0, 1e9], got {self.warmup_steps}"
@@ -173,21 +183,25 @@ class OptimizerConfig:
             return self.lr
         return self.lr * (step + 1) / (self.warmup_steps + 1)
 
-    def clip_at(self, lr: float) -> float | None:
-        """The gradient norm a step at learning rate ``lr`` is clipped to (None: not clipped):
-        ``clip_norm`` or ``max_step / lr``, the lower."""
-        bounds = [self.clip_norm, self.max_step / lr if self.max_step is not None else None]
-        present = [b for b in bounds if b is not None]
-        return min(present) if present else None
-
-    def build(self, parameters: list[nn.Parameter]) -> torch.optim.Optimizer:
+    def build(
+        self, parameters: list[nn.Parameter], head: Sequence[nn.Parameter] = ()
+    ) -> torch.optim.Optimizer:
+        """The optimizer of ``parameters``; those also in ``head`` (a local-loss head's) form
+        a second group whose ``lr_scale`` is ``head_lr_scale`` (the steps set each group's
+        rate to the step's rate times its ``lr_scale``)."""
         import torch
 
+        heads = {id(p) for p in head}
+        groups = [
+            {"params": [p for p in parameters if id(p) not in heads], "lr_scale": 1.0},
+            {"params": [p for p in parameters if id(p) in heads], "lr_scale": self.head_lr_scale},
+        ]
+        groups = [g for g in groups if g["params"]]
         if self.name == "adam":
-            return torch.optim.Adam(parameters, lr=self.lr, weight_decay=self.weight_decay)
+            return torch.optim.Adam(groups, lr=self.lr, weight_decay=self.weight_decay)
         momentum = self.momentum if self.name == "sgd-momentum" else 0.0
         return torch.optim.SGD(
-            parameters, lr=self.lr, momentum=momentum, weight_decay=self.weight_decay
+            groups, lr=self.lr, momentum=momentum, weight_decay=self.weight_decay
         )
 
 

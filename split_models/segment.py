@@ -68,7 +68,8 @@ class Segment:
         coordinator's, an export's) never loads what torch's optimizers import (``torch._dynamo``:
         1.4 s of a coordinator's restart in a fresh process)."""
         if self._optimizer is None:
-            self._optimizer = self.optimizer_config.build(self.trainable_parameters())
+            head = list(self.head.parameters())
+            self._optimizer = self.optimizer_config.build(self.trainable_parameters(), head)
         return self._optimizer
 
     @optimizer.setter
@@ -133,15 +134,42 @@ class Segment:
                         param.grad.add_(param - anchor, alpha=self.proximal_mu)
         config = self.optimizer_config
         lr = config.lr_at(self._steps) * self.lr_scale
-        clip, factor = config.clip_at(lr), 1.0
-        if clip is not None:
-            norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
-            factor = min(1.0, clip / (norm + 1e-6))  # as clip_grad_norm_ scales
+        factor = self._clip_factor(lr)
+        if factor < 1.0:
+            with torch.no_grad():
+                for param in params:
+                    if param.grad is not None:
+                        param.grad.mul_(factor)
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_scale", 1.0)
         self.optimizer.step()
         self._steps += 1
         return factor
+
+    def _clip_factor(self, lr: float) -> float:
+        """What the gradients are scaled by before a step at ``lr``: ``clip_norm`` bounds
+        their norm, ``max_step`` the norm of the step a plain SGD step would take (each
+        group's gradients times its ``lr_scale``, so a local head's faster rate counts)."""
+        config = self.optimizer_config
+        if config.clip_norm is None and config.max_step is None:
+            return 1.0
+        squares = []  # (lr_scale, the squared norm of its group's gradients)
+        with torch.no_grad():
+            for group in self.optimizer.param_groups:
+                grads = [p.grad for p in group["params"] if p.grad is not None]
+                if grads:
+                    norm = torch.linalg.vector_norm(
+                        torch.stack([torch.linalg.vector_norm(g) for g in grads])
+                    )
+                    squares.append((group.get("lr_scale", 1.0), float(norm) ** 2))
+        bounds = [1.0]
+        if config.clip_norm is not None:
+            total = sum(square for _, square in squares) ** 0.5
+            bounds.append(config.clip_norm / (total + 1e-6))  # as clip_grad_norm_ scales
+        if config.max_step is not None:
+            step = sum(scale * scale * square for scale, square in squares) ** 0.5
+            bounds.append(config.max_step / lr / (step + 1e-6))
+        return min(bounds)
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Parameters and buffers of the blocks and the head."""

@@ -19,8 +19,8 @@ pytestmark = pytest.mark.unit
 SHAPES = {"cnn": (1, 8, 8), "mlp": (1, 28, 28), "resnet8": (3, 32, 32)}
 
 
-def _segments(name: str, optimizer: str, count: int) -> list[Segment]:
-    config = OptimizerConfig(optimizer, lr=0.01, weight_decay=0.01)
+def _segments(name: str, optimizer: str, count: int, head_lr_scale: float = 1.0) -> list[Segment]:
+    config = OptimizerConfig(optimizer, lr=0.01, weight_decay=0.01, head_lr_scale=head_lr_scale)
     return [
         Segment.from_model(build_model(name, SHAPES[name], 10, seed=seed), 0, 2, "linear", config)
         for seed in range(count)
@@ -34,10 +34,16 @@ def _assert_same_weights(got: dict[str, np.ndarray], want: dict[str, np.ndarray]
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "sgd-momentum", "adam"])
-@pytest.mark.parametrize(("model", "lr_scale"), [("cnn", 1.0), ("mlp", 1.0), ("cnn", 0.3)])
-def test_each_slot_trains_as_its_own_segment(model: str, optimizer: str, lr_scale: float) -> None:
-    reference = _segments(model, optimizer, 3)
-    stack = SegmentStack(_segments(model, optimizer, 4)[3], slots=4)
+@pytest.mark.parametrize(
+    ("model", "lr_scale", "head"), [("cnn", 1.0, 1.0), ("mlp", 1.0, 1.0), ("cnn", 0.3, 10.0)]
+)
+def test_each_slot_trains_as_its_own_segment(
+    model: str, optimizer: str, lr_scale: float, head: float
+) -> None:
+    """Stacked slots step as their own segments would, with a round's decay and a local head
+    at its own rate (``head_lr_scale``) too."""
+    reference = _segments(model, optimizer, 3, head)
+    stack = SegmentStack(_segments(model, optimizer, 4, head)[3], slots=4)
     for segment in (*reference, stack.segment):  # a round's decay (set on the template)
         segment.lr_scale = lr_scale
     for slot, segment in enumerate(reference):

@@ -56,15 +56,19 @@ def test_proximal_gradient_is_mu_times_the_distance_to_the_anchor() -> None:
             param.copy_(value)
     twin.train_step(X, Y)  # plain SGD from the same point
     segment.train_step(X, Y)
+    heads = list(segment.head.parameters())
     for got, plain in zip(segment.trainable_parameters(), twin.trainable_parameters(), strict=True):
-        # prox step = plain step - lr * mu * (w - w0), and w - w0 = 0.01 everywhere
-        torch.testing.assert_close(got.detach(), plain.detach() - 0.1 * 2.0 * 0.01)
+        # prox step = plain step - lr * mu * (w - w0), and w - w0 = 0.01 everywhere; the
+        # local head steps at head_lr_scale times the rate
+        rate = 0.1 * (config.head_lr_scale if any(got is h for h in heads) else 1.0)
+        torch.testing.assert_close(got.detach(), plain.detach() - rate * 2.0 * 0.01)
 
 
 def test_clipping_bounds_the_step_and_warmup_ramps_the_learning_rate() -> None:
     start = [p.detach().clone() for p in _segment(OptimizerConfig("sgd")).trainable_parameters()]
-    clipped = _trained(_segment(OptimizerConfig("sgd", lr=0.5, clip_norm=0.1)), 1)
-    # plain SGD moves by lr * |g|; clipped |g| <= 0.1, so the step is at most 0.05
+    clipped = _trained(_segment(OptimizerConfig("sgd", lr=0.5, clip_norm=0.1, head_lr_scale=1)), 1)
+    # plain SGD moves by lr * |g|; clipped |g| <= 0.1, so the step is at most 0.05 (the head
+    # at the blocks' rate: clip_norm bounds the gradient, max_step the step)
     assert _distance(clipped, start) <= 0.5 * 0.1 + 1e-6
     assert _distance(_trained(_segment(OptimizerConfig("sgd", lr=0.5)), 1), start) > 0.06
     warm = OptimizerConfig("sgd", lr=0.4, warmup_steps=3)
@@ -89,9 +93,8 @@ def test_max_step_bounds_the_step_at_any_learning_rate(lr: float) -> None:
     else:
         assert all(torch.equal(a, b) for a, b in zip(bounded, plain, strict=True))
     assert (_distance(plain, start) > 0.02) == (lr > 1e-3), "both cases are run"
-    both = OptimizerConfig("sgd", lr=lr, clip_norm=0.5, max_step=0.02)
-    assert both.clip_at(lr) == min(0.5, 0.02 / lr)
-    assert OptimizerConfig("sgd").clip_at(lr) is None
+    both = _trained(_segment(OptimizerConfig("sgd", lr=lr, clip_norm=0.5, max_step=0.02)), 1)
+    assert _distance(both, start) <= min(0.02, _distance(plain, start)) * (1 + 1e-3)
 
 
 @pytest.mark.parametrize(
@@ -160,3 +163,28 @@ def test_a_clipped_back_scales_the_gradient_it_sends_by_its_clip_factor(clip: fl
     factor = min(1.0, clip / (norm + 1e-6))
     assert (factor < 0.01) == (clip < 1), (factor, norm)
     torch.testing.assert_close(got, unclipped * factor)
+
+
+@pytest.mark.parametrize("name", ["sgd", "adam"])
+def test_the_local_head_steps_at_its_own_multiple_of_the_rate(name: str) -> None:
+    """One step from the same weights: the blocks move alike whatever ``head_lr_scale``; the
+    head moves ``head_lr_scale`` times as far (a plain SGD step, and Adam's first step,
+    are proportional to the rate)."""
+    moved = {}
+    for scale in (1.0, 10.0):
+        segment = _segment(OptimizerConfig(name, lr=0.01, head_lr_scale=scale))
+        before = [p.detach().clone() for p in segment.trainable_parameters()]
+        after = _trained(segment, 1)
+        heads = {id(p) for p in segment.head.parameters()}
+        params = segment.trainable_parameters()
+        moved[scale] = [
+            (id(p) in heads, a - b) for p, a, b in zip(params, after, before, strict=True)
+        ]
+    for (head, one), (_, ten) in zip(moved[1.0], moved[10.0], strict=True):
+        assert torch.allclose(ten, one * (10.0 if head else 1.0), rtol=1e-4, atol=1e-7)
+    assert any(head for head, _ in moved[1.0]) and not all(head for head, _ in moved[1.0])
+
+
+def test_head_lr_scale_must_be_positive() -> None:
+    with pytest.raises(ConfigError, match="head_lr_scale"):
+        OptimizerConfig(head_lr_scale=0)
