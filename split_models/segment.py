@@ -9,6 +9,7 @@ each edge's batch from that edge's cut), optionally returning the gradient of th
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -135,8 +136,8 @@ class Segment:
         config = self.optimizer_config
         lr = config.lr_at(self._steps) * self.lr_scale
         factor = self._clip_factor(lr)
-        if factor < 1.0:
-            with torch.no_grad():
+        if factor != 1.0:  # clipped; or NaN: a gradient that is not finite turns all NaN, as
+            with torch.no_grad():  # clip_grad_norm_ made it (the guard refuses such weights)
                 for param in params:
                     if param.grad is not None:
                         param.grad.mul_(factor)
@@ -144,30 +145,42 @@ class Segment:
             group["lr"] = lr * group.get("lr_scale", 1.0)
         self.optimizer.step()
         self._steps += 1
-        return factor
+        return factor if math.isfinite(factor) else 1.0
 
     def _clip_factor(self, lr: float) -> float:
-        """What the gradients are scaled by before a step at ``lr``: ``clip_norm`` bounds
-        their norm, ``max_step`` the norm of the step a plain SGD step would take (each
-        group's gradients times its ``lr_scale``, so a local head's faster rate counts)."""
+        """What the gradients are scaled by before a step at ``lr`` (NaN when their norm is
+        not finite): ``clip_norm`` bounds their norm, ``max_step`` the norm of the whole step
+        a plain SGD step would take, each group's gradients times its ``lr_scale``: a local
+        head's faster rate counts, so with ``head_lr_scale > 1`` a reached bound shortens
+        the blocks' steps too."""
         config = self.optimizer_config
         if config.clip_norm is None and config.max_step is None:
             return 1.0
-        squares = []  # (lr_scale, the squared norm of its group's gradients)
-        with torch.no_grad():
-            for group in self.optimizer.param_groups:
-                grads = [p.grad for p in group["params"] if p.grad is not None]
-                if grads:
-                    norm = torch.linalg.vector_norm(
+        groups = [
+            (group.get("lr_scale", 1.0), grads)
+            for group in self.optimizer.param_groups
+            if (grads := [p.grad for p in group["params"] if p.grad is not None])
+        ]
+        if not groups:
+            return 1.0
+        with torch.no_grad():  # one norm per group, read back at once
+            norms = torch.stack(
+                [
+                    torch.linalg.vector_norm(
                         torch.stack([torch.linalg.vector_norm(g) for g in grads])
                     )
-                    squares.append((group.get("lr_scale", 1.0), float(norm) ** 2))
+                    for _, grads in groups
+                ]
+            ).tolist()
+        squares = [(scale, norm * norm) for (scale, _), norm in zip(groups, norms, strict=True)]
+        total = math.sqrt(sum(square for _, square in squares))
+        if not math.isfinite(total):
+            return math.nan
         bounds = [1.0]
         if config.clip_norm is not None:
-            total = sum(square for _, square in squares) ** 0.5
             bounds.append(config.clip_norm / (total + 1e-6))  # as clip_grad_norm_ scales
         if config.max_step is not None:
-            step = sum(scale * scale * square for scale, square in squares) ** 0.5
+            step = math.sqrt(sum(scale * scale * square for scale, square in squares))
             bounds.append(config.max_step / lr / (step + 1e-6))
         return min(bounds)
 

@@ -77,22 +77,23 @@ def decode_publish(
         properties.unpack(bytes(packet[pos:end]))  # type: ignore[no-untyped-call]
     except Exception:  # malformed: paho's decoder raises its own error for it
         return None
-    view = memoryview(packet)
-    return _packet.PublishPacket(
-        dup=bool(header & 0x08),
-        qos=qos,
-        retain=bool(header & 0x01),
-        topic=bytes(view[2 : 2 + size]),
-        mid=mid,
-        properties=properties,
-        payload=bytes(view[end:]),
-    )
+    with memoryview(packet) as view:
+        return _packet.PublishPacket(
+            dup=bool(header & 0x08),
+            qos=qos,
+            retain=bool(header & 0x01),
+            topic=bytes(view[2 : 2 + size]),
+            mid=mid,
+            properties=properties,
+            payload=bytes(view[end:]),
+        )
 
 
 def _dispatch(
     header: int, packet: bytes | bytearray, protocol: MQTTProtocolVersion
 ) -> _packet.PublishPacket:
-    assert _stock is not None
+    if _stock is None:  # only installed together
+        raise RuntimeError("wire.paho_decode: paho's decoder is not wrapped")
     if _local.__dict__.pop("fast", False):
         decoded = decode_publish(header, packet, protocol)
         if decoded is not None:
@@ -100,13 +101,23 @@ def _dispatch(
     return _stock(header, packet, protocol)
 
 
-def install() -> None:
-    """Wrap paho's PUBLISH decoder once (idempotent); stock clients are not affected."""
+_FIELDS = ("dup", "qos", "retain", "topic", "mid", "properties", "payload")
+
+
+def install() -> bool:
+    """Wrap paho's PUBLISH decoder once (idempotent; stock clients are not affected);
+    whether it is wrapped. A paho whose private decoder is not the one this was written for
+    (another name or result) is left alone: its clients then decode as stock paho does."""
     global _stock
     with _lock:
         if _stock is None:
-            _stock = _packet.decode_publish
+            decoder = getattr(_packet, "decode_publish", None)
+            result = getattr(_packet, "PublishPacket", None)
+            if decoder is None or getattr(result, "_fields", None) != _FIELDS:
+                return False
+            _stock = decoder
             _packet.decode_publish = _dispatch
+        return True
 
 
 class FastClient(mqtt.Client):

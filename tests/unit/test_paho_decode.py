@@ -3,6 +3,7 @@ what it does not handle to paho, and is used by edgesplit's clients only."""
 
 from __future__ import annotations
 
+import collections
 import random
 import struct
 from typing import Any
@@ -28,7 +29,7 @@ assert STOCK is not None
 def _properties(rng: random.Random) -> bytes:
     properties = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
     if rng.random() < 0.6:  # one or more: 1-byte and multi-byte variable integers
-        properties.SubscriptionIdentifier = [rng.choice([1, 127, 128, 16_384, 268_435_455])]
+        properties.SubscriptionIdentifier = rng.sample([1, 127, 128, 16_384, 268_435_455], 2)
     if rng.random() < 0.3:
         properties.UserProperty = [("kind", "activations"), ("seq", str(rng.randrange(99)))]
     if rng.random() < 0.3:
@@ -37,6 +38,12 @@ def _properties(rng: random.Random) -> bytes:
         properties.CorrelationData = rng.randbytes(rng.randrange(0, 40))
     if rng.random() < 0.2:
         properties.ResponseTopic = "edgesplit/v1/reply"
+    if rng.random() < 0.2:  # a byte, a two-byte integer, a string
+        properties.PayloadFormatIndicator = rng.randrange(2)
+    if rng.random() < 0.2:
+        properties.TopicAlias = rng.randrange(1, 65_536)
+    if rng.random() < 0.2:
+        properties.ContentType = "application/x-edgesplit"
     return bytes(properties.pack())  # type: ignore[no-untyped-call]
 
 
@@ -139,3 +146,13 @@ def test_only_a_fast_client_s_packet_takes_the_fast_path(monkeypatch: pytest.Mon
     with pytest.raises(MalformedPacket):
         _packet.decode_publish(0x30, b"\x00", V5)
     assert calls == ["stock", "stock", "stock"]
+
+
+def test_a_paho_whose_decoder_changed_is_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another result type (a later paho): not wrapped, so its clients decode as stock."""
+    assert paho_decode.install()  # the pinned paho: wrapped
+    monkeypatch.setattr(paho_decode, "_stock", None)
+    monkeypatch.setattr(_packet, "PublishPacket", collections.namedtuple("P", "topic payload"))
+    wrapped = _packet.decode_publish
+    assert not paho_decode.install()
+    assert _packet.decode_publish is wrapped  # untouched

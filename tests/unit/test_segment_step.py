@@ -188,3 +188,20 @@ def test_the_local_head_steps_at_its_own_multiple_of_the_rate(name: str) -> None
 def test_head_lr_scale_must_be_positive() -> None:
     with pytest.raises(ConfigError, match="head_lr_scale"):
         OptimizerConfig(head_lr_scale=0)
+
+
+def test_max_step_bounds_the_whole_step_with_a_faster_head() -> None:
+    start = [p.detach().clone() for p in _segment(OptimizerConfig("sgd")).trainable_parameters()]
+    config = OptimizerConfig("sgd", lr=0.5, max_step=0.02, head_lr_scale=10)
+    bounded = _trained(_segment(config), 1)
+    assert _distance(bounded, start) == pytest.approx(0.02, rel=1e-3)
+
+
+def test_a_gradient_that_is_not_finite_leaves_no_weight_finite_when_bounded() -> None:
+    """As ``clip_grad_norm_`` did: a NaN anywhere makes the clip factor NaN for every
+    gradient, so no weight takes a partial, unbounded step (the guard refuses the round)."""
+    segment = _segment(OptimizerConfig("sgd", lr=0.1, max_step=0.05, head_lr_scale=10))
+    bias = list(segment.head.parameters())[-1]
+    bias.register_hook(lambda grad: grad * float("nan"))
+    segment.train_step(X, Y)
+    assert all(torch.isnan(p).all() for p in segment.trainable_parameters())
