@@ -54,6 +54,9 @@ class BackStage:
         self.cut_specs = _specs(model, start, end)  # probed on the CPU, before the move
         self.segment.module.to(self.device)  # in place: the optimizer keeps its parameters
         self.segment.head.to(self.device)
+        # built with the piece, before its first round grants credits, not on the first batch:
+        # torch's optimizers import torch._dynamo (0.6-1.4 s), a pause in the stream then
+        self.segment.optimizer  # noqa: B018
 
     def validate(self, envelope: Envelope) -> tuple[int, list[np.ndarray], np.ndarray]:
         """The batch's cut, the tensors crossing it (the activation first) and the labels;
