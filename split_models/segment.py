@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn.utils import get_total_norm
 
 from split_models.activations import Activation, detached, primary, side
 from split_models.errors import ModelError
@@ -163,15 +164,8 @@ class Segment:
         ]
         if not groups:
             return 1.0
-        with torch.no_grad():  # one norm per group, read back at once
-            norms = torch.stack(
-                [
-                    torch.linalg.vector_norm(
-                        torch.stack([torch.linalg.vector_norm(g) for g in grads])
-                    )
-                    for _, grads in groups
-                ]
-            ).tolist()
+        with torch.no_grad():  # one norm per group (as clip_grad_norm_ takes it), read at once
+            norms = torch.stack([get_total_norm(grads) for _, grads in groups]).tolist()
         squares = [(scale, norm * norm) for (scale, _), norm in zip(groups, norms, strict=True)]
         total = math.sqrt(sum(square for _, square in squares))
         if not math.isfinite(total):
