@@ -32,13 +32,12 @@ __all__ = ["SegmentStack", "StepGroup", "stackable"]
 
 
 def stackable(segment: Segment) -> bool:
-    """Whether ``segment`` can be stacked: no buffers, a loss that vmap can batch, a plain
-    optimizer step (no clipping, step bound or warm-up, which the stacked update does not
-    do) and one tensor at its cut (side tensors such as a mask are not stacked yet)."""
+    """Whether ``segment`` can be stacked: no buffers, a loss that vmap can batch, no
+    warm-up (which the stacked update does not do; clipping and the step bound it does) and
+    one tensor at its cut (side tensors such as a mask are not stacked yet)."""
     modules = (segment.module, segment.head)
     no_buffers = not any(True for m in modules for _ in m.buffers())
-    config = segment.optimizer_config
-    plain = config.clip_norm is None and config.max_step is None and config.warmup_steps == 0
+    plain = segment.optimizer_config.warmup_steps == 0
     per_position = getattr(segment.head, "per_position", False)
     kind = getattr(segment.head, "kind", "")
     single = segment.side_outputs == 0
@@ -140,8 +139,11 @@ class SegmentStack:
         lr = config.lr * self.segment.lr_scale
         self._steps[index] += 1
         steps = self._steps[index]
+        factors = self._clip_factors(grads, lr)
         for name, param in params.items():
             grad = grads[name]
+            if factors is not None:
+                grad = grad * factors.view((-1,) + (1,) * (grad.dim() - 1))
             rate = lr * config.head_lr_scale if name.startswith("head.") else lr
             if config.weight_decay:
                 grad = grad + config.weight_decay * param
@@ -163,6 +165,29 @@ class SegmentStack:
             else:
                 param = param - rate * grad
             self.params[name][index] = param
+
+    def _clip_factors(self, grads: dict[str, torch.Tensor], lr: float) -> torch.Tensor | None:
+        """Each slot's factor on its gradients, as :meth:`Segment._clip_factor` takes it
+        (``clip_norm`` on the gradients' norm, ``max_step`` on the step's, the head's faster
+        rate counted; NaN where the norm is not finite); None without either bound."""
+        config = self.optimizer
+        if config.clip_norm is None and config.max_step is None:
+            return None
+        first = next(iter(grads.values()))
+        block = torch.zeros(first.shape[0], dtype=torch.float64, device=first.device)
+        head = torch.zeros_like(block)
+        for name, grad in grads.items():  # each slot's sum of squares, blocks and head apart
+            square = grad.flatten(1).double().pow(2).sum(1)
+            (head if name.startswith("head.") else block).add_(square)
+        total = (block + head).sqrt()
+        factors = torch.ones_like(total)
+        if config.clip_norm is not None:
+            factors = torch.minimum(factors, config.clip_norm / (total + 1e-6))
+        if config.max_step is not None:
+            step = (block + config.head_lr_scale**2 * head).sqrt()
+            factors = torch.minimum(factors, config.max_step / lr / (step + 1e-6))
+        factors = torch.where(total.isfinite(), factors, torch.nan)
+        return factors.to(first.dtype)
 
 
 class StepGroup:

@@ -19,8 +19,12 @@ pytestmark = pytest.mark.unit
 SHAPES = {"cnn": (1, 8, 8), "mlp": (1, 28, 28), "resnet8": (3, 32, 32)}
 
 
-def _segments(name: str, optimizer: str, count: int, head_lr_scale: float = 1.0) -> list[Segment]:
-    config = OptimizerConfig(optimizer, lr=0.01, weight_decay=0.01, head_lr_scale=head_lr_scale)
+def _segments(
+    name: str, optimizer: str, count: int, head_lr_scale: float = 1.0, **bounds: float
+) -> list[Segment]:
+    config = OptimizerConfig(
+        optimizer, lr=0.01, weight_decay=0.01, head_lr_scale=head_lr_scale, **bounds
+    )
     return [
         Segment.from_model(build_model(name, SHAPES[name], 10, seed=seed), 0, 2, "linear", config)
         for seed in range(count)
@@ -60,6 +64,43 @@ def test_each_slot_trains_as_its_own_segment(
             assert losses[i] == pytest.approx(want.loss, rel=1e-5, abs=2e-5)
     for slot, segment in enumerate(reference):
         _assert_same_weights(stack.state(slot), segment_state(segment))
+
+
+@pytest.mark.parametrize("optimizer", ["sgd-momentum", "adam"])
+@pytest.mark.parametrize("bounds", [{"max_step": 0.002}, {"clip_norm": 0.3}])
+def test_slots_bound_their_steps_as_their_own_segments(
+    optimizer: str, bounds: dict[str, float]
+) -> None:
+    """``max_step`` and ``clip_norm`` (tight enough here to bind on every step) scale each
+    slot's gradients by its own factor, as each segment's step does."""
+    reference = _segments("cnn", optimizer, 3, 3.0, **bounds)
+    unbounded = _segments("cnn", optimizer, 1, 3.0)[0]
+    stack = SegmentStack(_segments("cnn", optimizer, 4, 3.0, **bounds)[3], slots=3)
+    for slot, segment in enumerate(reference):
+        stack.load(slot, segment_state(segment))
+    generator = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        # slot 1's inputs are far larger: its factor differs from the others'
+        scale = torch.tensor([1.0, 30.0, 1.0]).view(3, 1, 1, 1, 1)
+        xs = torch.randn(3, 8, *SHAPES["cnn"], generator=generator) * scale
+        ys = torch.randint(0, 10, (3, 8), generator=generator)
+        stack.step([0, 1, 2], xs, ys)
+        for slot, segment in enumerate(reference):
+            segment.train_step(xs[slot], ys[slot])
+        unbounded.train_step(xs[0], ys[0])
+    for slot, segment in enumerate(reference):
+        _assert_same_weights(stack.state(slot), segment_state(segment))
+    moved = segment_state(unbounded)
+    assert any(  # the bound took part: without it slot 0 ends elsewhere
+        not np.allclose(stack.state(0)[key], moved[key], atol=1e-4) for key in moved
+    )
+
+
+def test_bounded_steps_stack_and_warm_up_does_not() -> None:
+    assert stackable(_segments("cnn", "sgd-momentum", 1, max_step=0.05, clip_norm=1.0)[0])
+    warm = OptimizerConfig("sgd-momentum", warmup_steps=10)
+    model = build_model("cnn", SHAPES["cnn"], 10, seed=0)
+    assert not stackable(Segment.from_model(model, 0, 2, "linear", warm))
 
 
 def test_loading_a_slot_clears_its_optimizer_state() -> None:
