@@ -144,7 +144,7 @@ class SegmentStack:
             grad = grads[name]
             if factors is not None:
                 grad = grad * factors.view((-1,) + (1,) * (grad.dim() - 1))
-            rate = lr * config.head_lr_scale if name.startswith("head.") else lr
+            rate = lr * config.head_scale() if name.startswith("head.") else lr
             if config.weight_decay:
                 grad = grad + config.weight_decay * param
             if config.name == "adam":
@@ -184,7 +184,7 @@ class SegmentStack:
         if config.clip_norm is not None:
             factors = torch.minimum(factors, config.clip_norm / (total + 1e-6))
         if config.max_step is not None:
-            step = (block + config.head_lr_scale**2 * head).sqrt()
+            step = (block + config.head_scale() ** 2 * head).sqrt()
             factors = torch.minimum(factors, config.max_step / lr / (step + 1e-6))
         factors = torch.where(total.isfinite(), factors, torch.nan)
         return factors.to(first.dtype)

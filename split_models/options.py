@@ -107,6 +107,7 @@ class ModelOptions:
 
 OPTIMIZERS = ("sgd", "sgd-momentum", "adam")
 LR_DECAYS = ("none", "cosine")  # across rounds
+HEAD_RATE_CAP = 0.1  # the default rule speeds SGD heads up to this rate at most
 
 
 @dataclass(frozen=True)
@@ -124,10 +125,10 @@ class OptimizerConfig:
     ``max_step``: a bound on the step, where ``clip_norm`` bounds the gradient (a clip that
     holds lr 0.1 steady slowed lr 0.01 down; GPU servers bound theirs: ``server_max_step``);
     ``head_lr_scale``: a local-loss head (the auxiliary classifier under a segment) learns at
-    this multiple of the segment's rate, so it keeps up with the features it reads (1 by
-    default; 10 lifted local-loss at SGD lr 0.01-0.05 by 0.1-1.2 points and diverged at lr 0.1:
-    docs/benchmarks.md, "Local heads at a faster rate"). ``max_step`` counts the head's faster
-    steps; ``clip_norm`` bounds the gradient whatever the rates."""
+    this multiple of the segment's rate, so it keeps up with the features it reads; absent
+    (None), :meth:`head_scale`'s rule: SGD heads at three times a low rate, at most 0.1, Adam's
+    at the segment's (docs/benchmarks.md, "Local heads at a faster rate"). ``max_step``
+    counts the head's faster steps; ``clip_norm`` bounds the gradient whatever the rates."""
 
     name: str = "sgd-momentum"
     lr: float = 0.01
@@ -137,7 +138,7 @@ class OptimizerConfig:
     warmup_steps: int = 0
     lr_decay: str = "none"
     max_step: float | None = None
-    head_lr_scale: float = 1.0
+    head_lr_scale: float | None = None
 
     def __post_init__(self) -> None:
         if self.lr_decay not in LR_DECAYS:
@@ -161,14 +162,27 @@ class OptimizerConfig:
             raise ConfigError(
                 f"optimizer.max_step: must be positive (or absent: no bound), got {self.max_step}"
             )
-        if not 0 < self.head_lr_scale <= 10_000:
+        if self.head_lr_scale is not None and not 0 < self.head_lr_scale <= 10_000:
             raise ConfigError(
-                f"optimizer.head_lr_scale: must be in (0, 10000], got {self.head_lr_scale}"
+                f"optimizer.head_lr_scale: must be in (0, 10000] (or absent: the rule), got "
+                f"{self.head_lr_scale}"
             )
         if not 0 <= self.warmup_steps <= 10**9:
             raise ConfigError(
                 f"optimizer.warmup_steps: must be in [0, 1e9], got {self.warmup_steps}"
             )
+
+    def head_scale(self) -> float:
+        """The multiple of the segment's rate its local head learns at: ``head_lr_scale``,
+        or by default, for SGD, three times ``lr`` up to a rate of 0.1 and never below ``lr``
+        (3 at lr 0.01-0.033, 2 at 0.05, 1 from 0.1: faster heads lifted local-loss at lr
+        0.01, where it trailed, and diverged at lr 0.1); for Adam 1 (a faster Adam head
+        changed nothing)."""
+        if self.head_lr_scale is not None:
+            return self.head_lr_scale
+        if self.name == "adam":
+            return 1.0
+        return max(1.0, min(3.0, HEAD_RATE_CAP / self.lr))
 
     def round_scale(self, round_number: int, rounds: int) -> float:
         """The factor of the learning rate in round ``round_number`` (from 1) of ``rounds``:
@@ -187,14 +201,14 @@ class OptimizerConfig:
         self, parameters: list[nn.Parameter], head: Sequence[nn.Parameter] = ()
     ) -> torch.optim.Optimizer:
         """The optimizer of ``parameters``; those also in ``head`` (a local-loss head's) form
-        a second group whose ``lr_scale`` is ``head_lr_scale`` (the steps set each group's
+        a second group whose ``lr_scale`` is :meth:`head_scale` (the steps set each group's
         rate to the step's rate times its ``lr_scale``)."""
         import torch
 
         heads = {id(p) for p in head}
         groups = [
             {"params": [p for p in parameters if id(p) not in heads], "lr_scale": 1.0},
-            {"params": [p for p in parameters if id(p) in heads], "lr_scale": self.head_lr_scale},
+            {"params": [p for p in parameters if id(p) in heads], "lr_scale": self.head_scale()},
         ]
         groups = [g for g in groups if g["params"]]
         if self.name == "adam":

@@ -152,8 +152,8 @@ class Segment:
         """What the gradients are scaled by before a step at ``lr`` (NaN when their norm is
         not finite): ``clip_norm`` bounds their norm, ``max_step`` the norm of the whole step
         a plain SGD step would take, each group's gradients times its ``lr_scale``: a local
-        head's faster rate counts, so with ``head_lr_scale > 1`` a reached bound shortens
-        the blocks' steps too."""
+        head's faster rate (``OptimizerConfig.head_scale``) counts, so a reached bound
+        shortens the blocks' steps too."""
         config = self.optimizer_config
         if config.clip_norm is None and config.max_step is None:
             return 1.0

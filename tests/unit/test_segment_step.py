@@ -59,8 +59,8 @@ def test_proximal_gradient_is_mu_times_the_distance_to_the_anchor() -> None:
     heads = list(segment.head.parameters())
     for got, plain in zip(segment.trainable_parameters(), twin.trainable_parameters(), strict=True):
         # prox step = plain step - lr * mu * (w - w0), and w - w0 = 0.01 everywhere; the
-        # local head steps at head_lr_scale times the rate
-        rate = 0.1 * (config.head_lr_scale if any(got is h for h in heads) else 1.0)
+        # local head steps at its scale times the rate (the default rule: 1 at lr 0.1)
+        rate = 0.1 * (config.head_scale() if any(got is h for h in heads) else 1.0)
         torch.testing.assert_close(got.detach(), plain.detach() - rate * 2.0 * 0.01)
 
 
@@ -183,6 +183,27 @@ def test_the_local_head_steps_at_its_own_multiple_of_the_rate(name: str) -> None
     for (head, one), (_, ten) in zip(moved[1.0], moved[10.0], strict=True):
         assert torch.allclose(ten, one * (10.0 if head else 1.0), rtol=1e-4, atol=1e-7)
     assert any(head for head, _ in moved[1.0]) and not all(head for head, _ in moved[1.0])
+
+
+@pytest.mark.parametrize(
+    ("name", "lr", "want"),
+    [
+        ("sgd-momentum", 0.01, 3.0),
+        ("sgd-momentum", 0.02, 3.0),
+        ("sgd-momentum", 0.05, 2.0),
+        ("sgd", 0.1, 1.0),
+        ("sgd-momentum", 0.5, 1.0),  # never slower than the blocks
+        ("adam", 1e-3, 1.0),
+    ],
+)
+def test_by_default_sgd_heads_learn_faster_at_low_rates(name: str, lr: float, want: float) -> None:
+    """Absent ``head_lr_scale``, SGD heads step at three times a low rate, capped at 0.1 and
+    never below the segment's; Adam's at the segment's. A set value is used as it is."""
+    assert OptimizerConfig(name, lr=lr).head_scale() == pytest.approx(want)
+    assert OptimizerConfig(name, lr=lr, head_lr_scale=0.5).head_scale() == 0.5
+    segment = _segment(OptimizerConfig(name, lr=lr))
+    scales = [group["lr_scale"] for group in segment.optimizer.param_groups]
+    assert scales == pytest.approx([1.0, want])
 
 
 def test_head_lr_scale_must_be_positive() -> None:
