@@ -32,18 +32,15 @@ __all__ = ["SegmentStack", "StepGroup", "stackable"]
 
 
 def stackable(segment: Segment) -> bool:
-    """Whether ``segment`` can be stacked: no buffers, a loss that vmap can batch, no
-    warm-up (which the stacked update does not do; clipping and the step bound it does) and
-    one tensor at its cut (side tensors such as a mask are not stacked yet)."""
+    """Whether ``segment`` can be stacked: no buffers, a loss that vmap can batch (every
+    optimizer option steps stacked: clipping, the step bound, warm-up) and one tensor at its
+    cut (side tensors such as a mask are not stacked yet)."""
     modules = (segment.module, segment.head)
     no_buffers = not any(True for m in modules for _ in m.buffers())
-    plain = segment.optimizer_config.warmup_steps == 0
     per_position = getattr(segment.head, "per_position", False)
     kind = getattr(segment.head, "kind", "")
     single = segment.side_outputs == 0
-    return (
-        plain and no_buffers and single and not per_position and kind in ("linear", "mlp", "task")
-    )
+    return no_buffers and single and not per_position and kind in ("linear", "mlp", "task")
 
 
 class _Loss(nn.Module):
@@ -136,20 +133,23 @@ class SegmentStack:
         config = self.optimizer
         # the round's decay: the agent sets it on the template, which every slot shares (the
         # clients of one stack train the same round)
-        lr = config.lr * self.segment.lr_scale
-        self._steps[index] += 1
-        steps = self._steps[index]
+        steps = self._steps[index] + 1  # each slot's step, from 1
+        self._steps[index] = steps
+        # each slot's rate: warm-up as OptimizerConfig.lr_at ramps it over its first steps
+        warm = (steps / (config.warmup_steps + 1)).clamp(max=1.0)
+        lr = config.lr * self.segment.lr_scale * warm
         factors = self._clip_factors(grads, lr)
         for name, param in params.items():
             grad = grads[name]
+            shape = (-1,) + (1,) * (param.dim() - 1)
             if factors is not None:
-                grad = grad * factors.view((-1,) + (1,) * (grad.dim() - 1))
-            rate = lr * config.head_scale() if name.startswith("head.") else lr
+                grad = grad * factors.view(shape)
+            scale = config.head_scale() if name.startswith("head.") else 1.0
+            rate = (lr * scale).to(param.dtype).view(shape)
             if config.weight_decay:
                 grad = grad + config.weight_decay * param
             if config.name == "adam":
                 first, second = self._state[0][name], self._state[1][name]
-                shape = (-1,) + (1,) * (param.dim() - 1)
                 m = 0.9 * first[index] + 0.1 * grad
                 v = 0.999 * second[index] + 0.001 * grad * grad
                 first[index], second[index] = m, v
@@ -166,10 +166,13 @@ class SegmentStack:
                 param = param - rate * grad
             self.params[name][index] = param
 
-    def _clip_factors(self, grads: dict[str, torch.Tensor], lr: float) -> torch.Tensor | None:
+    def _clip_factors(
+        self, grads: dict[str, torch.Tensor], lr: torch.Tensor
+    ) -> torch.Tensor | None:
         """Each slot's factor on its gradients, as :meth:`Segment._clip_factor` takes it
         (``clip_norm`` on the gradients' norm, ``max_step`` on the step's, the head's faster
-        rate counted; NaN where the norm is not finite); None without either bound."""
+        rate counted; NaN where the norm is not finite); None without either bound. ``lr``:
+        each slot's rate."""
         config = self.optimizer
         if config.clip_norm is None and config.max_step is None:
             return None

@@ -67,26 +67,36 @@ def test_each_slot_trains_as_its_own_segment(
 
 
 @pytest.mark.parametrize("optimizer", ["sgd-momentum", "adam"])
-@pytest.mark.parametrize("bounds", [{"max_step": 0.002}, {"clip_norm": 0.3}])
+@pytest.mark.parametrize(
+    "bounds",
+    [
+        {"max_step": 0.002},
+        {"clip_norm": 0.3},
+        {"warmup_steps": 2},
+        {"warmup_steps": 1, "max_step": 0.002},
+    ],
+)
 def test_slots_bound_their_steps_as_their_own_segments(
     optimizer: str, bounds: dict[str, float]
 ) -> None:
     """``max_step`` and ``clip_norm`` (tight enough here to bind on every step) scale each
-    slot's gradients by its own factor, as each segment's step does."""
+    slot's gradients by its own factor, and warm-up ramps each slot's rate over its own
+    first steps, as each segment's step does."""
     reference = _segments("cnn", optimizer, 3, 3.0, **bounds)
     unbounded = _segments("cnn", optimizer, 1, 3.0)[0]
     stack = SegmentStack(_segments("cnn", optimizer, 4, 3.0, **bounds)[3], slots=3)
     for slot, segment in enumerate(reference):
         stack.load(slot, segment_state(segment))
     generator = torch.Generator().manual_seed(2)
-    for _ in range(3):
+    for step in range(4):
         # slot 1's inputs are far larger: its factor differs from the others'
         scale = torch.tensor([1.0, 30.0, 1.0]).view(3, 1, 1, 1, 1)
         xs = torch.randn(3, 8, *SHAPES["cnn"], generator=generator) * scale
         ys = torch.randint(0, 10, (3, 8), generator=generator)
-        stack.step([0, 1, 2], xs, ys)
-        for slot, segment in enumerate(reference):
-            segment.train_step(xs[slot], ys[slot])
+        active = [0, 1] if step == 0 else [0, 1, 2]  # slot 2 starts a step late
+        stack.step(active, xs[active], ys[active])
+        for slot in active:
+            reference[slot].train_step(xs[slot], ys[slot])
         unbounded.train_step(xs[0], ys[0])
     for slot, segment in enumerate(reference):
         _assert_same_weights(stack.state(slot), segment_state(segment))
@@ -96,11 +106,9 @@ def test_slots_bound_their_steps_as_their_own_segments(
     )
 
 
-def test_bounded_steps_stack_and_warm_up_does_not() -> None:
-    assert stackable(_segments("cnn", "sgd-momentum", 1, max_step=0.05, clip_norm=1.0)[0])
-    warm = OptimizerConfig("sgd-momentum", warmup_steps=10)
-    model = build_model("cnn", SHAPES["cnn"], 10, seed=0)
-    assert not stackable(Segment.from_model(model, 0, 2, "linear", warm))
+def test_every_optimizer_option_stacks() -> None:
+    options = {"max_step": 0.05, "clip_norm": 1.0, "warmup_steps": 10}
+    assert stackable(_segments("cnn", "sgd-momentum", 1, **options)[0])
 
 
 def test_loading_a_slot_clears_its_optimizer_state() -> None:
