@@ -228,8 +228,16 @@ def config_changes(
 
 
 def describe_changes(changes: Mapping[str, tuple[Any, Any]]) -> str:
-    """``batch_size 32 -> 64; optimizer {...} -> {...}``."""
-    return "; ".join(f"{key} {then!r} -> {now!r}" for key, (then, now) in changes.items())
+    """``batch_size 32 -> 64; optimizer.lr 0.01 -> 0.05``: a section (a mapping on both
+    sides) by the keys that differ in it, so a default that changed inside one is named."""
+    parts = []
+    for key, (then, now) in changes.items():
+        if isinstance(then, Mapping) and isinstance(now, Mapping):
+            inner = {k: (then.get(k), now.get(k)) for k in {**then, **now}}
+            parts += [f"{key}.{k} {a!r} -> {b!r}" for k, (a, b) in inner.items() if a != b]
+        else:
+            parts.append(f"{key} {then!r} -> {now!r}")
+    return "; ".join(parts)
 
 
 def load_run_config(path: str | Path) -> RunConfig:

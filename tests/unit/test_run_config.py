@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from coordinator.config import RunConfig, load_run_config, parse_duration
+from coordinator.config import RunConfig, describe_changes, load_run_config, parse_duration
 from split_models.errors import ConfigError
 
 pytestmark = pytest.mark.unit
@@ -183,3 +183,11 @@ def test_gpu_servers_bound_the_backs_step_by_default_and_take_the_lower_bounds()
     assert both.optimizer.max_step == 0.5, "the edges keep the optimizer as configured"
     off = TrainingConfig.parse({"rounds": 1, "server_max_step": None}).server_optimizer()
     assert (off.max_step, off.clip_norm) == (None, None)
+
+
+def test_a_changed_section_is_described_by_the_keys_that_differ_in_it() -> None:
+    """A resume refused for a default that changed inside ``optimizer`` names that key."""
+    stored = {"name": "sgd-momentum", "lr": 0.01, "head_lr_scale": 1.0}
+    now = {"name": "sgd-momentum", "lr": 0.01, "head_lr_scale": None}
+    changes = {"batch_size": (16, 8), "optimizer": (stored, now)}
+    assert describe_changes(changes) == "batch_size 16 -> 8; optimizer.head_lr_scale 1.0 -> None"
