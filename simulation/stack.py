@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
-from split_models.segment import OptimizerConfig, Segment, StepResult
+from split_models.segment import OptimizerConfig, Segment, StepResult, step_factors
 from split_models.weights import load_segment_state, segment_state
 
 __all__ = ["SegmentStack", "StepGroup", "stackable"]
@@ -169,28 +169,18 @@ class SegmentStack:
     def _clip_factors(
         self, grads: dict[str, torch.Tensor], lr: torch.Tensor
     ) -> torch.Tensor | None:
-        """Each slot's factor on its gradients, as :meth:`Segment._clip_factor` takes it
-        (``clip_norm`` on the gradients' norm, ``max_step`` on the step's, the head's faster
-        rate counted; NaN where the norm is not finite); None without either bound. ``lr``:
-        each slot's rate."""
+        """Each slot's factor on its gradients (:func:`~split_models.segment.step_factors`, as
+        each segment's step takes it, blocks and head as its two parameter groups); None
+        without ``clip_norm`` or ``max_step``. ``lr``: each slot's rate."""
         config = self.optimizer
         if config.clip_norm is None and config.max_step is None:
             return None
         first = next(iter(grads.values()))
-        block = torch.zeros(first.shape[0], dtype=torch.float64, device=first.device)
-        head = torch.zeros_like(block)
-        for name, grad in grads.items():  # each slot's sum of squares, blocks and head apart
-            square = grad.flatten(1).double().pow(2).sum(1)
-            (head if name.startswith("head.") else block).add_(square)
-        total = (block + head).sqrt()
-        factors = torch.ones_like(total)
-        if config.clip_norm is not None:
-            factors = torch.minimum(factors, config.clip_norm / (total + 1e-6))
-        if config.max_step is not None:
-            step = (block + config.head_scale() ** 2 * head).sqrt()
-            factors = torch.minimum(factors, config.max_step / lr / (step + 1e-6))
-        factors = torch.where(total.isfinite(), factors, torch.nan)
-        return factors.to(first.dtype)
+        squares = torch.zeros(first.shape[0], 2, dtype=torch.float64, device=first.device)
+        for name, grad in grads.items():  # each slot's sum of squares: blocks, then the head
+            squares[:, int(name.startswith("head."))] += grad.flatten(1).double().pow(2).sum(1)
+        scales = squares.new_tensor([1.0, config.head_scale()])
+        return step_factors(squares, scales, lr, config).to(first.dtype)
 
 
 class StepGroup:

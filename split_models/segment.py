@@ -23,11 +23,29 @@ from split_models.options import OPTIMIZERS as OPTIMIZERS
 from split_models.options import OptimizerConfig as OptimizerConfig
 from split_models.zoo import SplittableModel
 
-__all__ = ["OPTIMIZERS", "OptimizerConfig", "Segment", "StepResult"]
+__all__ = ["OPTIMIZERS", "OptimizerConfig", "Segment", "StepResult", "step_factors"]
 
 
 class NonFiniteLoss(ModelError):
     """A batch whose loss is NaN or infinite: the segment took no step on it."""
+
+
+def step_factors(
+    squares: torch.Tensor, scales: torch.Tensor, lr: torch.Tensor | float, config: OptimizerConfig
+) -> torch.Tensor:
+    """The factors gradients are scaled by before a step at ``lr``, one per leading index of
+    ``squares`` (a segment's: none, a stack's: one a slot): ``squares[..., g]`` is the squared
+    norm of parameter group ``g``'s gradients and ``scales[g]`` its multiple of the rate.
+    ``clip_norm`` bounds the gradients' norm, ``max_step`` the norm of the step a plain SGD
+    step would take, each group at its own rate; NaN where the norm is not finite."""
+    total = squares.sum(-1).sqrt()
+    factors = torch.ones_like(total)
+    if config.clip_norm is not None:
+        factors = torch.minimum(factors, config.clip_norm / (total + 1e-6))  # as clip_grad_norm_
+    if config.max_step is not None:
+        step = (squares * scales * scales).sum(-1).sqrt()
+        factors = torch.minimum(factors, config.max_step / lr / (step + 1e-6))
+    return torch.where(total.isfinite(), factors, torch.nan)
 
 
 @dataclass(frozen=True)
@@ -165,18 +183,9 @@ class Segment:
         if not groups:
             return 1.0
         with torch.no_grad():  # one norm per group (as clip_grad_norm_ takes it), read at once
-            norms = torch.stack([get_total_norm(grads) for _, grads in groups]).tolist()
-        squares = [(scale, norm * norm) for (scale, _), norm in zip(groups, norms, strict=True)]
-        total = math.sqrt(sum(square for _, square in squares))
-        if not math.isfinite(total):
-            return math.nan
-        bounds = [1.0]
-        if config.clip_norm is not None:
-            bounds.append(config.clip_norm / (total + 1e-6))  # as clip_grad_norm_ scales
-        if config.max_step is not None:
-            step = math.sqrt(sum(scale * scale * square for scale, square in squares))
-            bounds.append(config.max_step / lr / (step + 1e-6))
-        return min(bounds)
+            norms = torch.stack([get_total_norm(grads) for _, grads in groups]).double()
+        scales = norms.new_tensor([scale for scale, _ in groups])
+        return float(step_factors(norms * norms, scales, lr, config))
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Parameters and buffers of the blocks and the head."""
