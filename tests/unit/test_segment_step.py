@@ -226,3 +226,28 @@ def test_a_gradient_that_is_not_finite_leaves_no_weight_finite_when_bounded() ->
     bias.register_hook(lambda grad: grad * float("nan"))
     segment.train_step(X, Y)
     assert all(torch.isnan(p).all() for p in segment.trainable_parameters())
+
+
+def test_adam_uses_the_fused_kernel_where_torch_has_one_and_steps_as_the_loop_does() -> None:
+    torch.manual_seed(0)
+    config = OptimizerConfig(name="adam", lr=0.01, weight_decay=0.01)
+    on_cpu = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(3))]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in on_cpu]
+    start = [p.detach().clone() for p in on_cpu]
+    fused = config.build(on_cpu, head=on_cpu[1:])
+    loop = torch.optim.Adam(
+        [{"params": twins[:1]}, {"params": twins[1:]}], lr=0.01, weight_decay=0.01, foreach=False
+    )
+    assert fused.defaults["fused"] is True
+    for _ in range(5):
+        grads = [torch.randn_like(p) for p in on_cpu]
+        for params in (on_cpu, twins):
+            for p, g in zip(params, grads, strict=True):
+                p.grad = g.clone()
+        fused.step()
+        loop.step()
+    for p, twin, first in zip(on_cpu, twins, start, strict=True):
+        torch.testing.assert_close(p, twin, rtol=1e-5, atol=1e-6)
+        assert (p - first).abs().min() > 1e-3  # every element moved
+    elsewhere = [torch.nn.Parameter(torch.randn(2, device="meta"))]
+    assert not config.build(elsewhere).defaults["fused"]  # no fused kernel there: the loop
