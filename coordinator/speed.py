@@ -277,12 +277,12 @@ class Replanner:
         try:
             candidate = plan_split(profile, specs, self.planner.partition())
         except SplitError as error:
-            self._event(number, "speed-measured", f"{what}; no plan with them: {error}")
+            self._kept(number, plan, f"{what}; no plan with them: {error}")
             return None
         then = candidate.estimated_step_seconds
         verdict = f"{what}; predicted step {now:.3g} s, re-planned {then:.3g} s"
         if then > (1 - MIN_GAIN) * now or candidate.edge_cuts() == plan.edge_cuts():
-            self._event(number, "speed-measured", f"{verdict}: plan kept")
+            self._kept(number, plan, f"{verdict}: plan kept")
             return None
         try:  # a refusal keeps the plan: dropping an edge mid-run is not the speeds' call
             new = self.planner.offer(candidate, servers)
@@ -290,7 +290,7 @@ class Replanner:
             new = {"the GPU servers": (str(error), None)}
         if not isinstance(new, Placement):
             why = "; ".join(f"{d}: {r}" for d, (r, _) in new.items())
-            self._event(number, "speed-measured", f"{verdict}: plan kept, refused ({why})")
+            self._kept(number, plan, f"{verdict}: plan kept, refused ({why})")
             return None
         self.replanned_at = number
         self.store.set_plan(
@@ -299,6 +299,13 @@ class Replanner:
         self._event(number, "replanned", f"{verdict}: new cuts {new.plan.cuts()}")
         log.info("plan after round %d, from measured speeds:\n%s", number, new.plan)
         return new
+
+    def _kept(self, number: int, plan: Plan, detail: str) -> None:
+        """The plan stays: the speeds measured with it are stored beside it (the same plan
+        version), so a restarted coordinator compares against them, not the declared ones."""
+        self._event(number, "speed-measured", detail)
+        record = self.planner.record(plan) | self.measured()
+        self.store.set_plan(self.planner.config.run_id, record, revise=True)
 
     def measured(self) -> dict[str, Any]:
         """What is stored beside a plan: the measured speeds it was made with (none yet: {})."""

@@ -84,8 +84,10 @@ class RunStore(abc.ABC):
         """Replace the run's stored config (a resume allowed to change it records why)."""
 
     @abc.abstractmethod
-    def set_plan(self, run_id: str, plan: Mapping[str, Any]) -> int:
-        """Store a new plan for the run; return its version (1, 2, ...)."""
+    def set_plan(self, run_id: str, plan: Mapping[str, Any], *, revise: bool = False) -> int:
+        """Store a new plan for the run; return its version (1, 2, ...). ``revise``: replace
+        the current version's document instead (the same plan with more noted beside it, such
+        as the speeds measured while it ran); the version stays."""
 
     @abc.abstractmethod
     def set_profile(self, run_id: str, document: Mapping[str, Any]) -> None:

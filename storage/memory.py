@@ -92,9 +92,9 @@ class InMemoryRunStore(RunStore):
         with self._lock:
             self._update_run(run_id, config=dict(config))
 
-    def set_plan(self, run_id: str, plan: Mapping[str, Any]) -> int:
+    def set_plan(self, run_id: str, plan: Mapping[str, Any], *, revise: bool = False) -> int:
         with self._lock:
-            version = self.get_run(run_id).plan_version + 1
+            version = self.get_run(run_id).plan_version + (not revise)
             self._update_run(run_id, plan=dict(plan), plan_version=version)
             return version
 

@@ -237,10 +237,11 @@ class SqlRunStore(RunStore):
             row = self._run_row(session, run_id)
             row.config, row.updated_at = dict(config), utcnow()
 
-    def set_plan(self, run_id: str, plan: Mapping[str, Any]) -> int:
+    def set_plan(self, run_id: str, plan: Mapping[str, Any], *, revise: bool = False) -> int:
         with self._session() as session:
             row = self._run_row(session, run_id)
-            row.plan, row.plan_version, row.updated_at = dict(plan), row.plan_version + 1, utcnow()
+            version = row.plan_version + (not revise)
+            row.plan, row.plan_version, row.updated_at = dict(plan), version, utcnow()
             return row.plan_version
 
     # ---------------------------------------------------------------- rounds

@@ -65,6 +65,10 @@ class StoreContract:
         store.set_run_status("demo-1", "training")
         run = store.get_run("demo-1")
         assert run.plan == {"edges": [2]} and run.plan_version == 2 and run.status == "training"
+        # a revision (speeds noted beside the same plan) replaces the document, not the version
+        assert store.set_plan("demo-1", {"edges": [2], "measured": {"a": 1.0}}, revise=True) == 2
+        revised = store.get_run("demo-1")
+        assert (revised.plan, revised.plan_version) == ({"edges": [2], "measured": {"a": 1.0}}, 2)
         assert run.created_at.tzinfo is not None
         store.set_run_config("demo-1", {**CONFIG, "batch_size": 7})
         assert store.get_run("demo-1").config == {**CONFIG, "batch_size": 7}

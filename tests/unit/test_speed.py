@@ -436,6 +436,27 @@ def test_a_restarted_coordinator_takes_up_the_measured_speeds_of_the_stored_plan
         assert ignored.believed == {} and ignored.replanned_at is None
 
 
+def test_speeds_measured_under_a_kept_plan_are_stored_beside_it_for_a_restart(
+    cnn: ModelProfile,
+) -> None:
+    replanner, planner, store, online, placement, cut = _planned(cnn, _devices(1e10))
+    work = 3 * 6400 * Problem.build(cnn, planner.partition()).edge_flops[cut]
+    assert (
+        replanner.after_round(1, placement, {"pi-01": _timing(cut, work / 0.5e10)}, online) is None
+    )
+    run = store.get_run("r1")
+    assert run.plan_version == 0  # the same plan: no new version
+
+    again = Replanner(planner, store, 0.25)  # type: ignore[arg-type]
+    again.restore(run.plan)
+
+    assert again.believed == replanner.believed
+    assert again.believed["pi-01"] == pytest.approx(0.5e10, rel=0.05)
+    assert again.replanned_at is None  # measured, never re-planned: no spacing to keep
+    stored = stored_plan(run)
+    assert stored is not None and stored.edge_cuts() == placement.plan.edge_cuts()
+
+
 def test_an_edges_batches_a_round_leave_out_its_federated_evaluation_share() -> None:
     edge = Announcement("pi", "edge", 2**26, 1e9, 1e6, examples=100)
     (all_of_it,) = device_specs([edge], [], (10, 2, 0.0))
