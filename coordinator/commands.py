@@ -55,8 +55,8 @@ def model_section(args: argparse.Namespace) -> ModelConfig:
 
 def parse_shape(text: str, field: str = "--input-shape") -> tuple[int, ...]:
     """Parse ``"1,28,28"`` (or ``"1x28x28"``) into a shape of positive sizes."""
-    try:
-        shape = tuple(int(part) for part in text.replace("x", ",").split(",") if part.strip())
+    try:  # every part a size: "1,x" or "1,8,8," is a typo, not a shape
+        shape = tuple(int(part) for part in text.replace("x", ",").split(","))
     except ValueError:
         shape = ()
     if not shape or min(shape) < 1:

@@ -28,7 +28,7 @@ from edge_client.source import OwnSegment, SegmentSource
 from edge_client.trainer import EdgeRoundReport, EdgeTrainer, EdgeTrainerConfig
 from split_models.activations import activation_arrays
 from split_models.config import ModelConfig, TrainingConfig
-from split_models.data import Dataset
+from split_models.data import Dataset, input_problem
 from split_models.errors import ConfigError
 from split_models.evaluation import evaluate_weights
 from split_models.measure import PeakMeter, peak_supported
@@ -170,6 +170,8 @@ class EdgeAgent:
     def check(self, task: Task, model: ModelConfig) -> None:
         """Raise :class:`AssignmentRefused` unless ``task`` of ``model`` fits this device and
         its data."""
+        if problem := input_problem(self.data, model.options):
+            raise AssignmentRefused(f"{self.device}: local data: {problem}")
         if tuple(self.data.x.shape[1:]) != model.input_shape:
             raise AssignmentRefused(
                 f"{self.device}: local data has samples of shape {list(self.data.x.shape[1:])}, "

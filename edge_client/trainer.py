@@ -201,23 +201,18 @@ class EdgeTrainer:
         step = step or self.segment.train_step
         self._offline, cancelled = offline, _either(cancelled, offline)
         started, before = time.perf_counter(), self._counters()
-        losses: list[float] = []
         self.gate.start_round(round_number, attempt)  # a retried round: a new attempt
         self._attempt, self._sent = attempt, 0
         self.clock.reset()
         self.link.reset()
         batches = self._batches(shuffle_rng(seed, round_number, attempt))
-        for batch in batches:
-            if cancelled is not None and cancelled():  # a replaced try stops sending at once,
-                _check(cancelled, round_number, self._offline)  # credits or not
-            if not self.gate.acquire(self.config.credit_timeout, cancelled):
-                _check(cancelled, round_number, self._offline)
-                raise TimeoutError(
-                    f"no credit from the GPU servers within {self.config.credit_timeout:.0f} s"
-                )
-            loss = self._batch(batch, round_number, step, cancelled)
-            if loss is not None:  # none in backprop mode
-                losses.append(loss)
+        try:
+            losses = self._train_all(batches, round_number, step, cancelled)
+        except (RoundAbandoned, PeerOffline):
+            raise  # a replaced try or a server gone: the servers' side ends it
+        except Exception:
+            self._give_up(round_number)
+            raise
         self._done(round_number, len(batches))
         spent = [now - then for now, then in zip(self._counters(), before, strict=True)]
         return EdgeRoundReport(
@@ -249,6 +244,37 @@ class EdgeTrainer:
             "batches-sent run=%s round=%d try=%d device=%s batches=%d",
             *(config.run, round_number, self._attempt, config.device, self._sent),
         )
+
+    def _train_all(
+        self,
+        batches: list[np.ndarray],
+        round_number: int,
+        step: Callable[[torch.Tensor, torch.Tensor], StepResult],
+        cancelled: Callable[[], bool] | None,
+    ) -> list[float]:
+        """Train and send ``batches``, each on a credit; their losses (none in backprop)."""
+        losses: list[float] = []
+        for batch in batches:
+            if cancelled is not None and cancelled():  # a replaced try stops sending at once,
+                _check(cancelled, round_number, self._offline)  # credits or not
+            if not self.gate.acquire(self.config.credit_timeout, cancelled):
+                _check(cancelled, round_number, self._offline)
+                raise TimeoutError(
+                    f"no credit from the GPU servers within {self.config.credit_timeout:.0f} s"
+                )
+            loss = self._batch(batch, round_number, step, cancelled)
+            if loss is not None:  # none in backprop mode
+                losses.append(loss)
+        return losses
+
+    def _give_up(self, round_number: int) -> None:
+        """Training failed mid-round: say how many batches went out, so the servers finish
+        this edge's part with those at once instead of waiting for the rest until the
+        round's deadline (the error goes to the coordinator in the reply)."""
+        try:
+            self._done(round_number, self._sent)
+        except Exception as error:  # the transport may be what failed; the reply still goes
+            log.warning("could not tell the GPU servers the round ended: %s", error)
 
     def _batches(self, generator: np.random.Generator) -> list[np.ndarray]:
         """The round's mini-batches: a permutation per local epoch, in order."""

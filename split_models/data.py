@@ -14,18 +14,24 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from split_models.errors import ConfigError
+
+if TYPE_CHECKING:
+    from split_models.options import ModelOptions
 
 __all__ = [
     "PARTITIONS",
     "Dataset",
     "from_arrays",
     "from_torch",
+    "input_problem",
     "load_dataset",
     "partition",
     "resolve_spec",
@@ -171,10 +177,24 @@ def _npz(path: str) -> Dataset:
                     f"npz:{path}: expected arrays 'x' and 'y', found {sorted(archive.files)}"
                 )
             return _from_arrays(archive["x"], archive["y"], f"npz:{path}")
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, zipfile.BadZipFile) as error:
         if isinstance(error, ConfigError):
             raise
-        raise ConfigError(f"npz:{path}: cannot be read: {error}") from error
+        raise ConfigError(f"npz:{path}: cannot be read: {_npz_problem(path, error)}") from error
+
+
+def _npz_problem(path: str, error: Exception) -> str:
+    """Why ``path`` did not load: a file that is no zip archive (or a truncated one) is named
+    as such, not by numpy's guess that it might be a pickle."""
+    try:
+        with open(path, "rb") as file:
+            zipped = file.read(4) == b"PK\x03\x04"
+    except OSError:
+        return str(error)
+    if isinstance(error, zipfile.BadZipFile) or not zipped:
+        what = "a damaged or truncated one" if zipped else "something else"
+        return f"not an npz archive (numpy.savez writes one; this file is {what})"
+    return str(error)
 
 
 def _optional(module: str, purpose: str) -> object:
@@ -203,8 +223,7 @@ def _folder(path: str) -> Dataset:
     for label, name in enumerate(classes):
         for file in sorted((root / name).iterdir()):
             if file.suffix.lower() in _IMAGE_SUFFIXES:
-                with image.open(file) as picture:  # type: ignore[attr-defined]
-                    xs.append(np.asarray(picture))
+                xs.append(_image(image, file))
                 ys.append(label)
     shapes = {x.shape for x in xs}
     if len(shapes) != 1:
@@ -213,6 +232,32 @@ def _folder(path: str) -> Dataset:
     if stacked.ndim == 4:  # [N, H, W, C] -> [N, C, H, W]
         stacked = stacked.transpose(0, 3, 1, 2)
     return Dataset(_images(stacked), np.array(ys, dtype=np.int64), len(classes))
+
+
+def _image(image: object, file: Path) -> np.ndarray:
+    """One image file's pixels; a file that is not an image is a :class:`ConfigError`."""
+    try:
+        with image.open(file) as picture:  # type: ignore[attr-defined]
+            return np.asarray(picture)
+    except (OSError, ValueError) as error:  # PIL's UnidentifiedImageError is an OSError
+        raise ConfigError(f"folder: {file} is not an image that can be read: {error}") from error
+
+
+def input_problem(data: Dataset, options: ModelOptions) -> str | None:
+    """Why ``data`` cannot feed a model taking ``options``' inputs (None: it can): it holds
+    no samples, or token ids outside the model's ``input_range`` (an embedding would fail
+    on them mid-round)."""
+    if not len(data):
+        return "it holds no samples"
+    if options.input_range is not None:
+        low, high = options.input_range
+        bottom, top = data.x.min(), data.x.max()
+        if bottom < low or top >= high:
+            return (
+                f"its token ids span [{bottom}, {top}], outside the model's input_range "
+                f"[{low}, {high})"
+            )
+    return None
 
 
 def _torchvision(spec: str) -> Dataset:

@@ -254,6 +254,11 @@ def _as_blocks(
     elif isinstance(built, nn.Module):
         return auto_blocks(built, example, options.split_points, key)
     elif isinstance(built, Sequence) and not isinstance(built, str):
+        if options.split_points:
+            raise ModelError(
+                f"split_points: {path!r} returned a list of blocks, whose joints are its "
+                "cuts; split_points marks cuts in a model traced whole (return an nn.Module)"
+            )
         blocks = list(built)
     else:
         raise ModelError(
@@ -299,6 +304,11 @@ def build_model(
     if seed is not None:
         torch.manual_seed(seed)
     resnet = _RESNET.match(name)
+    if options.split_points and (name in ("mlp", "cnn") or resnet is not None):
+        raise ConfigError(
+            f"split_points: the zoo's {name} comes in fixed blocks, cut only between them; "
+            "split_points marks cuts in your own model (package.module:function)"
+        )
     if name == "mlp":
         blocks = _he_init(_mlp(shape, num_classes))
     elif name == "cnn":

@@ -11,10 +11,10 @@ from urllib.parse import quote
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import URL, make_url
-from sqlalchemy.exc import ArgumentError, OperationalError
+from sqlalchemy.exc import ArgumentError, DatabaseError, OperationalError
 from sqlalchemy.pool import NullPool
 
-from storage.errors import StoreError, UnreachableError
+from storage.errors import NotAStoreError, StoreError, UnreachableError
 
 __all__ = ["create_store_engine", "opening_error", "shown_url"]
 
@@ -38,6 +38,9 @@ def opening_error(url: str, error: Exception) -> StoreError:
         if not str(url).startswith("sqlite"):  # a server: down, wrong address, login refused
             return UnreachableError(f"{message}; is the database server running and reachable?")
         return StoreError(message)
+    if isinstance(error, DatabaseError):  # SQLite: "file is not a database"
+        reason = str(error.orig or error).strip().splitlines()[0]
+        return NotAStoreError(f"--db {shown_url(url)}: not an edgesplit store ({reason})")
     return StoreError(f"--db {shown_url(url)}: {error}")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 __all__ = [
     "CheckpointError",
     "CheckpointWriteError",
+    "NotAStoreError",
     "NotFoundError",
     "StateError",
     "StoreError",
@@ -21,6 +22,10 @@ class NotFoundError(StoreError, KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else "not found"
+
+
+class NotAStoreError(StoreError):
+    """The database named is not a run store (a file of something else): a usage error."""
 
 
 class StateError(StoreError):

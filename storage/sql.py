@@ -10,6 +10,7 @@ from typing import Any
 from sqlalchemy import delete, inspect, select
 from sqlalchemy.exc import (
     ArgumentError,
+    DatabaseError,
     IntegrityError,
     InternalError,
     NoSuchModuleError,
@@ -73,7 +74,7 @@ class SqlRunStore(RunStore):
         try:
             self.engine = create_store_engine(url, password, readonly)
             self._check_schema(migrate)
-        except (ArgumentError, NoSuchModuleError, OperationalError, ValueError) as error:
+        except (ArgumentError, NoSuchModuleError, DatabaseError, ValueError) as error:
             raise opening_error(url, error) from None
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         self._files: CheckpointFiles | None = None

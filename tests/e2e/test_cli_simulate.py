@@ -109,6 +109,38 @@ def test_bad_simulation_configs_are_rejected_by_name(
     assert message in done.stderr, done.stderr
 
 
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ("ids", "data: its token ids span [1, 70], outside the model's input_range [0, 64)"),
+        ("empty", "data: it holds no samples"),
+        ("cut", "not an npz archive"),
+    ],
+)
+def test_data_the_model_cannot_take_is_refused_before_training(
+    tmp_path: Path, data: str, message: str
+) -> None:
+    # a token id past the vocabulary used to fail one client's round mid-way, and the round
+    # then waited for that client until its deadline
+    x = (np.arange(40 * 8).reshape(40, 8) % 63 + 1).astype(np.int64)
+    if data == "ids":
+        x[0, 0] = 70
+    if data == "empty":
+        x = x[:0]
+    np.savez(tmp_path / "tokens.npz", x=x, y=np.arange(len(x)) % 4)
+    if data == "cut":
+        whole = (tmp_path / "tokens.npz").read_bytes()
+        (tmp_path / "tokens.npz").write_bytes(whole[:200])
+    config = tmp_path / "sim.yaml"
+    config.write_text(
+        "model: tests.fixtures.gallery:lstm_classifier\ninput_shape: [8]\ninput_dtype: int64\n"
+        f"input_range: 64\nnum_classes: 4\ndata: npz:{tmp_path / 'tokens.npz'}\nclients: 2\n"
+    )
+    done = run_cli("simulate", "--config", str(config), "--out", str(tmp_path / "o"), "-q")
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr, done.stderr
+
+
 @pytest.mark.parametrize("method", ["centralized", "fedavg"])
 def test_baselines_run_in_the_same_harness(tmp_path: Path, method: str) -> None:
     pytest.importorskip("sklearn")

@@ -132,3 +132,54 @@ def test_edges_give_a_round_up_naming_the_gpu_server_that_went_offline() -> None
     assert len(replies) == 2 and all(r.has_error() for r in replies)
     for reply in replies:
         assert f"GPU server {split_fleet.GPU} went offline" in reply.error.reason
+
+
+def _failing_round(edge: EdgeTrainer, errors: list[BaseException]) -> None:
+    """One round of ``edge`` whose step raises after BEFORE batches; the error kept."""
+    calls = [0]
+
+    def step(inputs: torch.Tensor, labels: torch.Tensor) -> StepResult:
+        calls[0] += 1
+        if calls[0] > BEFORE:
+            raise IndexError("index out of range in self")
+        return edge.segment.train_step(inputs, labels)
+
+    try:
+        edge.train_round(1, step=step)
+    except IndexError as error:
+        errors.append(error)
+
+
+def test_an_edge_whose_training_fails_mid_round_ends_its_part_at_once() -> None:
+    # the step raises after BEFORE batches (a bad token id, a bug in a user's model): the
+    # edge tells the servers how many batches went out, and the round does not wait for the
+    # rest until its deadline
+    hub = InProcessHub()
+    data = {"pi-01": _digits(32, 0), "pi-02": _digits(32, 1)}
+    fleet = split_fleet.start_fleet(hub.connect, data["pi-01"], "ff-3", data)
+    gpu = node_id_for(split_fleet.GPU)
+    fleet.tasks[gpu] = dataclasses.replace(fleet.tasks[gpu], edges=(*split_fleet.EDGES, DEAD))
+    failing, errors = _dying_edge(hub, "ff-3"), list[BaseException]()
+    transport_grid = TransportGrid(hub.connect("coordinator"))
+    transport_grid.wait_for_nodes(3, timeout=10)
+    replies: list[Message] = []
+    asked = threading.Thread(
+        target=lambda: replies.extend(_train(fleet, fleet.grid(transport_grid), [gpu]))
+    )
+    began = time.monotonic()
+    asked.start()
+    _until(lambda: fleet.gpu.trainer("ff-3") is not None, 30.0)
+    threading.Thread(target=_failing_round, args=(failing, errors), daemon=True).start()
+    for edge in split_fleet.EDGES:  # the other edges have nothing to send this round
+        channel = Channel(hub.connect(f"{edge}-done"), edge)
+        meta = {"batches": 0, "attempt": 1}
+        channel.send(topics.done("ff-3", edge), "round_control", "ff-3", round=1, meta=meta)
+    asked.join(split_fleet.DEADLINE)
+
+    assert time.monotonic() - began < 20.0, "the round ended without waiting for its deadline"
+    assert len(errors) == 1, "the edge's own round still fails, with the step's error"
+    assert len(replies) == 1 and not replies[0].has_error()
+    report = replies[0].content.config_records["report"]
+    assert DEAD in str(report["finished"]).split(",") and report["gone"] == ""
+    trained = replies[0].content.config_records[TRAINED_RECORD]
+    assert trained[DEAD] == BEFORE * BATCH, "the batches it sent before failing are in"

@@ -13,12 +13,14 @@ from hypothesis import strategies as st
 from split_models.data import (
     from_arrays,
     from_torch,
+    input_problem,
     load_dataset,
     partition,
     resolve_spec,
     trained_examples,
 )
 from split_models.errors import ConfigError
+from split_models.options import ModelOptions
 
 pytestmark = pytest.mark.unit
 
@@ -55,6 +57,40 @@ def test_bad_npz_files_are_rejected(tmp_path: Path) -> None:
         load_dataset(f"npz:{tmp_path / 'missing.npz'}")
     with pytest.raises(ConfigError, match="unknown dataset spec"):
         load_dataset("imagenet")
+
+
+def test_a_damaged_or_foreign_file_is_named_not_an_npz_archive(tmp_path: Path) -> None:
+    np.savez(tmp_path / "good.npz", x=np.zeros((30, 4)), y=np.zeros(30, int))
+    whole = (tmp_path / "good.npz").read_bytes()
+    (tmp_path / "cut.npz").write_bytes(whole[: len(whole) // 2])  # a copy that stopped
+    (tmp_path / "text.npz").write_text("x,y\n1,2\n")
+    for name, what in (("cut", "damaged or truncated"), ("text", "something else")):
+        with pytest.raises(ConfigError, match=f"not an npz archive .*{what}"):
+            load_dataset(f"npz:{tmp_path / name}.npz")
+
+
+def test_a_file_in_an_image_folder_that_is_no_image_is_named(tmp_path: Path) -> None:
+    image = pytest.importorskip("PIL.Image")
+    for label in ("a", "b"):
+        (tmp_path / label).mkdir()
+        image.new("L", (4, 4)).save(tmp_path / label / "ok.png")
+    (tmp_path / "b" / "broken.png").write_text("not a picture")
+    with pytest.raises(ConfigError, match=r"broken\.png is not an image"):
+        load_dataset(f"folder:{tmp_path}")
+
+
+def test_data_a_model_cannot_take_is_named_before_training() -> None:
+    ids = ModelOptions("int64", (0, 64))
+    tokens = from_arrays(np.arange(60, dtype=np.int64).reshape(6, 10) % 64, np.zeros(6, int), 2)
+    assert input_problem(tokens, ids) is None
+    assert input_problem(tokens, ModelOptions()) is None  # floats: no range to hold
+    for bad, span in ((70, "[1, 70]"), (-3, "[-3, 59]")):
+        x = tokens.x.copy()
+        x[0, 0] = bad
+        problem = input_problem(from_arrays(x, tokens.y, 2), ids)
+        assert problem is not None and f"token ids span {span}" in problem and "[0, 64)" in problem
+    empty = from_arrays(np.zeros((0, 4), np.float32), np.zeros(0, int), 2)
+    assert input_problem(empty, ModelOptions()) == "it holds no samples"
 
 
 @pytest.mark.parametrize(

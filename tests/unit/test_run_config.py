@@ -191,3 +191,14 @@ def test_a_changed_section_is_described_by_the_keys_that_differ_in_it() -> None:
     now = {"name": "sgd-momentum", "lr": 0.01, "head_lr_scale": None}
     changes = {"batch_size": (16, 8), "optimizer": (stored, now)}
     assert describe_changes(changes) == "batch_size 16 -> 8; optimizer.head_lr_scale 1.0 -> None"
+
+
+def test_a_shape_on_the_command_line_is_sizes_and_nothing_else() -> None:
+    from coordinator.commands import parse_shape
+
+    assert (
+        parse_shape("1,28,28") == parse_shape("1x28x28") == parse_shape("1, 28, 28") == (1, 28, 28)
+    )
+    for typo in ("1,x", "1,8,8,", "1,8,8x", "", "1,0,8", "a,b"):
+        with pytest.raises(ConfigError, match="expected positive sizes"):
+            parse_shape(typo)

@@ -57,3 +57,14 @@ def test_a_folder_given_as_the_database_is_named(tmp_path: Path) -> None:
         pass
     with pytest.raises(StoreError, match=rf"give the file, {tmp_path / 'runs.db'}$"):
         open_store(f"sqlite:///{tmp_path}")
+
+
+def test_a_file_that_is_no_database_is_named_so(tmp_path: Path) -> None:
+    from storage import open_store
+    from storage.errors import NotAStoreError
+
+    path = tmp_path / "data.npz"
+    path.write_bytes(b"PK\x03\x04" + b"\x00" * 4096)  # a file of something else
+    for readonly in (False, True):
+        with pytest.raises(NotAStoreError, match=r"not an edgesplit store .*not a database"):
+            open_store(f"sqlite:///{path}", readonly=readonly)

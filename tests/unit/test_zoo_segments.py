@@ -17,6 +17,7 @@ from split_models import (
     make_head,
 )
 from split_models.heads import supervised_contrastive_loss
+from split_models.options import ModelOptions
 
 pytestmark = pytest.mark.unit
 
@@ -72,6 +73,18 @@ def test_user_model_by_import_path() -> None:
 def test_bad_user_models(path: str, error: type[Exception], message: str) -> None:
     with pytest.raises(error, match=message):
         build_model(path, (1, 8, 8), 10)
+
+
+@pytest.mark.parametrize(
+    ("name", "shape"), [*MODELS, ("tests.fixtures.user_models:as_list", (1, 8, 8))]
+)
+def test_split_points_on_a_model_in_fixed_blocks_are_refused_not_ignored(
+    name: str, shape: tuple[int, ...]
+) -> None:
+    marks = ModelOptions(split_points=("nonexistent",))
+    with pytest.raises((ConfigError, ModelError), match=r"split_points: .*(fixed|list of) blocks"):
+        build_model(name, shape, 10, options=marks)
+    assert build_model(name, shape, 10).num_blocks >= 2  # the blocks it comes in
 
 
 def test_bad_shapes_and_classes() -> None:
