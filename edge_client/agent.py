@@ -169,23 +169,23 @@ class EdgeAgent:
     # ---------------------------------------------------------------- decisions
     def check(self, task: Task, model: ModelConfig) -> None:
         """Raise :class:`AssignmentRefused` unless ``task`` of ``model`` fits this device and
-        its data."""
+        its data (the reason does not name the device: whoever shows it does)."""
         if problem := input_problem(self.data, model.options):
-            raise AssignmentRefused(f"{self.device}: local data: {problem}")
+            raise AssignmentRefused(f"local data: {problem}")
         if tuple(self.data.x.shape[1:]) != model.input_shape:
             raise AssignmentRefused(
-                f"{self.device}: local data has samples of shape {list(self.data.x.shape[1:])}, "
+                f"local data has samples of shape {list(self.data.x.shape[1:])}, "
                 f"the model expects {list(model.input_shape)}"
             )
         if int(self.data.y.max()) >= model.num_classes:
             raise AssignmentRefused(
-                f"{self.device}: local labels reach {int(self.data.y.max())}, "
+                f"local labels reach {int(self.data.y.max())}, "
                 f"the model has {model.num_classes} classes"
             )
         budget = self.budget
         if task.estimated_peak_bytes > budget:
             raise AssignmentRefused(
-                f"{self.device}: blocks [{task.start}, {task.end}) need an estimated "
+                f"blocks [{task.start}, {task.end}) need an estimated "
                 f"{format_bytes(task.estimated_peak_bytes)}, the budget is {format_bytes(budget)}"
             )
 
@@ -246,7 +246,7 @@ class EdgeAgent:
             accepted, reason = 1, ""
         except AssignmentRefused as refusal:
             accepted, reason = 0, str(refusal)
-            log.warning("refused an assignment: %s", refusal)
+            log.warning("%s refused an assignment: %s", self.device, refusal)
         content = RecordDict(
             {
                 "metrics": MetricRecord({"accepted": accepted, "budget": self.budget}),
