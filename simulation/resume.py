@@ -85,11 +85,11 @@ def cancelled_run(
     passed over) when there is none."""
     keys = (*STRUCTURE_KEYS, *TRAINING_KEYS)
     with open_store(f"sqlite:///{out / 'runs.db'}") as store:
+        listed = store.list_runs()
         runs = sorted(
-            (r for r in store.list_runs() if r.status == "cancelled"),
-            key=lambda r: r.updated_at,
-            reverse=True,
+            (r for r in listed if r.status == "cancelled"), key=lambda r: r.updated_at, reverse=True
         )
+        _hint_orphans([r.run_id for r in listed if r.status == "training"], out)
         passed: tuple[str, str] | None = None  # the latest run not resumed, and why
         for run in runs:
             changed = config_changes(run.config, run_config(config, run.run_id, test_data), keys)
@@ -108,6 +108,20 @@ def cancelled_run(
             reason,
         )
     return None
+
+
+def _hint_orphans(training: Sequence[str], out: Path) -> None:
+    """Runs still marked training in ``out`` when a simulation starts there: their process was
+    killed (or another simulation still runs there); say how to resume them."""
+    for run_id in training:
+        log.warning(
+            "run %s in this --out is still marked training: if its process was killed, "
+            "`edgesplit runs stop %s --db %s` marks it cancelled and this command then "
+            "resumes it; starting a new run",
+            run_id,
+            run_id,
+            out / "runs.db",
+        )
 
 
 def _check_rounds(run_id: str, committed: int, rounds: int) -> None:

@@ -83,3 +83,17 @@ def test_labels_the_model_has_no_output_for_are_named_before_planning(tmp_path: 
     with pytest.raises(ConfigError, match=r"num_classes: the data has labels up to 9, .* 5 "):
         _simulate(tmp_path / "sim", num_classes=5)
     assert not (tmp_path / "sim" / "runs.db").exists()
+
+
+def test_a_run_left_training_by_a_killed_process_is_named_with_how_to_resume_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    out = tmp_path / "sim"
+    first = _simulate(out, rounds=1)["run_id"]
+    with open_store(f"sqlite:///{out / 'runs.db'}") as store:
+        store.set_run_status(first, "training")  # as kill -9 leaves it
+    with caplog.at_level(logging.WARNING, logger="simulation.resume"):
+        second = _simulate(out, rounds=1)["run_id"]
+    assert second != first
+    assert f"run {first} in this --out is still marked training" in caplog.text, caplog.text
+    assert f"edgesplit runs stop {first} --db" in caplog.text
