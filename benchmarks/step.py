@@ -23,21 +23,25 @@ configure_process()  # one torch thread, passive OpenMP waits: the CLI's setting
 
 import torch  # noqa: E402
 
-import split_models.options as options  # noqa: E402
 from split_models.config import ModelConfig  # noqa: E402
 from split_models.segment import OptimizerConfig, Segment  # noqa: E402
 
 CASES = [("cnn", (1, 28, 28), 2), ("cnn", (1, 28, 28), 5), ("resnet8", (3, 32, 32), 3)]
 BATCHES = (6, 32)
-FUSED = options._FUSED_DEVICES
 
 
 def _segment(name: str, shape: tuple[int, ...], end: int, fused: bool) -> Segment:
-    options._FUSED_DEVICES = FUSED if fused else frozenset()
+    """The first ``end`` blocks of ``name`` with their head, Adam fused (the default) or the
+    per-tensor loop over the same parameter groups."""
     model = ModelConfig(name=name, input_shape=shape, num_classes=10).build(seed=0)
     segment = Segment.from_model(model, 0, end, "linear", OptimizerConfig(name="adam", lr=1e-3))
-    segment.optimizer  # noqa: B018 (built now, with the kernel chosen above)
-    options._FUSED_DEVICES = FUSED
+    if not fused:
+        groups = [
+            {"params": g["params"], "lr_scale": g["lr_scale"]}
+            for g in segment.optimizer.param_groups
+        ]
+        segment.optimizer = torch.optim.Adam(groups, lr=1e-3, foreach=False)
+    assert bool(segment.optimizer.defaults["fused"]) == fused
     return segment
 
 

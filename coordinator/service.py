@@ -48,7 +48,7 @@ from coordinator.recorder import WEIGHTS_SEGMENT, Evaluate, RoundObserver, Round
 from coordinator.runner import RoundRunner, RoundWork
 from coordinator.speed import Replanner
 from coordinator.stopping import StopWatch, mark_cancelled
-from split_models.data import Dataset, load_dataset
+from split_models.data import Dataset, load_dataset, model_data_problem
 from split_models.errors import ConfigError, SplitError
 from split_models.evaluation import evaluate_weights
 from split_models.isolated import profile_in_fresh_process
@@ -446,6 +446,11 @@ def _resume(store: RunStore, run_id: str) -> ResumeState | None:
 
 
 def _central(config: RunConfig, data: Dataset) -> Evaluate:
+    """The central evaluation on ``eval_data`` (refused at once, by name, when the model
+    cannot take it: not after a round has trained)."""
+    if problem := model_data_problem(data, config.model, "eval_data"):
+        raise ConfigError(problem)
+
     def evaluate(weights: Mapping[str, np.ndarray]) -> dict[str, float]:
         return evaluate_weights(config.model, dict(weights), data)
 

@@ -308,7 +308,8 @@ class Replanner:
         self.store.set_plan(self.planner.config.run_id, record, revise=True)
 
     def measured(self) -> dict[str, Any]:
-        """What is stored beside a plan: the measured speeds it was made with (none yet: {})."""
+        """What is stored beside a plan: the speeds the coordinator believes, measured (a new
+        plan was made with them, or the plan was kept under them; none measured yet: {})."""
         if not self.believed and not self.uplinks:
             return {}
         return {
@@ -320,9 +321,8 @@ class Replanner:
         }
 
     def restore(self, plan: Mapping[str, Any] | None) -> None:
-        """Take up the speeds a resumed run's stored plan was made with (a restarted
-        coordinator measures on from them, not from the declared ones); a malformed record
-        is ignored."""
+        """Take up the speeds stored beside a resumed run's plan (a restarted coordinator
+        measures on from them, not from the declared ones); a malformed record is ignored."""
         measured = (plan or {}).get(MEASURED_KEY)
         if not isinstance(measured, Mapping):
             return

@@ -28,7 +28,7 @@ from edge_client.source import OwnSegment, SegmentSource
 from edge_client.trainer import EdgeRoundReport, EdgeTrainer, EdgeTrainerConfig
 from split_models.activations import activation_arrays
 from split_models.config import ModelConfig, TrainingConfig
-from split_models.data import Dataset, input_problem
+from split_models.data import Dataset, model_data_problem
 from split_models.errors import ConfigError
 from split_models.evaluation import evaluate_weights
 from split_models.measure import PeakMeter, peak_supported
@@ -170,18 +170,8 @@ class EdgeAgent:
     def check(self, task: Task, model: ModelConfig) -> None:
         """Raise :class:`AssignmentRefused` unless ``task`` of ``model`` fits this device and
         its data (the reason does not name the device: whoever shows it does)."""
-        if problem := input_problem(self.data, model.options):
-            raise AssignmentRefused(f"local data: {problem}")
-        if tuple(self.data.x.shape[1:]) != model.input_shape:
-            raise AssignmentRefused(
-                f"local data has samples of shape {list(self.data.x.shape[1:])}, "
-                f"the model expects {list(model.input_shape)}"
-            )
-        if int(self.data.y.max()) >= model.num_classes:
-            raise AssignmentRefused(
-                f"local labels reach {int(self.data.y.max())}, "
-                f"the model has {model.num_classes} classes"
-            )
+        if problem := model_data_problem(self.data, model, "local data"):
+            raise AssignmentRefused(problem)
         budget = self.budget
         if task.estimated_peak_bytes > budget:
             raise AssignmentRefused(

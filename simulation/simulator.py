@@ -34,7 +34,7 @@ from simulation.config import BASELINES, Profile, SimConfig, client_names, run_c
 from simulation.pool import SegmentPool
 from simulation.report import client_rows, round_rows, write_outputs
 from simulation.resume import cancelled_run, fingerprint, start_run
-from split_models.data import Dataset, input_problem, load_dataset, partition
+from split_models.data import Dataset, load_dataset, model_data_problem, partition
 from split_models.errors import ConfigError
 from split_models.measure import measure_in_fresh_process
 from split_models.plan import EdgeAssignment, Plan
@@ -257,23 +257,11 @@ def _run_id(config: SimConfig, out: Path, test_data: str, prints: dict[str, str]
 
 
 def _check_data(config: SimConfig, *sets: Dataset) -> None:
-    """Samples of another shape than the model's, labels it has no output for: named before
-    anything is planned or trained."""
+    """Data the model cannot take (no samples, samples of another shape, labels it has no
+    output for, token ids outside its range): named before anything is planned or trained."""
     for name, data in zip(("data", "test_data"), sets, strict=False):
-        if problem := input_problem(data, config.model.options):
-            raise ConfigError(f"{name}: {problem}")
-    shape = tuple(sets[0].x.shape[1:])
-    if shape != config.model.input_shape:
-        raise ConfigError(
-            f"input_shape: the data has samples of shape {list(shape)}, "
-            f"the config says {list(config.model.input_shape)}"
-        )
-    top = max(int(s.y.max()) for s in sets if len(s.y))
-    if top >= config.model.num_classes:
-        raise ConfigError(
-            f"num_classes: the data has labels up to {top}, the model {config.model.num_classes} "
-            f"outputs; set num_classes to {top + 1} or more"
-        )
+        if problem := model_data_problem(data, config.model, name):
+            raise ConfigError(problem)
 
 
 def _split_learning(

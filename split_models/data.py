@@ -24,6 +24,7 @@ import numpy as np
 from split_models.errors import ConfigError
 
 if TYPE_CHECKING:
+    from split_models.config import ModelConfig
     from split_models.options import ModelOptions
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "from_torch",
     "input_problem",
     "load_dataset",
+    "model_data_problem",
     "partition",
     "resolve_spec",
     "shuffle_rng",
@@ -171,13 +173,19 @@ def _as_array(value: object, index: int) -> np.ndarray:
 
 def _npz(path: str) -> Dataset:
     try:
-        with np.load(path, allow_pickle=False) as archive:
+        loaded = np.load(path, allow_pickle=False)
+        if not isinstance(loaded, np.lib.npyio.NpzFile):  # one .npy array under this name
+            raise ConfigError(
+                f"npz:{path}: cannot be read: not an npz archive (numpy.savez writes one; "
+                "this file holds a single array, from numpy.save)"
+            )
+        with loaded as archive:
             if "x" not in archive or "y" not in archive:
                 raise ConfigError(
                     f"npz:{path}: expected arrays 'x' and 'y', found {sorted(archive.files)}"
                 )
             return _from_arrays(archive["x"], archive["y"], f"npz:{path}")
-    except (OSError, ValueError, zipfile.BadZipFile) as error:
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as error:
         if isinstance(error, ConfigError):
             raise
         raise ConfigError(f"npz:{path}: cannot be read: {_npz_problem(path, error)}") from error
@@ -239,8 +247,28 @@ def _image(image: object, file: Path) -> np.ndarray:
     try:
         with image.open(file) as picture:  # type: ignore[attr-defined]
             return np.asarray(picture)
-    except (OSError, ValueError) as error:  # PIL's UnidentifiedImageError is an OSError
+    except (OSError, ValueError, image.DecompressionBombError) as error:  # type: ignore[attr-defined]
+        # UnidentifiedImageError is an OSError; a decompression bomb (a hostile file) is not
         raise ConfigError(f"folder: {file} is not an image that can be read: {error}") from error
+
+
+def model_data_problem(data: Dataset, model: ModelConfig, name: str = "data") -> str | None:
+    """Why ``data`` (the config's key ``name``) cannot feed ``model``, starting with the key
+    to fix; None when it can. Checked before anything is planned or trained."""
+    if problem := input_problem(data, model.options):
+        return f"{name}: {problem}"
+    if data.input_shape != tuple(model.input_shape):
+        return (
+            f"input_shape: the {name} has samples of shape {list(data.input_shape)}, "
+            f"the config says {list(model.input_shape)}"
+        )
+    top = int(data.y.max())
+    if top >= model.num_classes:
+        return (
+            f"num_classes: the {name} has labels up to {top}, the model {model.num_classes} "
+            f"outputs; set num_classes to {top + 1} or more"
+        )
+    return None
 
 
 def input_problem(data: Dataset, options: ModelOptions) -> str | None:

@@ -161,8 +161,9 @@ class _Chain:
             saved += self.batch * tail.output_bytes  # the output handed on (or the logits)
         return MemoryEstimate(
             weights=params + buffers,
-            # Adam's step computes (exp_avg_sq.sqrt() / c).add_(eps): two temporaries the size
-            # of the parameter being updated are alive at once.
+            # Adam's per-tensor loop computes (exp_avg_sq.sqrt() / c).add_(eps): two
+            # temporaries the size of the parameter being updated are alive at once. The fused
+            # kernel (the CPU's and CUDA's) makes none; kept, so the estimate holds on any device.
             optimizer_state=self.copies * params + (2 * largest_param if self.adam else 0),
             input=self.batch * (self.first.input_bytes + self.label_bytes),
             kernel_setup=setup,

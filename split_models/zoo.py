@@ -287,6 +287,18 @@ def _he_init(blocks: list[nn.Module]) -> list[nn.Module]:
     return blocks
 
 
+def _zoo_blocks(name: str, shape: tuple[int, ...], num_classes: int) -> list[nn.Module] | None:
+    """The blocks of the zoo's model ``name`` (None: not a zoo name)."""
+    resnet = _RESNET.match(name)
+    if name == "mlp":
+        return _he_init(_mlp(shape, num_classes))
+    if name == "cnn":
+        return _he_init(_cnn(shape, num_classes))
+    if resnet is not None:
+        return _resnet(int(resnet.group(1)), shape, num_classes)
+    return None
+
+
 def build_model(
     name: str,
     input_shape: Sequence[int],
@@ -303,18 +315,14 @@ def build_model(
         raise ConfigError(f"num_classes: expected at least 2, got {num_classes}")
     if seed is not None:
         torch.manual_seed(seed)
-    resnet = _RESNET.match(name)
-    if options.split_points and (name in ("mlp", "cnn") or resnet is not None):
-        raise ConfigError(
-            f"split_points: the zoo's {name} comes in fixed blocks, cut only between them; "
-            "split_points marks cuts in your own model (package.module:function)"
-        )
-    if name == "mlp":
-        blocks = _he_init(_mlp(shape, num_classes))
-    elif name == "cnn":
-        blocks = _he_init(_cnn(shape, num_classes))
-    elif resnet is not None:
-        blocks = _resnet(int(resnet.group(1)), shape, num_classes)
+    zoo = _zoo_blocks(name, shape, num_classes)
+    if zoo is not None:
+        if options.split_points:
+            raise ConfigError(
+                f"split_points: the zoo's {name} comes in fixed blocks, cut only between them; "
+                "split_points marks cuts in your own model (package.module:function)"
+            )
+        blocks = zoo
     else:
         built = _call_factory(_import_factory(name), shape, num_classes)
         example = example_input(shape, options.input_range, 2, zeros=True)

@@ -26,6 +26,16 @@ from storage.records import (
 __all__ = ["RunStore"]
 
 
+def plan_version(run_id: str, current: int, revise: bool) -> int:
+    """The version a stored plan gets: the next one, or with ``revise`` the current one
+    (:class:`StateError` when the run has no plan to revise)."""
+    if not revise:
+        return current + 1
+    if current < 1:
+        raise StateError(f"run {run_id!r} has no plan to revise; store one first")
+    return current
+
+
 def _check(value: str, valid: tuple[str, ...], field: str) -> None:
     if value not in valid:
         raise ValueError(f"{field}: {value!r} is not one of {valid}")
@@ -87,7 +97,8 @@ class RunStore(abc.ABC):
     def set_plan(self, run_id: str, plan: Mapping[str, Any], *, revise: bool = False) -> int:
         """Store a new plan for the run; return its version (1, 2, ...). ``revise``: replace
         the current version's document instead (the same plan with more noted beside it, such
-        as the speeds measured while it ran); the version stays."""
+        as the speeds measured while it ran); the version stays, and a run with no plan yet
+        raises :class:`StateError`."""
 
     @abc.abstractmethod
     def set_profile(self, run_id: str, document: Mapping[str, Any]) -> None:

@@ -30,6 +30,10 @@ def shown_url(url: str | URL) -> str:
         return f"{str(url).partition('://')[0]}://... (not a valid URL)"
 
 
+# what SQLite says of a file that is not one of its databases
+_NOT_SQLITE = ("file is not a database", "file is encrypted or is not a database")
+
+
 def opening_error(url: str, error: Exception) -> StoreError:
     """A one-line store error for a database that cannot be opened; the password masked."""
     if isinstance(error, OperationalError):
@@ -38,9 +42,13 @@ def opening_error(url: str, error: Exception) -> StoreError:
         if not str(url).startswith("sqlite"):  # a server: down, wrong address, login refused
             return UnreachableError(f"{message}; is the database server running and reachable?")
         return StoreError(message)
-    if isinstance(error, DatabaseError):  # SQLite: "file is not a database"
+    if isinstance(error, DatabaseError):
         reason = str(error.orig or error).strip().splitlines()[0]
-        return NotAStoreError(f"--db {shown_url(url)}: not an edgesplit store ({reason})")
+        foreign = str(url).startswith("sqlite") and reason.startswith(_NOT_SQLITE)
+        if foreign:  # a file of something else given as --db: a usage error
+            return NotAStoreError(f"--db {shown_url(url)}: not an edgesplit store ({reason})")
+        # a failed migration, a permission the database refused: named, a runtime failure
+        return StoreError(f"cannot open the store at {shown_url(url)}: {reason}")
     return StoreError(f"--db {shown_url(url)}: {error}")
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from storage.base import RunStore, validate_result
+from storage.base import RunStore, plan_version, validate_result
 from storage.errors import NotFoundError, StateError
 from storage.records import (
     CheckpointRef,
@@ -94,7 +94,8 @@ class InMemoryRunStore(RunStore):
 
     def set_plan(self, run_id: str, plan: Mapping[str, Any], *, revise: bool = False) -> int:
         with self._lock:
-            version = self.get_run(run_id).plan_version + (not revise)
+            run = self.get_run(run_id)
+            version = plan_version(run_id, run.plan_version, revise)
             self._update_run(run_id, plan=dict(plan), plan_version=version)
             return version
 

@@ -20,7 +20,7 @@ from sqlalchemy.exc import (
 from sqlalchemy.orm import Session, sessionmaker
 
 from storage import pending
-from storage.base import RunStore, validate_result
+from storage.base import RunStore, plan_version, validate_result
 from storage.checkpoints import CheckpointFiles, encode
 from storage.engine import create_store_engine, opening_error, shown_url
 from storage.errors import NotFoundError, StateError, StoreError
@@ -241,7 +241,7 @@ class SqlRunStore(RunStore):
     def set_plan(self, run_id: str, plan: Mapping[str, Any], *, revise: bool = False) -> int:
         with self._session() as session:
             row = self._run_row(session, run_id)
-            version = row.plan_version + (not revise)
+            version = plan_version(run_id, row.plan_version, revise)
             row.plan, row.plan_version, row.updated_at = dict(plan), version, utcnow()
             return row.plan_version
 

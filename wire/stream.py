@@ -409,8 +409,8 @@ class StreamServer:
             return
         sender = _device(topic)
         with self._lock:
-            if envelope.round > self._ledger.number:
-                self._remember(("done", envelope.round, sender), batches)
+            if envelope.round > self._ledger.number:  # remembered with its try
+                self._remember(("done", envelope.round, sender), (batches, _attempt(envelope)))
                 return
             if envelope.round < self._ledger.number or _attempt(envelope) < self._attempt:
                 return
@@ -463,9 +463,9 @@ class StreamServer:
         for (what, round_number, who), value in self._early.items():
             if round_number != number:
                 continue
-            if what == "done":
-                self._ledger.declare(who, value)
-            else:
+            if what == "done" and value[1] == self._attempt:  # a try given up early ends
+                self._ledger.declare(who, value[0])  # no retry's part
+            elif what != "done":
                 self._ledger.peer_counts(who, value)
         self._early = {k: v for k, v in self._early.items() if k[1] > number}
         self._early_by = collections.Counter(k[2] for k in self._early)

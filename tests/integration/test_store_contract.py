@@ -57,6 +57,8 @@ class StoreContract:
 
     def test_run_lifecycle_and_plan_versions(self, store: RunStore) -> None:
         run = store.create_run("demo-1", CONFIG, seed=7)
+        with pytest.raises(StateError, match="no plan to revise"):
+            store.set_plan("demo-1", {"edges": [0]}, revise=True)
         assert (run.status, run.seed, run.config, run.current_round) == ("created", 7, CONFIG, None)
         with pytest.raises(StateError, match="exists"):
             store.create_run("demo-1", CONFIG, seed=7)

@@ -15,6 +15,7 @@ from split_models.data import (
     from_torch,
     input_problem,
     load_dataset,
+    model_data_problem,
     partition,
     resolve_spec,
     trained_examples,
@@ -64,7 +65,15 @@ def test_a_damaged_or_foreign_file_is_named_not_an_npz_archive(tmp_path: Path) -
     whole = (tmp_path / "good.npz").read_bytes()
     (tmp_path / "cut.npz").write_bytes(whole[: len(whole) // 2])  # a copy that stopped
     (tmp_path / "text.npz").write_text("x,y\n1,2\n")
-    for name, what in (("cut", "damaged or truncated"), ("text", "something else")):
+    (tmp_path / "empty.npz").write_bytes(b"")
+    np.save(tmp_path / "one.npy", np.zeros(3))
+    (tmp_path / "one.npy").rename(tmp_path / "one.npz")
+    for name, what in (
+        ("cut", "damaged or truncated"),
+        ("text", "something else"),
+        ("empty", "something else"),
+        ("one", "a single array"),
+    ):
         with pytest.raises(ConfigError, match=f"not an npz archive .*{what}"):
             load_dataset(f"npz:{tmp_path / name}.npz")
 
@@ -196,3 +205,33 @@ def test_trained_examples_counts_what_an_edges_split_keeps(examples: int, share:
     data = from_arrays(np.zeros((examples, 1, 2, 2), np.float32), np.zeros(examples, np.int64))
     kept = len(data.split(share)[0]) if 0 < share < 1 and examples >= 2 else examples
     assert trained_examples(examples, share) == kept
+
+
+def test_data_of_another_shape_or_with_more_classes_names_the_key_to_fix() -> None:
+    from coordinator.config import RunConfig
+    from coordinator.service import _central
+    from split_models.config import ModelConfig
+
+    model = ModelConfig(name="cnn", input_shape=(1, 8, 8), num_classes=10)
+    fits = from_arrays(np.zeros((4, 1, 8, 8), np.float32), np.arange(4), 10)
+    assert model_data_problem(fits, model) is None
+    wide = from_arrays(np.zeros((4, 1, 28, 28), np.float32), np.arange(4), 10)
+    many = from_arrays(np.zeros((4, 1, 8, 8), np.float32), np.array([0, 1, 2, 12]), 13)
+    problems = [model_data_problem(d, model, "eval_data") for d in (wide, many)]
+    assert problems == [
+        "input_shape: the eval_data has samples of shape [1, 28, 28], the config says [1, 8, 8]",
+        "num_classes: the eval_data has labels up to 12, the model 10 outputs; set num_classes "
+        "to 13 or more",
+    ]
+    run = RunConfig.parse(
+        {
+            "run_id": "r",
+            "model": "cnn",
+            "input_shape": [1, 8, 8],
+            "num_classes": 10,
+            "rounds": 1,
+            "devices": {"edges": 1},
+        }
+    )
+    with pytest.raises(ConfigError, match="eval_data has labels up to 12"):
+        _central(run, many)  # the coordinator refuses at start, not after a round trained

@@ -237,6 +237,7 @@ def _devices(edge_flops: float) -> dict[str, Announcement]:
 def _setup(cnn: ModelProfile, drift: float | None) -> tuple[Replanner, FakePlanner, RunStore]:
     store = InMemoryRunStore()
     store.create_run("r1", {}, 0)
+    store.set_plan("r1", {"first": True})  # as the coordinator stores its first plan
     planner = FakePlanner(cnn)
     return Replanner(planner, store, drift), planner, store  # type: ignore[arg-type]
 
@@ -271,7 +272,7 @@ def test_an_edge_far_slower_than_declared_gets_a_new_plan(cnn: ModelProfile) -> 
     assert new is not None and new.plan.edges[0].blocks[1] < cut
     assert replanner.believed["pi-01"] < 1e11  # planned at the measured speed
     assert planner.offered == [new.plan]
-    assert store.get_run("r1").plan_version == 1
+    assert store.get_run("r1").plan_version == 2
     assert [e.kind for e in store.events("r1")] == ["replanned"]
 
 
@@ -288,7 +289,7 @@ def test_a_speed_within_the_drift_or_a_small_gain_keeps_the_plan(cnn: ModelProfi
         replanner.after_round(2, placement, {"pi-01": _timing(cut, work / 0.5e10)}, online) is None
     )
 
-    assert planner.offered == [] and store.get_run("r1").plan_version == 0
+    assert planner.offered == [] and store.get_run("r1").plan_version == 1
     assert [(e.kind, e.round) for e in store.events("r1")] == [("speed-measured", 2)]
     assert "plan kept" in store.events("r1")[0].detail
 
@@ -383,7 +384,7 @@ def test_an_edge_that_refuses_the_new_plan_keeps_the_old_one(cnn: ModelProfile) 
 
     (event,) = store.events("r1")
     assert event.kind == "speed-measured" and "plan kept, refused" in event.detail
-    assert len(planner.offered) == 1 and store.get_run("r1").plan_version == 0
+    assert len(planner.offered) == 1 and store.get_run("r1").plan_version == 1
 
 
 def _answered(metrics: dict[str, object] | None, answer: dict[str, object] | None) -> Message:
@@ -445,7 +446,7 @@ def test_speeds_measured_under_a_kept_plan_are_stored_beside_it_for_a_restart(
         replanner.after_round(1, placement, {"pi-01": _timing(cut, work / 0.5e10)}, online) is None
     )
     run = store.get_run("r1")
-    assert run.plan_version == 0  # the same plan: no new version
+    assert run.plan_version == 1  # the same plan: no new version
 
     again = Replanner(planner, store, 0.25)  # type: ignore[arg-type]
     again.restore(run.plan)

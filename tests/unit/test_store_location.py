@@ -68,3 +68,19 @@ def test_a_file_that_is_no_database_is_named_so(tmp_path: Path) -> None:
     for readonly in (False, True):
         with pytest.raises(NotAStoreError, match=r"not an edgesplit store .*not a database"):
             open_store(f"sqlite:///{path}", readonly=readonly)
+
+
+def test_a_database_failure_while_opening_is_not_called_a_foreign_file() -> None:
+    from sqlalchemy.exc import DatabaseError, ProgrammingError
+
+    from storage.engine import opening_error
+    from storage.errors import NotAStoreError
+
+    refused = ProgrammingError(
+        "ALTER TABLE runs", {}, Exception("permission denied for table runs")
+    )
+    for url in ("sqlite:///runs.db", "postgresql://db/runs"):
+        error = opening_error(url, refused)
+        assert not isinstance(error, NotAStoreError) and "permission denied" in str(error)
+    foreign = DatabaseError("PRAGMA", {}, Exception("file is not a database"))
+    assert isinstance(opening_error("sqlite:///x.npz", foreign), NotAStoreError)

@@ -189,6 +189,29 @@ def test_an_ordered_stream_hands_batches_on_sender_by_sender_in_name_order() -> 
     assert server.wait_round(5.0) and server.stats.rejected["non_finite"] == 1
 
 
+def test_a_done_said_before_a_round_began_counts_only_for_its_own_try() -> None:
+    # an edge that gave try 1 of round 2 up before this server began it says 'done' with
+    # the batches it sent (none); the server then begins try 2, which must wait for the
+    # edge's batches of try 2, not finish at once on try 1's count
+    server, gate, handled, hub = _server()
+    done = Channel(hub.connect("done"), EDGE)
+
+    def say_done(attempt: int, batches: int) -> None:
+        meta = {"batches": batches, "attempt": attempt}
+        done.send(topics.done(RUN, EDGE), "round_control", RUN, round=2, meta=meta)
+
+    say_done(1, 0)
+    time.sleep(0.2)  # delivered, remembered for round 2
+    gate.start_round(2, attempt=2)
+    server.begin_round(2, [EDGE], attempt=2)
+    assert not server.wait_round(0.3), "try 1's count does not end try 2"
+    meta = {"epoch": "e1", "cut": 1, "attempt": 2}
+    batch = Envelope("activations", RUN, EDGE, 0, 2, meta, {"x": np.ones((2, 4), np.float32)})
+    hub.connect("raw").publish(topics.activations(RUN, "seg-0", EDGE), encode(batch))
+    say_done(2, 1)
+    assert server.wait_round(5.0) and len(handled) == 1, "try 2 ends on its own count"
+
+
 def test_a_retried_rounds_credits_are_kept_apart_from_the_first_attempts() -> None:
     hub = InProcessHub()
     gate = CreditGate(Channel(hub.connect(EDGE), EDGE), RUN, EDGE, subscribe=False)
