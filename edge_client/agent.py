@@ -41,6 +41,7 @@ from wire.codec import Envelope, encode
 from wire.errors import WireError
 from wire.flow import CreditGate
 from wire.flower import array_record, attempt_of, numpy_arrays, proximal_mu_of, round_of
+from wire.logs import warn
 from wire.presence import PeerOffline, PresenceWatch
 from wire.roles import Announcement, Task, go_online
 from wire.session import RoundAbandoned, SessionWatch
@@ -251,8 +252,8 @@ class EdgeAgent:
         try:
             work = (round_of(message), job.attempt)
             return self._train(message, job, self.sessions.follow(task.run, task.session, work))
-        except (RoundAbandoned, PeerOffline) as abandoned:
-            log.warning("%s", abandoned)
+        except (RoundAbandoned, PeerOffline) as abandoned:  # a host of many simulated
+            warn(log, "abandoned", "%s: %s", self.device, abandoned)  # clients: a few lines
             return Message(Error(code=2, reason=str(abandoned)), reply_to=message)
 
     def _evaluate(self, message: Message, job: _Job) -> Message:
