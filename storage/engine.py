@@ -36,20 +36,19 @@ _NOT_SQLITE = ("file is not a database", "file is encrypted or is not a database
 
 def opening_error(url: str, error: Exception) -> StoreError:
     """A one-line store error for a database that cannot be opened; the password masked."""
+    if not isinstance(error, DatabaseError):
+        return StoreError(f"--db {shown_url(url)}: {error}")
+    reason = str(error.orig or error).strip().splitlines()[0]
+    sqlite = str(url).startswith("sqlite")
     if isinstance(error, OperationalError):
-        reason = str(error.orig or error).strip().splitlines()[0]
         message = f"cannot open the database at {shown_url(url)}: {reason}"
-        if not str(url).startswith("sqlite"):  # a server: down, wrong address, login refused
+        if not sqlite:  # a server: down, wrong address, login refused
             return UnreachableError(f"{message}; is the database server running and reachable?")
         return StoreError(message)
-    if isinstance(error, DatabaseError):
-        reason = str(error.orig or error).strip().splitlines()[0]
-        foreign = str(url).startswith("sqlite") and reason.startswith(_NOT_SQLITE)
-        if foreign:  # a file of something else given as --db: a usage error
-            return NotAStoreError(f"--db {shown_url(url)}: not an edgesplit store ({reason})")
-        # a failed migration, a permission the database refused: named, a runtime failure
-        return StoreError(f"cannot open the store at {shown_url(url)}: {reason}")
-    return StoreError(f"--db {shown_url(url)}: {error}")
+    if sqlite and reason.startswith(_NOT_SQLITE):  # a file of something else given as --db
+        return NotAStoreError(f"--db {shown_url(url)}: not an edgesplit store ({reason})")
+    # a failed migration, a permission the database refused: named, a runtime failure
+    return StoreError(f"cannot open the store at {shown_url(url)}: {reason}")
 
 
 def create_store_engine(url: str, password: str | None = None, readonly: bool = False) -> Engine:

@@ -463,10 +463,10 @@ class StreamServer:
         for (what, round_number, who), value in self._early.items():
             if round_number != number:
                 continue
-            if what == "done" and value[1] == self._attempt:  # a try given up early ends
-                self._ledger.declare(who, value[0])  # no retry's part
-            elif what != "done":
+            if what == "counts":
                 self._ledger.peer_counts(who, value)
+            elif value[1] == self._attempt:  # a done of a try given up early ends no retry's
+                self._ledger.declare(who, value[0])  # part: (batches, try)
         self._early = {k: v for k, v in self._early.items() if k[1] > number}
         self._early_by = collections.Counter(k[2] for k in self._early)
 
