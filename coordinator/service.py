@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from flwr.app import Message
+from flwr.app import ArrayRecord, Message
 from flwr.serverapp.strategy import FedAvg
 
 from coordinator.aggregation import build_strategy
@@ -329,25 +329,23 @@ class Coordinator:
             return work
         options = next(iter(sampled.values()), {})
         streams, routes = route(selected, servers)
-        own = self.runner.recorder.own  # FedBN: a device's own BatchNorm layers
         spans = placement.spans()  # each device's blocks and head
+        arrays_for = _records(self.runner.recorder, weights, spans)
         # the servers' messages go first: a server that starts its round late holds up the
         # edges that already train (the push of 1,000 edges' messages takes seconds)
         for back in servers:
             if not routes[back.device][0]:
                 continue  # nothing streams into this piece this round
             task = build_task(self.config, back, self.session, server_route=routes[back.device])
-            arrays = array_record(own(back.device, keys_for(weights, *spans[back.device])))
             work.messages[back.device] = build_message(
-                self.grid, back.node, arrays, "train", number, task, options
+                self.grid, back.node, arrays_for(back.device), "train", number, task, options
             )
             work.servers[back.device] = span(back)
         for a in selected:
             feeds = [s for s, r in routes.items() if r[2] == streams[a.device]]
             task = build_task(self.config, a, self.session, streams[a.device], servers=feeds)
-            arrays = array_record(own(a.device, keys_for(weights, *spans[a.device])))
             work.messages[a.device] = build_message(
-                self.grid, a.node, arrays, "train", number, task, sampled[a.node]
+                self.grid, a.node, arrays_for(a.device), "train", number, task, sampled[a.node]
             )
         return work
 
@@ -369,6 +367,25 @@ class Coordinator:
 
         nodes = {device: a.node for device, a in assigned.items()}
         return self.runner.federated(number, weights, nodes, message)
+
+
+def _records(
+    recorder: RoundRecorder,
+    weights: dict[str, np.ndarray],
+    spans: dict[str, tuple[int, int, int | None]],
+) -> Callable[[str], ArrayRecord]:
+    """A device's weights for the round as a Flower record: built once per span and shared by
+    the devices that train it (1,000 clients on two cuts encode two records, not 1,000),
+    unless the device keeps its own copies of some tensors (FedBN)."""
+    records: dict[tuple[str, tuple[int, int, int | None]], ArrayRecord] = {}
+
+    def arrays_for(device: str) -> ArrayRecord:
+        key = (device if device in recorder.local else "", spans[device])
+        if key not in records:
+            records[key] = array_record(recorder.own(device, keys_for(weights, *spans[device])))
+        return records[key]
+
+    return arrays_for
 
 
 def create_or_check(store: RunStore, config: RunConfig, allow_config_change: bool) -> None:

@@ -19,16 +19,29 @@ from split_models.segment import Segment
 __all__ = ["load_segment_state", "norm_keys", "segment_state"]
 
 
+def _named_tensors(segment: Segment) -> list[tuple[nn.Module, dict[str, tuple[str, torch.Tensor]]]]:
+    """The segment's blocks and head, each with its ``state_dict`` keys mapped to their global
+    names and (uncopied) tensors."""
+
+    def block_name(key: str) -> str:  # "0.conv.weight" of a segment from block 3: block3.conv...
+        index, _, rest = key.partition(".")
+        return f"block{segment.start + int(index)}.{rest}"
+
+    blocks = segment.module.state_dict().items()
+    named = [(segment.module, {key: (block_name(key), t) for key, t in blocks})]
+    if not segment.is_last:
+        head = segment.head.state_dict().items()
+        named.append((segment.head, {key: (f"head{segment.end}.{key}", t) for key, t in head}))
+    return named
+
+
 def segment_state(segment: Segment) -> dict[str, np.ndarray]:
     """Parameters and buffers of ``segment`` (blocks and head) under their global names."""
-    state: dict[str, np.ndarray] = {}
-    for key, tensor in segment.module.state_dict().items():
-        index, _, rest = key.partition(".")
-        state[f"block{segment.start + int(index)}.{rest}"] = tensor.detach().cpu().numpy().copy()
-    if not segment.is_last:
-        for key, tensor in segment.head.state_dict().items():
-            state[f"head{segment.end}.{key}"] = tensor.detach().cpu().numpy().copy()
-    return state
+    return {
+        name: tensor.detach().cpu().numpy().copy()
+        for _, tensors in _named_tensors(segment)
+        for name, tensor in tensors.values()
+    }
 
 
 def norm_keys(segment: Segment) -> set[str]:
@@ -57,34 +70,29 @@ def load_segment_state(segment: Segment, arrays: Mapping[str, np.ndarray]) -> No
 
     Every tensor of the segment must be present with its shape; nothing else is touched.
     """
-    wanted = segment_state(segment)
-    missing = sorted(set(wanted) - set(arrays))
+    named = _named_tensors(segment)
+    wanted = [entry for _, tensors in named for entry in tensors.values()]
+    missing = sorted(name for name, _ in wanted if name not in arrays)
     if missing:
         raise ModelError(
             f"weights for blocks [{segment.start}, {segment.end}) lack "
             f"{missing[:5]}{'...' if len(missing) > 5 else ''}"
         )
-    for key, current in wanted.items():
-        if arrays[key].shape != current.shape and not _legacy_scalar(arrays[key], current):
-            raise ModelError(f"{key}: shape {arrays[key].shape}, the segment has {current.shape}")
+    for name, current in wanted:
+        shape = tuple(current.shape)
+        if arrays[name].shape != shape and not _legacy_scalar(arrays[name], shape):
+            raise ModelError(f"{name}: shape {arrays[name].shape}, the segment has {shape}")
 
-    def tensor(key: str) -> torch.Tensor:
-        return torch.from_numpy(np.array(arrays[key]).reshape(wanted[key].shape))
+    def tensor(name: str, current: torch.Tensor) -> torch.Tensor:
+        array = np.asarray(arrays[name])  # load_state_dict copies: a view is enough
+        if not (array.flags.writeable and array.flags.c_contiguous):  # torch refuses those
+            array = np.array(array, order="C")
+        return torch.from_numpy(array).reshape(current.shape)
 
-    segment.module.load_state_dict(
-        {
-            key: tensor(
-                f"block{segment.start + int(key.partition('.')[0])}.{key.partition('.')[2]}"
-            )
-            for key in segment.module.state_dict()
-        }
-    )
-    if not segment.is_last:
-        segment.head.load_state_dict(
-            {key: tensor(f"head{segment.end}.{key}") for key in segment.head.state_dict()}
-        )
+    for module, tensors in named:
+        module.load_state_dict({key: tensor(*entry) for key, entry in tensors.items()})
 
 
-def _legacy_scalar(array: np.ndarray, current: np.ndarray) -> bool:
+def _legacy_scalar(array: np.ndarray, shape: tuple[int, ...]) -> bool:
     """Checkpoints written before 0-d tensors kept their shape hold them as shape (1,)."""
-    return current.ndim == 0 and array.shape == (1,)
+    return shape == () and array.shape == (1,)

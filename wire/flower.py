@@ -45,6 +45,7 @@ __all__ = [
     "array_record",
     "attempt_of",
     "node_will",
+    "numpy_array",
     "numpy_arrays",
     "proximal_mu_of",
     "round_of",
@@ -60,7 +61,19 @@ TRAINED_RECORD = "trained"
 
 def array_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
     """A Flower ``ArrayRecord`` of numpy arrays, keeping their names."""
-    return ArrayRecord({key: Array(np.asarray(value)) for key, value in arrays.items()})
+    return ArrayRecord({key: numpy_array(value) for key, value in arrays.items()})
+
+
+def numpy_array(value: np.ndarray) -> Array:
+    """``Array(value)``, byte for byte, without ``np.save``'s file machinery for a C-ordered
+    array of numbers (one copy: header and data joined). ``np.save`` costs about 30 us an
+    array; a host of 1,000 simulated clients pays it per tensor, client and round."""
+    array = np.asarray(value)
+    dtype = array.dtype
+    if dtype.kind not in "biufc" or dtype.hasobject or not array.flags.c_contiguous:
+        return Array(array)  # Flower's own encoding (a Fortran-ordered header, ...)
+    data = b"".join((_npy_header(dtype, array.shape), array.reshape(-1).data.cast("B")))
+    return Array(dtype=str(dtype), shape=tuple(array.shape), stype="numpy.ndarray", data=data)
 
 
 def numpy_arrays(message: Message, key: str | None = "arrays") -> dict[str, np.ndarray]:

@@ -17,6 +17,7 @@ Every inbound announcement and task is validated; a bad one raises :class:`WireE
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import zlib
@@ -269,6 +270,13 @@ class Task:
 
     @classmethod
     def parse(cls, text: str | bytes) -> Task:
+        """The task of ``text``; raises ``WireError`` naming the bad field. The last texts
+        seen are parsed once: a host of many clients gets the same task for all clients of a
+        cut, every round (a task is immutable; its sections are read, never changed)."""
+        return _parsed_task(text)
+
+    @classmethod
+    def _parse(cls, text: str | bytes) -> Task:
         data = _loads(text, "task")
         unknown = sorted(set(data) - {f.name for f in fields(cls)})
         if unknown:
@@ -302,6 +310,11 @@ class Task:
             forward=_stream_name(data, "forward", True),
             session=session,
         )
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed_task(text: str | bytes) -> Task:
+    return Task._parse(text)
 
 
 def go_online(announcement: Announcement, control: Transport, app: ClientApp) -> FlowerNode:

@@ -161,6 +161,29 @@ def test_flower_arrays_decode_as_flowers_own_parser_does() -> None:
     assert array_numpy(lying).shape == (3, 4)  # a header that disagrees: parsed, not trusted
 
 
+def test_arrays_encode_byte_for_byte_as_flowers_own_encoder() -> None:
+    from flwr.app import Array
+
+    from wire.flower import array_numpy, numpy_array
+
+    samples: list[np.ndarray] = [
+        np.arange(12, dtype=np.float32).reshape(3, 4),
+        np.array(2.5, dtype=np.float64),
+        np.ones((0, 5), dtype=np.int64),
+        np.arange(6, dtype=np.float16).reshape(2, 3),
+        np.arange(4, dtype=">f4"),
+        np.array([True, False]),
+        np.arange(3, dtype=np.complex64),
+        np.asfortranarray(np.arange(6.0).reshape(2, 3)),  # Flower's own path
+        np.arange(12.0).reshape(3, 4)[:, ::2],  # strided: Flower's own path
+    ]
+    for sample in samples:
+        got, want = numpy_array(sample), Array(sample)
+        assert (got.dtype, got.shape, got.stype) == (want.dtype, want.shape, want.stype)
+        assert got.data == want.data, sample
+        assert np.array_equal(array_numpy(got), sample)
+
+
 def test_a_handler_stopped_by_a_closed_transport_is_no_warning(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -81,3 +81,28 @@ def test_a_new_plan_drops_the_own_copies_of_blocks_a_device_gives_up() -> None:
     # when a later plan hands block 3 back, pi-01 starts from the shared copy, not its old one
     shared = {"block3.1.running_mean": np.full(2, 9.0, dtype=np.float32)}
     np.testing.assert_array_equal(recorder.own("pi-01", shared)["block3.1.running_mean"], 9.0)
+
+
+def test_devices_of_one_span_share_a_record_and_one_with_own_copies_gets_its_own() -> None:
+    """The coordinator encodes a round's weights once per span (1,000 clients, two cuts: two
+    records), except for a device that keeps its own BatchNorm copies."""
+    from coordinator.service import _records
+    from wire.flower import array_numpy
+
+    recorder = _recorder()
+    mine = np.full(3, 7.0, dtype=np.float32)
+    recorder.keep_local(KEYS, {LOCAL_PREFIX + "pi-01": {"block0.1.running_mean": mine}})
+    weights = {
+        "block0.1.running_mean": np.zeros(3, dtype=np.float32),
+        "block0.0.weight": np.ones(2, dtype=np.float32),
+        "block1.0.weight": np.ones(4, dtype=np.float32),
+    }
+    spans = {"pi-01": (0, 1, 1), "pi-02": (0, 1, 1), "pi-03": (0, 1, 1), "gpu": (1, 2, None)}
+    arrays_for = _records(recorder, weights, spans)
+    assert arrays_for("pi-02") is arrays_for("pi-03")
+    assert arrays_for("pi-01") is not arrays_for("pi-02")
+    mean = "block0.1.running_mean"
+    np.testing.assert_array_equal(array_numpy(arrays_for("pi-01")[mean]), mine)
+    np.testing.assert_array_equal(array_numpy(arrays_for("pi-02")[mean]), 0)
+    assert set(arrays_for("gpu")) == {"block1.0.weight"}
+    assert set(arrays_for("pi-02")) == {mean, "block0.0.weight"}

@@ -55,6 +55,16 @@ def test_a_task_round_trips_through_json_and_its_sections_parse_back() -> None:
     assert bare.forward is None and bare.session is None and bare.segment == "seg-0"
 
 
+def test_a_text_seen_lately_is_parsed_once_and_a_bad_one_every_time() -> None:
+    """The clients of one cut get the same task text: parsed once. A bad text is never kept."""
+    text = _task(start=1, end=3).to_json()
+    assert Task.parse(text) is Task.parse(text) == _task(start=1, end=3)
+    bad = _task(start=3, end=3).to_json()
+    for _ in range(2):
+        with pytest.raises(WireError, match="empty"):
+            Task.parse(bad)
+
+
 def test_build_task_sends_the_run_sections_as_they_are() -> None:
     config = RunConfig.parse(
         {

@@ -43,6 +43,28 @@ def test_load_round_trips_and_touches_only_the_segment() -> None:
     assert torch.equal(source.forward(x), target.forward(x))
 
 
+def test_load_takes_read_only_and_strided_arrays_and_keeps_no_view_of_them() -> None:
+    """Weights decoded from a message may be read-only buffers or strided views: loaded as
+    values, and changing the arrays afterwards does not change the segment."""
+    source = Segment.from_model(build_model("cnn", (1, 8, 8), 10, seed=1), 0, 2, "linear")
+    target = Segment.from_model(build_model("cnn", (1, 8, 8), 10, seed=2), 0, 2, "linear")
+    state = segment_state(source)
+    arrays = {}
+    for index, (key, value) in enumerate(state.items()):
+        if index % 2:  # read-only, as np.frombuffer over a message's bytes
+            arrays[key] = np.frombuffer(value.tobytes(), value.dtype).reshape(value.shape)
+        else:  # a strided view of a larger buffer
+            wide = np.zeros((*value.shape, 2), value.dtype)
+            wide[..., 0] = value
+            arrays[key] = wide[..., 0]
+    load_segment_state(target, arrays)
+    for index, key in enumerate(arrays):
+        if not index % 2:
+            arrays[key][...] = 7  # the writable views change after the load
+    for key, value in segment_state(target).items():
+        assert np.array_equal(value, state[key]), key
+
+
 def test_missing_or_misshaped_tensors_are_refused() -> None:
     segment = Segment.from_model(build_model("mlp", (1, 8, 8), 10, seed=0), 0, 2, "linear")
     state = segment_state(segment)
