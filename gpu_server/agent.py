@@ -114,6 +114,7 @@ class GpuAgent:
                 fill=training.batch_size
                 if training.server_fill and training.mode != "backprop"
                 else 0,
+                max_rows=training.batch_size,
             )
             self._backs[task.run] = (key, trainer)
         return self._backs[task.run][1]

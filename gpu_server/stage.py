@@ -39,15 +39,17 @@ class BackStage:
         optimizer: OptimizerConfig | None = None,
         device: str = "cpu",
         max_activation: float = MAX_ACTIVATION,
+        max_rows: int = 0,
     ) -> None:
-        """``max_activation``: the largest magnitude an incoming activation may hold."""
+        """``max_activation``: the largest magnitude an incoming activation may hold;
+        ``max_rows``: the most examples a batch may hold (the run's ``batch_size``; 0: any)."""
         if not 0 < start < end <= model.num_blocks:
             raise ValueError(
                 f"blocks: a GPU server holds [start, end) with 0 < start < end <= "
                 f"{model.num_blocks}, got [{start}, {end}); a server never holds block 0"
             )
         self.model, self.start, self.end = model, start, end
-        self.max_activation = max_activation
+        self.max_activation, self.max_rows = max_activation, max_rows
         self.device = torch.device(device)
         # the last piece gets the task loss, any other a local-loss head
         self.segment = Segment.from_model(model, start, end, local_loss, optimizer=optimizer)
@@ -87,18 +89,29 @@ class BackStage:
                     "shape",
                     f"tensor {name!r} holds {tensor.shape[0]} rows, 'x' {x.shape[0]}",
                 )
+        self._check_values(x, y)
+        return cut, crossing, y
+
+    def _check_values(self, x: np.ndarray, y: np.ndarray) -> None:
+        """The activation's rows and magnitude and the labels, against this run's limits."""
+        if x.shape[0] == 0:  # a loss over zero items is NaN and would poison the round's
+            raise WireError(  # mean loss
+                "shape",
+                f"tensor 'x' has shape {list(x.shape)}: 0 rows, expected at least 1; an "
+                "edge sends a batch of 1 or more examples",
+            )
+        if self.max_rows and x.shape[0] > self.max_rows:  # the memory plan is for batch_size
+            raise WireError(
+                "shape",
+                f"tensor 'x' holds {x.shape[0]} rows, above the run's batch_size "
+                f"{self.max_rows}; an edge sends at most batch_size examples a batch",
+            )
         largest = float(np.max(np.abs(x))) if x.size else 0.0
         if largest > self.max_activation:  # finite, but enough to overflow the back to NaN
             raise WireError(
                 "range",
                 f"tensor 'x' holds a value of magnitude {largest:.3g}, above the "
                 f"{self.max_activation:.3g} an activation may have (max_activation)",
-            )
-        if x.shape[0] == 0:  # a loss over zero items is NaN and would poison the round's
-            raise WireError(  # mean loss
-                "shape",
-                f"tensor 'x' has shape {list(x.shape)}: 0 rows, expected at least 1; an "
-                "edge sends a batch of 1 or more examples",
             )
         TensorSpec("int64", (x.shape[0], *self.model.label_shape)).check("y", y)
         if len(y) and (y.min() < 0 or y.max() >= self.model.num_classes):
@@ -107,7 +120,6 @@ class BackStage:
                 f"labels span [{y.min()}, {y.max()}], expected within "
                 f"[0, {self.model.num_classes})",
             )
-        return cut, crossing, y
 
     def prepare(self, envelope: Envelope) -> Part:
         """Validate a batch and move it to the device (:class:`WireError` when it does not

@@ -69,13 +69,14 @@ class BackTrainer:
         ordered: bool = False,
         max_activation: float = MAX_ACTIVATION,
         fill: int = 0,
+        max_rows: int = 0,
     ) -> None:
         """``end`` below the model's last block makes this a piece of a chain: it trains with
         a ``local_loss`` head and passes its output on to the stream ``forward`` (at
         ``encoding``). ``ordered``: the stream hands batches on sender by sender, in name
         order (``deterministic: true``). ``fill``: local-loss batches smaller than this many
-        examples are trained together, several senders' in one step (see
-        :class:`~gpu_server.stage.Fill`); 0 trains every batch alone."""
+        examples train together, several senders' in a step (:class:`~gpu_server.stage.Fill`;
+        0: each alone). ``max_rows``: larger batches are refused (``batch_size``; 0: none)."""
         end = model.num_blocks if end is None else end
         if (end < model.num_blocks) != (forward is not None):
             raise ValueError(
@@ -83,7 +84,8 @@ class BackTrainer:
                 f"{'needs' if end < model.num_blocks else 'takes no'} stream to pass its "
                 f"output on to (got {forward!r}); only a piece before the last block has one"
             )
-        self.stage = BackStage(model, start, end, local_loss, optimizer, device, max_activation)
+        limits = (max_activation, max_rows)
+        self.stage = BackStage(model, start, end, local_loss, optimizer, device, *limits)
         self.model, self.start, self.end, self.forward = model, start, end, forward
         self.segment = self.stage.segment
         self.chain = None if forward is None else ChainLink(channel, run, forward, end, encoding)
@@ -91,9 +93,8 @@ class BackTrainer:
         self.stream.on_complete = self._complete
         self.fill = Fill(fill) if fill > 0 else None
         self.stats = BackStats(rejected=self.stream.stats.rejected)
-        on_cpu = torch.device(device).type == "cpu"
-        share = process_cpu_share(torch.get_num_threads())
-        self.clock = StepClock(share=share, on_cpu=on_cpu)  # for the coordinator's speed measure
+        share = process_cpu_share(torch.get_num_threads())  # the clock: the coordinator's
+        self.clock = StepClock(share=share, on_cpu=torch.device(device).type == "cpu")  # speeds
         self._round_examples, self._round_losses = 0, list[float]()
         self._round_senders: collections.Counter[str] = collections.Counter()
         # sender -> its batch numbers trained this round, each with how often

@@ -57,7 +57,12 @@ class Dataset:
     def __post_init__(self) -> None:
         if len(self.x) != len(self.y):
             raise ConfigError(f"data: {len(self.x)} samples but {len(self.y)} labels")
-        if len(self.y) and (self.y.min() < 0 or self.y.max() >= self.num_classes):
+        if len(self.y) and self.y.min() < 0:
+            raise ConfigError(
+                f"data: labels must be class indices from 0, found {int(self.y.min())}.."
+                f"{int(self.y.max())}"
+            )
+        if len(self.y) and self.y.max() >= self.num_classes:
             raise ConfigError(
                 f"data: labels must be in [0, {self.num_classes}), found "
                 f"{int(self.y.min())}..{int(self.y.max())}"
@@ -262,11 +267,35 @@ def model_data_problem(data: Dataset, model: ModelConfig, name: str = "data") ->
             f"input_shape: the {name} has samples of shape {list(data.input_shape)}, "
             f"the config says {list(model.input_shape)}"
         )
+    if problem := _label_shape_problem(data, model, name):
+        return problem
     top = int(data.y.max())
     if top >= model.num_classes:
         return (
             f"num_classes: the {name} has labels up to {top}, the model {model.num_classes} "
             f"outputs; set num_classes to {top + 1} or more"
+        )
+    return None
+
+
+def _label_shape_problem(data: Dataset, model: ModelConfig, name: str) -> str | None:
+    """Labels of another shape than the model's task takes: one a sample for classification,
+    one a position (the samples' shape) for a language model."""
+    got = list(data.y.shape[1:])
+    if model.task == "language-model":
+        want = list(data.input_shape)
+        if got != want:
+            return (
+                f"task: a language model takes a label for every position (labels of shape "
+                f"[N, {', '.join(map(str, want))}]); the {name} has labels of shape "
+                f"{[len(data), *got]}"
+            )
+        return None
+    if got:
+        return (
+            f"task: a classification model takes one label a sample (labels of shape [N]); "
+            f"the {name} has labels of shape {[len(data), *got]}: flatten them, or set "
+            "task: language-model for a label at every position"
         )
     return None
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from split_models.activations import Activation
+from split_models.activations import Activation, primary
 from split_models.autosplit import auto_blocks, disable_inplace
 from split_models.errors import ConfigError, ModelError
 from split_models.options import TASKS as TASKS
@@ -238,6 +238,19 @@ def _call_factory(
 ) -> object:
     parameters = inspect.signature(factory).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    needed = [
+        name
+        for name, p in parameters.items()
+        if p.default is inspect.Parameter.empty
+        and p.kind not in variadic
+        and name not in ("input_shape", "num_classes")
+    ]
+    if needed:
+        raise ModelError(
+            f"model: {factory.__qualname__}() needs {', '.join(needed)}, which edgesplit does "
+            "not pass: a factory may take input_shape and num_classes; give the rest defaults"
+        )
     kwargs: dict[str, object] = {}
     if takes_any or "input_shape" in parameters:
         kwargs["input_shape"] = input_shape
@@ -328,4 +341,24 @@ def build_model(
         example = example_input(shape, options.input_range, 2, zeros=True)
         key = (name, shape, num_classes, options)
         blocks = _as_blocks(name, built, example, options, key)
-    return SplittableModel(name, nn.ModuleList(blocks), shape, num_classes, options)
+    model = SplittableModel(name, nn.ModuleList(blocks), shape, num_classes, options)
+    if zoo is None and key not in _OUTPUTS_CHECKED:
+        _check_outputs(model)
+        _OUTPUTS_CHECKED.add(key)
+    return model
+
+
+_OUTPUTS_CHECKED: set[Hashable] = set()  # user models whose output fits num_classes
+
+
+def _check_outputs(model: SplittableModel) -> None:
+    """A user model whose output is not ``num_classes`` wide (a score per class, for every
+    position of a language model) fails mid-round on its first loss: named here instead."""
+    tensor = primary(model.cut_values(zeros=True)[-1])
+    want = [1, *model.label_shape, model.num_classes]
+    if list(tensor.shape) != want:
+        raise ModelError(
+            f"model: {model.name!r} outputs shape {[*tensor.shape]} for one sample, the loss "
+            f"needs {want}: one score per class (num_classes {model.num_classes})"
+            + (" at every position" if model.per_position else "")
+        )

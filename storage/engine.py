@@ -58,6 +58,11 @@ def create_store_engine(url: str, password: str | None = None, readonly: bool = 
     SQLite opens the file with ``mode=ro`` and ``query_only``, PostgreSQL sessions are
     read-only transactions."""
     parsed = make_url(url)
+    if parsed.get_backend_name() not in ("sqlite", "postgresql"):
+        raise NotAStoreError(
+            f"--db {shown_url(url)}: a {parsed.get_backend_name()} database is not supported; "
+            "give sqlite:///FILE or postgresql://USER@HOST/DATABASE"
+        )
     if parsed.get_backend_name() != "sqlite":
         if password is not None and parsed.password is None:
             parsed = parsed.set(password=password)

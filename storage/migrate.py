@@ -64,6 +64,19 @@ def script_head() -> str | None:
     return ScriptDirectory(str(MIGRATIONS)).get_current_head()
 
 
+def not_a_store(connection: Connection, readonly: bool) -> str | None:
+    """Why a database without a revision is no store to open (None: one to create): it
+    holds only another program's tables (SQLite: a server's database may be shared; with
+    edgesplit's tables another process is creating the store now), or, to read, nothing."""
+    from storage.schema import Base
+
+    if connection.dialect.name == "sqlite":
+        tables = set(inspect(connection).get_table_names())
+        if tables and not tables & set(Base.metadata.tables):
+            return "it holds other tables"
+    return "no run was ever written to it" if readonly else None
+
+
 def current_revision(connection: Connection) -> str | None:
     """The database's revision, or None when it has no schema yet."""
     if not inspect(connection).has_table("alembic_version"):

@@ -23,7 +23,7 @@ from storage import pending
 from storage.base import RunStore, plan_version, validate_result
 from storage.checkpoints import CheckpointFiles, encode
 from storage.engine import create_store_engine, opening_error, shown_url
-from storage.errors import NotFoundError, StateError, StoreError
+from storage.errors import NotAStoreError, NotFoundError, StateError, StoreError
 from storage.integrity import integrity_problems
 from storage.location import choose_root, default_root, unknown_root_error
 from storage.records import (
@@ -88,14 +88,17 @@ class SqlRunStore(RunStore):
     def _check_schema(self, migrate: bool) -> None:
         """Migrate a writable store (only when behind: an open at head writes nothing); a
         read-only one must be at a revision this edgesplit can read."""
-        from storage.migrate import READABLE, current_revision, ensure_current, head
+        from storage.migrate import READABLE, current_revision, ensure_current, head, not_a_store
 
+        with self.engine.connect() as connection:
+            revision = current_revision(connection)
+            refused = None if revision else not_a_store(connection, self.readonly)
+        if refused is not None:
+            raise NotAStoreError(f"--db {shown_url(self.url)}: not an edgesplit store ({refused})")
         if not self.readonly:
             if migrate:
                 ensure_current(self.engine)
             return
-        with self.engine.connect() as connection:
-            revision = current_revision(connection)
         if revision not in READABLE:
             raise StoreError(
                 f"the database at {shown_url(self.url)} is at schema revision {revision}, "

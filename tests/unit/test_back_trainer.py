@@ -29,7 +29,7 @@ def _until(condition: Callable[[], bool], timeout: float = 5.0) -> bool:
     return condition()
 
 
-def _piece(hub: InProcessHub, forward: str | None = "seg-1") -> BackTrainer:
+def _piece(hub: InProcessHub, forward: str | None = "seg-1", max_rows: int = 0) -> BackTrainer:
     """Blocks [1, 2) of an MLP (a chain piece passing on to ``forward``) or [1, 4)."""
     return BackTrainer(
         Channel(hub.connect(GPU), GPU),
@@ -39,6 +39,7 @@ def _piece(hub: InProcessHub, forward: str | None = "seg-1") -> BackTrainer:
         segment="seg-0",
         end=2 if forward is not None else None,
         forward=forward,
+        max_rows=max_rows,
     )
 
 
@@ -97,3 +98,18 @@ def test_an_empty_batch_is_rejected_not_trained() -> None:
     assert back.finished == {EDGE}, "the rejected batch still counts as handled"
     assert back.stats.rejected["shape"] == 1 and back.stats.batches == 1
     assert examples == 2 and np.isfinite(loss), "no NaN loss from a batch of zero rows"
+
+
+def test_a_batch_above_the_runs_batch_size_is_rejected_not_trained() -> None:
+    """A device may send a well-formed batch of thousands of rows: the server's memory plan
+    is for batch_size, and the examples it trains weigh the sender's update."""
+    hub = InProcessHub()
+    back = _piece(hub, forward=None, max_rows=4)
+    edge = Channel(hub.connect(EDGE), EDGE)
+    back.begin_round(1, [EDGE])
+    _send(edge, 1, rows=400)
+    _send(edge, 1, rows=4)
+    _done(edge, 1, 2)
+    examples, _ = back.wait_round([EDGE], 5.0)
+    assert back.stats.rejected["shape"] == 1 and back.stats.batches == 1
+    assert examples == 4, "the oversized batch's rows count for nothing"

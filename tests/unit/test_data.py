@@ -235,3 +235,31 @@ def test_data_of_another_shape_or_with_more_classes_names_the_key_to_fix() -> No
     )
     with pytest.raises(ConfigError, match="eval_data has labels up to 12"):
         _central(run, many)  # the coordinator refuses at start, not after a round trained
+
+
+def test_labels_of_another_shape_than_the_task_takes_are_named() -> None:
+    """Labels [N, 1] crashed a classification run mid-round (cross-entropy wants [N])."""
+    from split_models.config import ModelConfig
+
+    model = ModelConfig(name="cnn", input_shape=(1, 8, 8), num_classes=10)
+    column = from_arrays(np.zeros((4, 1, 8, 8), np.float32), np.arange(4).reshape(4, 1), 10)
+    problem = model_data_problem(column, model, "data")
+    assert problem is not None and problem.startswith("task: a classification model")
+    assert "labels of shape [4, 1]" in problem
+    language = ModelConfig(
+        name="tiny-gpt",
+        input_shape=(6,),
+        num_classes=16,
+        input_dtype="int64",
+        input_range=(0, 16),
+        task="language-model",
+    )
+    tokens = np.arange(24, dtype=np.int64).reshape(4, 6) % 16
+    assert model_data_problem(from_arrays(tokens, tokens, 16), language) is None
+    one_each = model_data_problem(from_arrays(tokens, tokens[:, 0], 16), language)
+    assert one_each is not None and "a label for every position" in one_each
+
+
+def test_negative_labels_are_named_as_such() -> None:
+    with pytest.raises(ConfigError, match=r"labels must be class indices from 0, found -1\.\.8"):
+        from_arrays(np.zeros((10, 4), np.float32), np.arange(-1, 9))

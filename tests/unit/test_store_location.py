@@ -70,6 +70,35 @@ def test_a_file_that_is_no_database_is_named_so(tmp_path: Path) -> None:
             open_store(f"sqlite:///{path}", readonly=readonly)
 
 
+def test_another_programs_database_or_an_empty_one_is_not_taken_for_a_store(
+    tmp_path: Path,
+) -> None:
+    """`status --db` on them advised `edgesplit db upgrade`, which would write edgesplit's
+    tables into someone else's database; a MySQL URL failed on a missing driver module."""
+    import sqlite3
+
+    from storage import open_store
+    from storage.errors import NotAStoreError
+
+    other = tmp_path / "other.db"
+    with sqlite3.connect(other) as connection:
+        connection.execute("CREATE TABLE invoices (id INTEGER)")
+    for readonly in (False, True):
+        with pytest.raises(NotAStoreError, match=r"not an edgesplit store \(it holds other"):
+            open_store(f"sqlite:///{other}", readonly=readonly)
+    with sqlite3.connect(other) as connection:  # nothing was written into it
+        tables = {row[0] for row in connection.execute("SELECT name FROM sqlite_master")}
+    assert tables == {"invoices"}
+    empty = tmp_path / "empty.db"
+    empty.write_bytes(b"")
+    with pytest.raises(NotAStoreError, match=r"no run was ever written to it"):
+        open_store(f"sqlite:///{empty}", readonly=True)
+    with open_store(f"sqlite:///{empty}"):  # writable: an empty file becomes a new store
+        pass
+    with pytest.raises(NotAStoreError, match=r"a mysql database is not supported"):
+        open_store("mysql://user@localhost/runs")
+
+
 def test_a_database_failure_while_opening_is_not_called_a_foreign_file() -> None:
     from sqlalchemy.exc import DatabaseError, ProgrammingError
 

@@ -173,3 +173,24 @@ def test_heads_validate_kind_and_optimizer() -> None:
         OptimizerConfig("lbfgs")
     with pytest.raises(ConfigError, match=r"optimizer\.lr"):
         OptimizerConfig(lr=0)
+
+
+def narrow(input_shape: tuple[int, ...], num_classes: int) -> torch.nn.Module:
+    """A user model with 7 outputs whatever num_classes says (a user's slip)."""
+    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 7))
+
+
+def needs_depth(depth: int, num_classes: int = 10) -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, num_classes))
+
+
+def test_a_user_model_whose_output_does_not_fit_num_classes_is_named() -> None:
+    """It crashed the first evaluation with an IndexError ("Target 9 is out of bounds")."""
+    from split_models import ModelError, build_model
+
+    here = "tests.unit.test_zoo_segments"
+    with pytest.raises(ModelError, match=r"outputs shape \[1, 7\].*needs \[1, 10\]"):
+        build_model(f"{here}:narrow", (1, 8, 8), 10, seed=0)
+    assert build_model(f"{here}:narrow", (1, 8, 8), 7, seed=0).num_classes == 7
+    with pytest.raises(ModelError, match=r"needs_depth\(\) needs depth, which edgesplit"):
+        build_model(f"{here}:needs_depth", (1, 8, 8), 10, seed=0)
