@@ -93,10 +93,11 @@ def _edges(value: object, path: str) -> int | tuple[str, ...]:
 
 @dataclass(frozen=True)
 class DevicesConfig:
-    """Which devices a run waits for: a count of edges, or their names."""
+    """Which devices a run waits for: a count of edges and of GPU servers, or their names
+    (then no other device takes part, whoever else is on the broker)."""
 
     edges: int | tuple[str, ...] = setting(parse=_edges)
-    gpu_servers: int = setting(1, minimum=1)
+    gpu_servers: int | tuple[str, ...] = setting(1, parse=_edges)
     wait_seconds: float = setting(120.0, key="wait", aliases=("wait_seconds",), kind="duration")
     # re-plan between rounds when a device's measured speed is off the one the plan used by
     # more than this share (coordinator.speed); null: keep the plan

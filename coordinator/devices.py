@@ -86,29 +86,29 @@ class DeviceRegistry:
 
     def missing(self, declared: DevicesConfig) -> list[str]:
         """What keeps ``declared`` from being online, one phrase per device or count."""
-        online_edges = self.online("edge")
-        problems = []
-        if isinstance(declared.edges, tuple):
+        return [
+            *self._missing(self.online("edge"), declared.edges, "edge(s)"),
+            *self._missing(self.online("gpu"), declared.gpu_servers, "GPU server(s)"),
+        ]
+
+    def _missing(
+        self, online: dict[str, Announcement], wanted: int | tuple[str, ...], kind: str
+    ) -> list[str]:
+        if isinstance(wanted, tuple):
             with self._lock:
                 known = set(self._announcements)
-            for name in declared.edges:
-                if name not in online_edges:
-                    problems.append(f"{name} ({'offline' if name in known else 'never announced'})")
-        elif len(online_edges) < declared.edges:
-            problems.append(
-                f"{declared.edges - len(online_edges)} more edge(s); online: "
-                f"{', '.join(online_edges) or 'none'}"
-            )
-        servers = self.online("gpu")
-        if len(servers) < declared.gpu_servers:
-            problems.append(
-                f"{declared.gpu_servers - len(servers)} more GPU server(s); online: "
-                f"{', '.join(servers) or 'none'}"
-            )
-        return problems
+            return [
+                f"{name} ({'offline' if name in known else 'never announced'})"
+                for name in wanted
+                if name not in online
+            ]
+        if len(online) < wanted:
+            return [f"{wanted - len(online)} more {kind}; online: {', '.join(online) or 'none'}"]
+        return []
 
     def wait(self, declared: DevicesConfig) -> tuple[list[Announcement], list[Announcement]]:
-        """The edges and GPU servers to plan with, once all ``declared`` ones are online."""
+        """The edges and GPU servers to plan with, once all ``declared`` ones are online: the
+        named ones, or the first by name."""
         deadline = self._clock() + declared.wait_seconds
         told = -math.inf
         while missing := self.missing(declared):
@@ -122,12 +122,15 @@ class DeviceRegistry:
                 log.info("waiting for devices: %s", "; ".join(missing))
                 told = now
             self._sleep(_POLL)
-        edges = self.online("edge")
-        if isinstance(declared.edges, tuple):
-            chosen = [edges[n] for n in declared.edges]
-        else:
-            chosen = list(edges.values())[: declared.edges]
-        return chosen, list(self.online("gpu").values())[: declared.gpu_servers]
+        edges = _chosen(self.online("edge"), declared.edges)
+        return edges, _chosen(self.online("gpu"), declared.gpu_servers)
+
+
+def _chosen(online: dict[str, Announcement], wanted: int | tuple[str, ...]) -> list[Announcement]:
+    """The ``wanted`` devices (names) of those ``online``, or the first ``wanted`` of them."""
+    if isinstance(wanted, tuple):
+        return [online[name] for name in wanted]
+    return list(online.values())[:wanted]
 
 
 def record_devices(store: RunStore, devices: list[Announcement]) -> None:

@@ -161,8 +161,11 @@ class Availability:
             if draw.random() >= self.online or number in self.offline.get(name, ())
         }
 
-    def check(self, clients: int, rounds: int) -> None:
-        """Every client named is one of the ``clients`` and every round is in 1..``rounds``."""
+    def check(self, clients: int, rounds: int, seed: int = 0, needed: int = 1) -> None:
+        """Every client named is one of the ``clients``, every round is in 1..``rounds``, and
+        every round has the ``needed`` clients online (the strategy's ``min_train_nodes``;
+        a round short of them would wait for clients that stay offline until its tries run
+        out)."""
         names = set(client_names(clients))
         for name, numbers in self.offline.items():
             if name not in names:
@@ -174,6 +177,15 @@ class Availability:
                 raise ConfigError(
                     f"availability.offline.{name}: expected a list of rounds in 1..{rounds}, "
                     f"got {list(numbers)!r}"
+                )
+        ordered = client_names(clients)  # in the simulation's order: the draws follow it
+        for number in range(1, rounds + 1):
+            online = clients - len(self.offline_in(number, ordered, seed))
+            if online < needed:
+                raise ConfigError(
+                    f"availability: round {number} has {online} of {clients} clients online, "
+                    f"the strategy trains with at least {needed} (min_train_nodes): raise "
+                    "availability.online or take that round out of availability.offline"
                 )
 
 
@@ -298,8 +310,10 @@ def parse_sim_config(data: object, overrides: Mapping[str, Any] | None = None) -
     config = parse_config(SimConfig, fields, "simulation config", SimConfig(), _NOT_KEYS)
     mode = METHODS.get(config.method, "local-loss")
     config = replace(config, training=replace(config.training, mode=mode))
-    if config.fleet.availability is not None:
-        config.fleet.availability.check(config.fleet.clients, config.training.rounds)
+    if (availability := config.fleet.availability) is not None:
+        needed = int(config.aggregation.options.get("min_train_nodes", 1))
+        fleet, training = config.fleet, config.training
+        availability.check(fleet.clients, training.rounds, training.seed, needed)
     return config
 
 
@@ -339,6 +353,9 @@ def load_sim_config(path: str | Path | None, overrides: Mapping[str, Any]) -> Si
     return config
 
 
+GPU_NAME = "gpu-sim"  # the simulation's GPU server
+
+
 def run_config(config: SimConfig, run_id: str, eval_data: str | None = None) -> RunConfig:
     """The run the simulated coordinator drives: the simulation's model, training and
     aggregation sections, its clients as the named edges, one GPU server."""
@@ -351,8 +368,9 @@ def run_config(config: SimConfig, run_id: str, eval_data: str | None = None) -> 
         model=config.model,
         # simulated devices all run at the host's speed, not their profiles': their measured
         # speeds say nothing of the devices simulated, so the plan stays
+        # named: devices of a deployment on the same broker take no part
         devices=DevicesConfig(
-            tuple(client_names(config.fleet.clients)), 1, 60.0, None, config.fleet.cuts
+            tuple(client_names(config.fleet.clients)), (GPU_NAME,), 60.0, None, config.fleet.cuts
         ),
         training=config.training,
         data=DataConfig(eval_data),

@@ -13,6 +13,7 @@ defaults run on scikit-learn's bundled digits, offline.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -30,7 +31,14 @@ from coordinator.service import Coordinator, RoundObserver
 from edge_client.agent import EdgeAgent
 from gpu_server.agent import GpuAgent
 from simulation.baselines import model_profile, run_baseline
-from simulation.config import BASELINES, Profile, SimConfig, client_names, run_config
+from simulation.config import (
+    BASELINES,
+    GPU_NAME,
+    Profile,
+    SimConfig,
+    client_names,
+    run_config,
+)
 from simulation.pool import SegmentPool
 from simulation.report import client_rows, round_rows, write_outputs
 from simulation.resume import cancelled_run, fingerprint, start_run
@@ -41,7 +49,8 @@ from split_models.plan import EdgeAssignment, Plan
 from split_models.runtime import require_device
 from split_models.segment import Segment
 from storage import open_store
-from wire.flower import node_will
+from wire.errors import TransportError
+from wire.flower import FlowerNode, node_will
 from wire.roles import Announcement, node_id_for
 from wire.transport import InProcessHub, Transport
 
@@ -140,7 +149,8 @@ class _Fleet(RoundObserver):
         self.pool.expect(d for d in devices if d in self._agents)
 
     def close(self) -> None:
-        for _agent, control, stream in self._agents.values():
+        for agent, control, stream in self._agents.values():
+            _leave(agent.node)
             control.close()
             stream.close()
 
@@ -282,9 +292,9 @@ def _split_learning(
     require_device(config.gpu.device, "gpu.device")
     profiles = config.fleet.client_profiles()
     connect, closer = _transports(*broker)
-    fleet = None
+    fleet = gpu = None
     try:
-        _start_gpu_host(config, connect)
+        gpu = _start_gpu_host(config, connect)
         fleet = _Fleet(config, data, profiles, connect)
         observers = _Observers(fleet, *([observer] if observer is not None else []))
         run = started[0]
@@ -310,21 +320,30 @@ def _split_learning(
     finally:
         if fleet is not None:
             fleet.close()
+        if gpu is not None:
+            _leave(gpu.node)
         closer()
     return trained, plan, rows[len(rows) - ran :], rows, clients, batched
 
 
-def _start_gpu_host(config: SimConfig, connect: Callable[..., Transport]) -> None:
+def _start_gpu_host(config: SimConfig, connect: Callable[..., Transport]) -> GpuAgent:
     """The simulation's GPU server, training on ``gpu.device``."""
     gpu = Announcement(
-        "gpu-sim", "gpu", config.gpu.memory, config.gpu.flops, accelerator=config.gpu.device
+        GPU_NAME, "gpu", config.gpu.memory, config.gpu.flops, accelerator=config.gpu.device
     )
-    GpuAgent(
+    return GpuAgent(
         gpu,
-        connect("gpu-sim-control", node_will(gpu.node_id, "gpu-sim")),
-        connect("gpu-sim-stream"),
+        connect(f"{GPU_NAME}-control", node_will(gpu.node_id, GPU_NAME)),
+        connect(f"{GPU_NAME}-stream"),
         models=(config.model.name,),
     )
+
+
+def _leave(node: FlowerNode) -> None:
+    """Say ``node`` left (a retained ``offline``): on a broker, a simulation's devices must
+    not look online to a coordinator after it ended."""
+    with contextlib.suppress(TransportError):  # the broker went first: its will says it
+        node.leave()
 
 
 def _plan_text(plan: Plan | None) -> str:

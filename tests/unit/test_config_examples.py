@@ -125,6 +125,22 @@ def test_sections_read_from_a_whole_stored_config() -> None:
         ({"devices": [{"memory": "1MiB"}]}, r"devices\[0\]: missing key\(s\) \['flops'\]"),
         ({"availability": {"offline": {"client-009": [1]}}}, r"'client-009' is not a client"),
         ({"availability": {"offline": {"client-001": [9]}}}, r"rounds in 1..3, got \[9\]"),
+        (  # a round nobody trains in waited for clients that stay offline (15 minutes)
+            {"clients": 2, "availability": {"offline": {"client-000": [2], "client-001": [2]}}},
+            r"availability: round 2 has 0 of 2 clients online, the strategy trains with at least 1",
+        ),
+        (
+            {"clients": 4, "availability": {"online": 0.01}},
+            r"availability: round 1 has 0 of 4 clients online",
+        ),
+        (
+            {
+                "clients": 3,
+                "strategy": {"name": "fedavg", "min_train_nodes": 3},
+                "availability": {"offline": {"client-002": [3]}},
+            },
+            r"round 3 has 2 of 3 clients online, the strategy trains with at least 3",
+        ),
         ({"test_fraction": 1}, r"test_fraction: expected a fraction in \(0, 1\), got 1"),
         ({"method": "magic"}, r"method: 'magic' is not one of \['local-loss', 'splitfed'"),
         ({"optimizer": {"name": "adam", "lr": 0}}, r"optimizer.lr: must be positive"),
