@@ -50,6 +50,7 @@ from wire.transport import Transport
 __all__ = ["AssignmentRefused", "EdgeAgent"]
 
 log = logging.getLogger(__name__)
+_SERVERS_WAIT = 30.0  # seconds a failed round waits for its servers before saying so
 
 
 class AssignmentRefused(RuntimeError):
@@ -247,14 +248,39 @@ class EdgeAgent:
         return Message(content, reply_to=message)
 
     def _round(self, message: Message, job: _Job) -> Message:
-        task = job.task
-        self.check(task, job.model)
+        task, handed = job.task, [False]
         try:
+            self.check(task, job.model)
             work = (round_of(message), job.attempt)
-            return self._train(message, job, self.sessions.follow(task.run, task.session, work))
+            follow = self.sessions.follow(task.run, task.session, work)
+            return self._train(message, job, follow, handed)
         except (RoundAbandoned, PeerOffline) as abandoned:  # a host of many simulated
             warn(log, "abandoned", "%s: %s", self.device, abandoned)  # clients: a few lines
             return Message(Error(code=2, reason=str(abandoned)), reply_to=message)
+        except Exception:
+            if not handed[0]:  # the trainer's own give-up covers a failure mid-round
+                self._nothing_sent(task, round_of(message), job.attempt)
+            raise
+
+    def _nothing_sent(self, task: Task, number: int, attempt: int) -> None:
+        """The round failed before training (its blocks refused, the segment could not be
+        built): tell the GPU servers this try sends nothing, so they do not wait for it until
+        the round's deadline (the error goes to the coordinator in the reply). Sent once a
+        server grants this try's first credit (it serves the round then: a message before
+        that finds no one), or after ``_SERVERS_WAIT`` seconds without one."""
+        gate = self._gate(task.run)
+        gate.start_round(number, attempt)
+        gate.acquire(_SERVERS_WAIT)
+        try:
+            self.channel.send(
+                topics.done(task.run, self.device),
+                "round_control",
+                task.run,
+                round=number,
+                meta={"batches": 0, "attempt": attempt},
+            )
+        except Exception as error:  # the transport may be what failed; the reply still goes
+            log.warning("could not tell the GPU servers the round ended: %s", error)
 
     def _evaluate(self, message: Message, job: _Job) -> Message:
         """The assembled model's accuracy on the held-out share (none: zero examples)."""
@@ -270,8 +296,11 @@ class EdgeAgent:
         metrics = MetricRecord({"num-examples": count, **result})
         return Message(RecordDict({"metrics": metrics}), reply_to=message)
 
-    def _train(self, message: Message, job: _Job, cancelled: Callable[[], bool]) -> Message:
-        """Train one round of ``job``; ``cancelled`` turns true when its session is replaced."""
+    def _train(
+        self, message: Message, job: _Job, cancelled: Callable[[], bool], handed: list[bool]
+    ) -> Message:
+        """Train one round of ``job``; ``cancelled`` turns true when its session is replaced;
+        ``handed[0]`` turns true once its trainer takes over (and answers for failures)."""
         started = time.perf_counter()
         task, seed = job.task, job.training.seed
         since = time.monotonic()  # a GPU server restarted after this lost the round
@@ -284,6 +313,7 @@ class EdgeAgent:
         with leased as lease:
             lease.segment.lr_scale = job.training.lr_scale(number)
             trainer = self._trainer(job, lease.segment)
+            handed[0] = True
             with self._peak() as peak:
                 report = trainer.train_round(
                     number,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -16,6 +16,8 @@ import torch
 from flwr.app import ConfigRecord, Message, RecordDict
 
 from edge_client import EdgeTrainer, EdgeTrainerConfig
+from edge_client.agent import EdgeAgent
+from edge_client.source import OwnSegment, SegmentLease
 from split_models import Dataset, Segment, StepResult, build_model
 from tests.integration import split_fleet
 from tests.unit.test_session import _until
@@ -23,7 +25,7 @@ from wire import topics
 from wire.channel import Channel
 from wire.flow import CreditGate
 from wire.flower import TRAINED_RECORD, TransportGrid, array_record, node_will
-from wire.roles import node_id_for
+from wire.roles import Announcement, node_id_for
 from wire.transport import InProcessHub
 
 pytestmark = pytest.mark.integration
@@ -183,3 +185,50 @@ def test_an_edge_whose_training_fails_mid_round_ends_its_part_at_once() -> None:
     assert DEAD in str(report["finished"]).split(",") and report["gone"] == ""
     trained = replies[0].content.config_records[TRAINED_RECORD]
     assert trained[DEAD] == BEFORE * BATCH, "the batches it sent before failing are in"
+
+
+class _Unbuildable(OwnSegment):
+    """A segment source that fails as building a segment that does not fit would."""
+
+    def lease(self, *args: object, **kwargs: object) -> Iterator[SegmentLease]:  # type: ignore[override]
+        raise RuntimeError("could not build the segment: out of memory")
+
+
+def test_an_edge_whose_round_fails_before_training_ends_its_part_at_once() -> None:
+    # the lease (building and loading the segment) fails before the trainer starts: the edge
+    # says it sends nothing, and the server does not wait for it until the round's deadline
+    hub = InProcessHub()
+    data = {"pi-01": _digits(32, 0), "pi-02": _digits(32, 1)}
+    fleet = split_fleet.start_fleet(hub.connect, data["pi-01"], "ff-4", data)
+    gpu = node_id_for(split_fleet.GPU)
+    fleet.tasks[gpu] = dataclasses.replace(fleet.tasks[gpu], edges=(*split_fleet.EDGES, DEAD))
+    fleet.tasks[node_id_for(DEAD)] = dataclasses.replace(fleet.tasks[node_id_for("pi-01")], end=1)
+    EdgeAgent(
+        Announcement(DEAD, "edge", 1 << 32, 1e9, 1e7),
+        _digits(32, 2),
+        hub.connect(f"{DEAD}-control", node_will(node_id_for(DEAD), DEAD)),
+        hub.connect(f"{DEAD}-stream"),
+        measure_peak=False,
+        source=_Unbuildable(),
+    )
+    transport_grid = TransportGrid(hub.connect("coordinator"))
+    transport_grid.wait_for_nodes(4, timeout=10)
+    replies: list[Message] = []
+    nodes = [gpu, node_id_for(DEAD)]
+    asked = threading.Thread(
+        target=lambda: replies.extend(_train(fleet, fleet.grid(transport_grid), nodes))
+    )
+    began = time.monotonic()
+    asked.start()
+    _until(lambda: fleet.gpu.trainer("ff-4") is not None, 30.0)
+    for edge in split_fleet.EDGES:  # the other edges have nothing to send this round
+        channel = Channel(hub.connect(f"{edge}-done"), edge)
+        meta = {"batches": 0, "attempt": 1}
+        channel.send(topics.done("ff-4", edge), "round_control", "ff-4", round=1, meta=meta)
+    asked.join(split_fleet.DEADLINE)
+
+    assert time.monotonic() - began < 20.0, "the round waited for its deadline"
+    by_node = {r.metadata.src_node_id: r for r in replies}
+    assert "out of memory" in by_node[node_id_for(DEAD)].error.reason
+    report = by_node[gpu].content.config_records["report"]
+    assert DEAD in str(report["finished"]).split(",") and report["late"] == ""
