@@ -17,7 +17,7 @@ import inspect
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -232,27 +232,50 @@ def _folder(path: str) -> Dataset:
     classes = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
     if not classes:
         raise ConfigError(f"folder:{path}: expected one sub-folder per class")
-    xs, ys = [], []
+    pictures, ys = [], []
     for label, name in enumerate(classes):
         for file in sorted((root / name).iterdir()):
             if file.suffix.lower() in _IMAGE_SUFFIXES:
-                xs.append(_image(image, file))
+                pictures.append(_image(image, file))
                 ys.append(label)
-    shapes = {x.shape for x in xs}
-    if len(shapes) != 1:
-        raise ConfigError(f"folder:{path}: images differ in size {sorted(shapes)}; resize them")
-    stacked = np.stack(xs)
-    if stacked.ndim == 4:  # [N, H, W, C] -> [N, C, H, W]
-        stacked = stacked.transpose(0, 3, 1, 2)
-    return Dataset(_images(stacked), np.array(ys, dtype=np.int64), len(classes))
+    if not pictures:
+        suffixes = ", ".join(sorted(_IMAGE_SUFFIXES))
+        raise ConfigError(f"folder:{path}: its class folders hold no images ({suffixes})")
+    sizes = {p.size for p in pictures}
+    if len(sizes) != 1:
+        shown = ", ".join(f"{w}x{h}" for w, h in sorted(sizes))
+        raise ConfigError(f"folder:{path}: images differ in size ({shown}); resize them")
+    color = any(p.mode not in _GRAY_MODES for p in pictures)  # one colour image: all RGB
+    stacked = np.stack([_pixels(p, color) for p in pictures])
+    # [N, H, W, C] -> [N, C, H, W]; grayscale gets its channel axis
+    stacked = stacked.transpose(0, 3, 1, 2) if stacked.ndim == 4 else stacked[:, None]
+    return Dataset(np.ascontiguousarray(stacked), np.array(ys, dtype=np.int64), len(classes))
 
 
-def _image(image: object, file: Path) -> np.ndarray:
-    """One image file's pixels; a file that is not an image is a :class:`ConfigError`."""
+# grayscale modes (with alpha: dropped); 16-bit and 32-bit ones are scaled from their range
+_GRAY_MODES = frozenset({"1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "I;16N", "F"})
+_WIDE_MODES = {"I": 65535.0, "I;16": 65535.0, "I;16B": 65535.0, "I;16L": 65535.0}
+_WIDE_MODES |= {"I;16N": 65535.0, "F": 1.0}
+
+
+def _pixels(picture: Any, color: bool) -> np.ndarray:
+    """float32 in [0, 1]: [H, W] grayscale, or [H, W, 3] RGB when ``color`` (palette, alpha
+    and CMYK images converted; 16-bit grayscale scaled from 65,535, not read as token ids)."""
+    if picture.mode in _WIDE_MODES:
+        gray = np.asarray(picture, dtype=np.float32) / _WIDE_MODES[picture.mode]
+        gray = np.clip(gray, 0.0, 1.0)
+        return np.repeat(gray[..., None], 3, axis=-1) if color else gray
+    converted = picture.convert("RGB" if color else "L")
+    return np.asarray(converted, dtype=np.float32) / 255.0
+
+
+def _image(image: Any, file: Path) -> Any:
+    """One image file, read (a file that is not an image is a :class:`ConfigError`)."""
     try:
-        with image.open(file) as picture:  # type: ignore[attr-defined]
-            return np.asarray(picture)
-    except (OSError, ValueError, image.DecompressionBombError) as error:  # type: ignore[attr-defined]
+        with image.open(file) as picture:
+            picture.load()
+            return picture.copy()
+    except (OSError, ValueError, image.DecompressionBombError) as error:
         # UnidentifiedImageError is an OSError; a decompression bomb (a hostile file) is not
         raise ConfigError(f"folder: {file} is not an image that can be read: {error}") from error
 

@@ -263,3 +263,39 @@ def test_labels_of_another_shape_than_the_task_takes_are_named() -> None:
 def test_negative_labels_are_named_as_such() -> None:
     with pytest.raises(ConfigError, match=r"labels must be class indices from 0, found -1\.\.8"):
         from_arrays(np.zeros((10, 4), np.float32), np.arange(-1, 9))
+
+
+def test_an_image_folder_of_mixed_modes_loads_as_one_kind_of_image(tmp_path: Path) -> None:
+    """Grayscale, RGBA, palette and 16-bit PNGs beside RGB ones were refused as of another
+    size, read as palette indices, or taken for token ids."""
+    image = pytest.importorskip("PIL.Image")
+    for label in ("a", "b"):
+        (tmp_path / label).mkdir()
+    image.new("RGB", (4, 3), (255, 0, 0)).save(tmp_path / "a" / "rgb.png")
+    image.new("L", (4, 3), 255).save(tmp_path / "a" / "gray.png")
+    image.new("RGBA", (4, 3), (0, 255, 0, 128)).save(tmp_path / "b" / "rgba.png")
+    image.new("RGB", (4, 3), (0, 0, 255)).convert("P").save(tmp_path / "b" / "palette.png")
+    wide = image.fromarray(np.full((3, 4), 65535, dtype=np.uint16))
+    wide.save(tmp_path / "b" / "sixteen.png")
+    data = load_dataset(f"folder:{tmp_path}")
+    assert data.x.shape == (5, 3, 3, 4) and data.x.dtype == np.float32
+    assert list(data.y) == [0, 0, 1, 1, 1]
+    pixels = [tuple(float(v) for v in data.x[i, :, 0, 0]) for i in range(5)]
+    # by file name within a class: gray, rgb; palette, rgba, sixteen
+    assert pixels == [(1, 1, 1), (1, 0, 0), (0, 0, 1), (0, 1, 0), (1, 1, 1)]
+
+
+def test_a_grayscale_folder_stays_one_channel_and_bad_folders_are_named(tmp_path: Path) -> None:
+    image = pytest.importorskip("PIL.Image")
+    for label in ("a", "b"):
+        (tmp_path / label).mkdir()
+    with pytest.raises(ConfigError, match="its class folders hold no images"):
+        load_dataset(f"folder:{tmp_path}")
+    image.new("L", (4, 4), 51).save(tmp_path / "a" / "one.png")
+    image.fromarray(np.full((4, 4), 13107, dtype=np.uint16)).save(tmp_path / "b" / "two.png")
+    data = load_dataset(f"folder:{tmp_path}")
+    assert data.x.shape == (2, 1, 4, 4)
+    assert np.allclose(data.x[:, 0, 0, 0], [0.2, 0.2])
+    image.new("L", (8, 8)).save(tmp_path / "b" / "big.png")
+    with pytest.raises(ConfigError, match=r"images differ in size \(4x4, 8x8\)"):
+        load_dataset(f"folder:{tmp_path}")
