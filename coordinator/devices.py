@@ -4,7 +4,6 @@ counted after its grace, :class:`GracefulNodes`)."""
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -27,6 +26,7 @@ __all__ = ["DeviceRegistry", "GracefulNodes", "record_devices"]
 
 log = logging.getLogger(__name__)
 _POLL = 0.1
+_TELL_EVERY = 10.0  # seconds between "waiting for devices" lines
 
 
 class DeviceRegistry:
@@ -110,7 +110,8 @@ class DeviceRegistry:
         """The edges and GPU servers to plan with, once all ``declared`` ones are online: the
         named ones, or the first by name."""
         deadline = self._clock() + declared.wait_seconds
-        told = -math.inf
+        # first said after 2 s: the retained announcements of devices online arrive first
+        told = self._clock() - _TELL_EVERY + 2.0
         while missing := self.missing(declared):
             now = self._clock()
             if now >= deadline:
@@ -118,7 +119,7 @@ class DeviceRegistry:
                     f"waited {declared.wait_seconds:.0f} s for the devices; missing: "
                     f"{'; '.join(missing)} (start them, or raise devices.wait)"
                 )
-            if now - told > 10:
+            if now - told > _TELL_EVERY:
                 log.info("waiting for devices: %s", "; ".join(missing))
                 told = now
             self._sleep(_POLL)

@@ -3,11 +3,14 @@ simulation on a shared broker took a deployed GPU server for its own)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from flwr.clientapp import ClientApp
 
 from coordinator.config import DevicesConfig, RunConfig
 from coordinator.devices import DeviceRegistry
+from coordinator.errors import CoordinatorError
 from split_models.errors import ConfigError
 from wire.flower import TransportGrid, node_will
 from wire.roles import Announcement, go_online
@@ -48,3 +51,35 @@ def test_gpu_servers_take_a_count_or_unique_names() -> None:
     for bad in (0, ["gpu-a", "gpu-a"], [], "gpu-a"):
         with pytest.raises(ConfigError, match=r"devices\.gpu_servers"):
             RunConfig.parse({**base, "devices": {"edges": 2, "gpu_servers": bad}})
+
+
+def test_waiting_for_devices_is_said_after_their_announcements_had_time_to_arrive(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Said at once, it named online devices 'missing' before their retained announcements
+    arrived ("1 more GPU server(s); online: none")."""
+    hub = InProcessHub()
+    coordinator = hub.connect("coordinator")
+    now = [0.0]
+
+    def sleep(seconds: float) -> None:
+        now[0] += seconds
+        time.sleep(0.01)  # the hub's deliveries run on their own threads
+        if now[0] >= 1.0 and not registry.online("gpu"):  # the announcement comes after 1 s
+            _online(hub, "gpu-a", "gpu")
+
+    registry = DeviceRegistry(coordinator, TransportGrid(coordinator), lambda: now[0], sleep)
+    _online(hub, "e1", "edge")
+    deadline = time.monotonic() + 5
+    while not registry.online("edge") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with caplog.at_level("INFO", logger="coordinator.devices"):
+        _, servers = registry.wait(DevicesConfig(1, 1, 60.0))
+    assert [s.device for s in servers] == ["gpu-a"] and now[0] >= 1.0
+    assert "waiting for devices" not in caplog.text
+    with (
+        caplog.at_level("INFO", logger="coordinator.devices"),
+        pytest.raises(CoordinatorError, match="waited 5 s"),
+    ):
+        registry.wait(DevicesConfig(1, 2, 5.0))  # one server never comes
+    assert "waiting for devices: 1 more GPU server(s); online: gpu-a" in caplog.text
