@@ -136,6 +136,24 @@ def test_edges_give_a_round_up_naming_the_gpu_server_that_went_offline() -> None
         assert f"GPU server {split_fleet.GPU} went offline" in reply.error.reason
 
 
+def _fleet_serving_dead(hub: InProcessHub, run: str) -> tuple[split_fleet.Fleet, int]:
+    """The fleet of ``run`` with its GPU server expecting DEAD's batches too; the server's
+    node."""
+    data = {"pi-01": _digits(32, 0), "pi-02": _digits(32, 1)}
+    fleet = split_fleet.start_fleet(hub.connect, data["pi-01"], run, data)
+    gpu = node_id_for(split_fleet.GPU)
+    fleet.tasks[gpu] = dataclasses.replace(fleet.tasks[gpu], edges=(*split_fleet.EDGES, DEAD))
+    return fleet, gpu
+
+
+def _others_send_nothing(hub: InProcessHub, run: str) -> None:
+    """The fleet's own edges have nothing to send in round 1 (their ``done`` of 0)."""
+    for edge in split_fleet.EDGES:
+        channel = Channel(hub.connect(f"{edge}-done"), edge)
+        meta = {"batches": 0, "attempt": 1}
+        channel.send(topics.done(run, edge), "round_control", run, round=1, meta=meta)
+
+
 def _failing_round(edge: EdgeTrainer, errors: list[BaseException]) -> None:
     """One round of ``edge`` whose step raises after BEFORE batches; the error kept."""
     calls = [0]
@@ -157,10 +175,7 @@ def test_an_edge_whose_training_fails_mid_round_ends_its_part_at_once() -> None:
     # edge tells the servers how many batches went out, and the round does not wait for the
     # rest until its deadline
     hub = InProcessHub()
-    data = {"pi-01": _digits(32, 0), "pi-02": _digits(32, 1)}
-    fleet = split_fleet.start_fleet(hub.connect, data["pi-01"], "ff-3", data)
-    gpu = node_id_for(split_fleet.GPU)
-    fleet.tasks[gpu] = dataclasses.replace(fleet.tasks[gpu], edges=(*split_fleet.EDGES, DEAD))
+    fleet, gpu = _fleet_serving_dead(hub, "ff-3")
     failing, errors = _dying_edge(hub, "ff-3"), list[BaseException]()
     transport_grid = TransportGrid(hub.connect("coordinator"))
     transport_grid.wait_for_nodes(3, timeout=10)
@@ -172,10 +187,7 @@ def test_an_edge_whose_training_fails_mid_round_ends_its_part_at_once() -> None:
     asked.start()
     _until(lambda: fleet.gpu.trainer("ff-3") is not None, 30.0)
     threading.Thread(target=_failing_round, args=(failing, errors), daemon=True).start()
-    for edge in split_fleet.EDGES:  # the other edges have nothing to send this round
-        channel = Channel(hub.connect(f"{edge}-done"), edge)
-        meta = {"batches": 0, "attempt": 1}
-        channel.send(topics.done("ff-3", edge), "round_control", "ff-3", round=1, meta=meta)
+    _others_send_nothing(hub, "ff-3")
     asked.join(split_fleet.DEADLINE)
 
     assert time.monotonic() - began < 20.0, "the round waited for its deadline"
@@ -198,10 +210,7 @@ def test_an_edge_whose_round_fails_before_training_ends_its_part_at_once() -> No
     # the lease (building and loading the segment) fails before the trainer starts: the edge
     # says it sends nothing, and the server does not wait for it until the round's deadline
     hub = InProcessHub()
-    data = {"pi-01": _digits(32, 0), "pi-02": _digits(32, 1)}
-    fleet = split_fleet.start_fleet(hub.connect, data["pi-01"], "ff-4", data)
-    gpu = node_id_for(split_fleet.GPU)
-    fleet.tasks[gpu] = dataclasses.replace(fleet.tasks[gpu], edges=(*split_fleet.EDGES, DEAD))
+    fleet, gpu = _fleet_serving_dead(hub, "ff-4")
     fleet.tasks[node_id_for(DEAD)] = dataclasses.replace(fleet.tasks[node_id_for("pi-01")], end=1)
     EdgeAgent(
         Announcement(DEAD, "edge", 1 << 32, 1e9, 1e7),
@@ -221,10 +230,7 @@ def test_an_edge_whose_round_fails_before_training_ends_its_part_at_once() -> No
     began = time.monotonic()
     asked.start()
     _until(lambda: fleet.gpu.trainer("ff-4") is not None, 30.0)
-    for edge in split_fleet.EDGES:  # the other edges have nothing to send this round
-        channel = Channel(hub.connect(f"{edge}-done"), edge)
-        meta = {"batches": 0, "attempt": 1}
-        channel.send(topics.done("ff-4", edge), "round_control", "ff-4", round=1, meta=meta)
+    _others_send_nothing(hub, "ff-4")
     asked.join(split_fleet.DEADLINE)
 
     assert time.monotonic() - began < 20.0, "the round waited for its deadline"
