@@ -205,11 +205,7 @@ class Coordinator:
             if requested
             else f"interrupted by {signal.Signals(signum).name}"
         )
-        if self._guard is not None:  # devices give up the round under way at once
-            try:
-                self._guard.end()
-            except TransportError as error:
-                log.warning("could not tell the devices the run stopped: %s", error)
+        _say_ended(self._guard)  # devices give up the round under way at once
         mark_cancelled(self.store, self.config.run_id, why)
         log.info("run %s cancelled: %s", self.config.run_id, why)
         return RunCancelled(
@@ -252,8 +248,10 @@ class Coordinator:
                 if number < config.training.rounds:
                     placement, weights = self._replan(number, placement, weights)
         except CoordinatorError:
+            _say_ended(guard)
             store.set_run_status(config.run_id, "failed")
             raise
+        _say_ended(guard)  # a replayed task of this session is work nobody waits for
         store.set_run_status(config.run_id, "finished")
         return config.training.rounds - done
 
@@ -367,6 +365,18 @@ class Coordinator:
 
         nodes = {device: a.node for device, a in assigned.items()}
         return self.runner.federated(number, weights, nodes, message)
+
+
+def _say_ended(guard: SessionGuard | None) -> None:
+    """Announce that this coordinator's session drives no more rounds (the run finished,
+    failed or was cancelled): devices give up whatever they do for it, and a task of it
+    that arrives later (a replay) is abandoned, not trained."""
+    if guard is None:
+        return
+    try:
+        guard.end()
+    except TransportError as error:
+        log.warning("could not tell the devices the run stopped: %s", error)
 
 
 def _records(

@@ -113,6 +113,31 @@ def test_an_edge_that_refuses_is_replanned_within_the_budget_it_reports(
     assert store.get_run("svc-1").status == "finished"
 
 
+def test_a_finished_run_says_so_and_a_replayed_task_of_it_is_abandoned(
+    tmp_path: Path, store: RunStore, profile: ModelProfile
+) -> None:
+    """A task of a finished run replayed to a freshly started edge was taken up: the
+    retained session still named the finished coordinator's session as current."""
+    from tests.unit.test_session import _until
+    from wire.session import SessionWatch, parse_announcement
+
+    run = config(tmp_path, rounds=1)
+    hub = InProcessHub()
+    start_fleet(hub, tmp_path, dict.fromkeys(("pi-01", "pi-02"), 1 << 30), {})
+    coordinator = Coordinator(run, store, hub.connect("coordinator"), profile=lambda _: profile)
+    assert coordinator.run() == 1
+    seen: list[bytes] = []
+    hub.connect("watcher").subscribe(topics.coordinator("svc-1"), lambda _t, p: seen.append(p))
+    _until(lambda: bool(seen))
+    announced = parse_announcement(seen[-1])
+    assert announced is not None and announced[0] == coordinator.session
+    assert announced[1][0] > run.training.rounds, "the session drives no more rounds"
+    edge = SessionWatch(hub.connect("fresh-edge"))  # round 1's task, replayed
+    cancelled = edge.follow("svc-1", coordinator.session, (1, 1))
+    _until(cancelled)
+    assert cancelled(), "the replayed task's round counts as abandoned"
+
+
 def test_a_resumed_run_keeps_its_stored_plan_while_its_devices_still_fit(
     tmp_path: Path, store: RunStore, profile: ModelProfile
 ) -> None:
