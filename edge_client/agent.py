@@ -25,7 +25,12 @@ from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, Record
 from flwr.clientapp import ClientApp
 
 from edge_client.source import OwnSegment, SegmentSource
-from edge_client.trainer import EdgeRoundReport, EdgeTrainer, EdgeTrainerConfig
+from edge_client.trainer import (
+    EdgeRoundReport,
+    EdgeTrainer,
+    EdgeTrainerConfig,
+    send_done_after_failure,
+)
 from split_models.activations import activation_arrays
 from split_models.config import ModelConfig, TrainingConfig
 from split_models.data import Dataset, model_data_problem
@@ -271,16 +276,7 @@ class EdgeAgent:
         gate = self._gate(task.run)
         gate.start_round(number, attempt)
         gate.acquire(_SERVERS_WAIT)
-        try:
-            self.channel.send(
-                topics.done(task.run, self.device),
-                "round_control",
-                task.run,
-                round=number,
-                meta={"batches": 0, "attempt": attempt},
-            )
-        except Exception as error:  # the transport may be what failed; the reply still goes
-            log.warning("could not tell the GPU servers the round ended: %s", error)
+        send_done_after_failure(self.channel, task.run, self.device, number, attempt)
 
     def _evaluate(self, message: Message, job: _Job) -> Message:
         """The assembled model's accuracy on the held-out share (none: zero examples)."""

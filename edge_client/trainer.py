@@ -9,10 +9,11 @@ back-propagates it through its prefix.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -30,7 +31,13 @@ from wire.flow import CreditGate
 from wire.presence import PeerOffline
 from wire.session import RoundAbandoned
 
-__all__ = ["EdgeRoundReport", "EdgeTrainer", "EdgeTrainerConfig"]
+__all__ = [
+    "EdgeRoundReport",
+    "EdgeTrainer",
+    "EdgeTrainerConfig",
+    "send_done",
+    "send_done_after_failure",
+]
 
 log = logging.getLogger(__name__)
 _POLL = 0.1
@@ -233,13 +240,7 @@ class EdgeTrainer:
         sharing the stream finish this edge's round when the batches they handled add up to
         it. Then one parseable log line of it (docs/wire.md, "Counting")."""
         config = self.config
-        self.channel.send(
-            topics.done(config.run, config.device),
-            "round_control",
-            config.run,
-            round=round_number,
-            meta={"batches": batches, "attempt": self._attempt},
-        )
+        send_done(self.channel, config.run, config.device, round_number, batches, self._attempt)
         log.info(
             "batches-sent run=%s round=%d try=%d device=%s batches=%d",
             *(config.run, round_number, self._attempt, config.device, self._sent),
@@ -271,10 +272,8 @@ class EdgeTrainer:
         """Training failed mid-round: say how many batches went out, so the servers finish
         this edge's part with those at once instead of waiting for the rest until the
         round's deadline (the error goes to the coordinator in the reply)."""
-        try:
+        with _warned():
             self._done(round_number, self._sent)
-        except Exception as error:  # the transport may be what failed; the reply still goes
-            log.warning("could not tell the GPU servers the round ended: %s", error)
 
     def _batches(self, generator: np.random.Generator) -> list[np.ndarray]:
         """The round's mini-batches: a permutation per local epoch, in order."""
@@ -296,6 +295,33 @@ class EdgeTrainer:
             stats.received_by_kind["gradients"],
             self.gate.waited_seconds,
         )
+
+
+def send_done(
+    channel: Channel, run: str, device: str, round_number: int, batches: int, attempt: int
+) -> None:
+    """Tell the GPU servers how many batches ``device`` sent in try ``attempt`` of the round
+    (docs/wire.md, "Counting"); raises what the transport raises."""
+    meta = {"batches": batches, "attempt": attempt}
+    channel.send(topics.done(run, device), "round_control", run, round=round_number, meta=meta)
+
+
+@contextlib.contextmanager
+def _warned() -> Iterator[None]:
+    """A ``done`` after a failed round: the transport may be what failed, and the round's
+    reply (the error) still goes, so a failure to send is a warning."""
+    try:
+        yield
+    except Exception as error:
+        log.warning("could not tell the GPU servers the round ended: %s", error)
+
+
+def send_done_after_failure(
+    channel: Channel, run: str, device: str, round_number: int, attempt: int
+) -> None:
+    """:func:`send_done` of 0 batches for a round that failed before training."""
+    with _warned():
+        send_done(channel, run, device, round_number, 0, attempt)
 
 
 def _either(

@@ -252,10 +252,10 @@ def _folder(path: str) -> Dataset:
     return Dataset(np.ascontiguousarray(stacked), np.array(ys, dtype=np.int64), len(classes))
 
 
-# grayscale modes (with alpha: dropped); 16-bit and 32-bit ones are scaled from their range
-_GRAY_MODES = frozenset({"1", "L", "LA", "I", "I;16", "I;16B", "I;16L", "I;16N", "F"})
-_WIDE_MODES = {"I": 65535.0, "I;16": 65535.0, "I;16B": 65535.0, "I;16L": 65535.0}
-_WIDE_MODES |= {"I;16N": 65535.0, "F": 1.0}
+# grayscale modes past 8 bits, by the value read as white: integer ones (PNG's 16-bit,
+# which Pillow may also open as "I") from 65,535; floating-point ones are in [0, 1] already
+_WIDE_MODES = dict.fromkeys(("I", "I;16", "I;16B", "I;16L", "I;16N"), 65535.0) | {"F": 1.0}
+_GRAY_MODES = frozenset({"1", "L", "LA", *_WIDE_MODES})  # with alpha: dropped
 
 
 def _pixels(picture: Any, color: bool) -> np.ndarray:
