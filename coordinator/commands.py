@@ -113,6 +113,7 @@ def profile_cache(option: str | None) -> Path | None:
 def coordinator_command(args: argparse.Namespace) -> int:
     """``edgesplit coordinator``: run (or resume) one run to its last round."""
     from coordinator.config import load_run_config
+    from coordinator.lease import RunLease
     from coordinator.service import Coordinator, CoordinatorError
     from split_models.runtime import configure_logging
     from storage import open_store
@@ -122,23 +123,26 @@ def coordinator_command(args: argparse.Namespace) -> int:
     config = load_run_config(args.config)
     store = open_store(args.db, args.checkpoints, password=args.db_password)
     store.check_can_commit()  # a PostgreSQL store told no checkpoint folder stops here
-    transport = MqttTransport(
-        MqttConfig.from_url(args.broker, args.broker_password), f"coordinator-{config.run_id}"
-    )
+    broker = MqttConfig.from_url(args.broker, args.broker_password)
     try:
-        ran = Coordinator(
-            config,
-            store,
-            transport,
-            max_attempts=args.max_attempts,
-            allow_config_change=args.allow_config_change,
-            profile_cache=profile_cache(args.profile_cache),
-        ).run()
+        # the lease first: a second coordinator of the run would knock this one off the broker
+        with RunLease(store, config.run_id) as lease:
+            transport = MqttTransport(broker, f"coordinator-{config.run_id}")
+            try:
+                ran = Coordinator(
+                    config,
+                    store,
+                    transport,
+                    max_attempts=args.max_attempts,
+                    allow_config_change=args.allow_config_change,
+                    profile_cache=profile_cache(args.profile_cache),
+                ).run(lease)
+            finally:
+                transport.close()  # before the lease is given up to whoever comes next
     except CoordinatorError as error:
         print(f"edgesplit coordinator: {error}", file=sys.stderr)
         return 1
     finally:
-        transport.close()
         store.close()
     print(f"run {config.run_id}: finished ({ran} round(s) now, {config.training.rounds} in all)")
     return 0

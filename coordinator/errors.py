@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-__all__ = ["CoordinatorError", "RunCancelled"]
+__all__ = ["CoordinatorError", "RunCancelled", "RunHeldError"]
 
 
 class CoordinatorError(RuntimeError):
     """The run cannot go on (devices missing, every attempt of a round failed...)."""
+
+
+class RunHeldError(CoordinatorError):
+    """Another coordinator, alive, drives the run (holds its lease)."""
 
 
 class RunCancelled(KeyboardInterrupt):

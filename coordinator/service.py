@@ -34,17 +34,13 @@ from flwr.serverapp.strategy import FedAvg
 
 from coordinator.aggregation import build_strategy
 from coordinator.assignments import build_message, build_task, keys_for, route, span
-from coordinator.config import (
-    STRUCTURE_KEYS,
-    TRAINING_KEYS,
-    RunConfig,
-    config_changes,
-    describe_changes,
-)
+from coordinator.config import RunConfig
 from coordinator.devices import DeviceRegistry, record_devices
 from coordinator.errors import CoordinatorError, RunCancelled
+from coordinator.lease import RunLease
 from coordinator.planner import Placement, Planner
 from coordinator.recorder import WEIGHTS_SEGMENT, Evaluate, RoundObserver, RoundRecorder
+from coordinator.resumption import create_or_check, first_try, record_take_over, resume_state
 from coordinator.runner import RoundRunner, RoundWork
 from coordinator.speed import Replanner
 from coordinator.stopping import StopWatch, mark_cancelled
@@ -57,8 +53,7 @@ from split_models.segment import Segment
 from split_models.weights import norm_keys, segment_state
 from split_models.zoo import SplittableModel
 from storage.base import RunStore
-from storage.errors import NotFoundError
-from storage.records import Event, ResumeState
+from storage.records import Event
 from wire.errors import TransportError
 from wire.flower import TransportGrid, array_record, numpy_arrays
 from wire.roles import Announcement
@@ -75,7 +70,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-_MAX_FIRST_TRY = 900  # devices take tries up to 999; the round's own tries come after it
 
 
 def initial_weights(
@@ -181,20 +175,27 @@ class Coordinator:
         """Announced devices whose Flower node is online."""
         return self.devices.online(role)
 
-    def run(self) -> int:
+    def run(self, lease: RunLease | None = None) -> int:
         """Train the run to its configured rounds; return the number of rounds run now.
         Interrupted (Ctrl-C, a signal the caller turned into ``KeyboardInterrupt``) or asked to
         stop (``edgesplit runs stop``), it marks the run ``cancelled`` and raises
-        :class:`RunCancelled`; the same call later resumes it."""
-        create_or_check(self.store, self.config, self.allow_config_change)
-        watch = StopWatch(self.store, self.config.run_id).start()
-        self.runner.stop_check = watch.check
+        :class:`RunCancelled`; the same call later resumes it. ``lease``: the run's lease,
+        taken by the caller before it connected to the broker; without one the call takes it
+        (:class:`~coordinator.errors.RunHeldError` while another coordinator drives the run)
+        and gives it up at the end."""
+        own = lease is None
+        lease = lease or RunLease(self.store, self.config.run_id).acquire()
         try:
-            return self._train()
+            create_or_check(self.store, self.config, self.allow_config_change)
+            record_take_over(self.store, lease)
+            with StopWatch(self.store, self.config.run_id) as watch:
+                self.runner.stop_check = functools.partial(_checks, watch, lease)
+                return self._train()
         except KeyboardInterrupt as stop:
             raise self._cancelled(stop) from None
         finally:
-            watch.close()
+            if own:
+                lease.release()
 
     def _cancelled(self, stop: KeyboardInterrupt) -> RunCancelled:
         """Mark the run cancelled; the exception that says so."""
@@ -223,7 +224,7 @@ class Coordinator:
         # the run's one coordinator: files a killed predecessor was committing are garbage
         if discarded := store.discard_pending(config.run_id):
             log.info("removed %d checkpoint file(s) of an unfinished commit", discarded)
-        resumed = _resume(store, config.run_id)
+        resumed = resume_state(store, config.run_id)
         done = 0 if resumed is None else resumed.round.number
         if done >= config.training.rounds:
             store.set_run_status(config.run_id, "finished")
@@ -367,6 +368,12 @@ class Coordinator:
         return self.runner.federated(number, weights, nodes, message)
 
 
+def _checks(watch: StopWatch, lease: RunLease) -> None:
+    """Raise when the run was asked to stop or another coordinator took it over."""
+    watch.check()
+    lease.check()
+
+
 def _say_ended(guard: SessionGuard | None) -> None:
     """Announce that this coordinator's session drives no more rounds (the run finished,
     failed or was cancelled): devices give up whatever they do for it, and a task of it
@@ -396,80 +403,6 @@ def _records(
         return records[key]
 
     return arrays_for
-
-
-def create_or_check(store: RunStore, config: RunConfig, allow_config_change: bool) -> None:
-    """Create the run, or check that the stored one trains the same model (and the same way,
-    unless ``allow_config_change``)."""
-    try:
-        run = store.get_run(config.run_id)
-    except NotFoundError:
-        store.create_run(config.run_id, config.to_dict(), config.training.seed)
-        return
-    structure = config_changes(run.config, config, STRUCTURE_KEYS)
-    if structure:
-        raise ConfigError(
-            f"run {config.run_id!r} exists with another network: "
-            f"{describe_changes(structure)} (use a new run_id)"
-        )
-    changes = config_changes(run.config, config, TRAINING_KEYS)
-    if changes and not allow_config_change:
-        raise ConfigError(
-            f"run {config.run_id!r} was trained with other settings: "
-            f"{describe_changes(changes)}; resume with the stored ones, use a new "
-            "run_id, or pass --allow-config-change to train on with these"
-        )
-    if changes:
-        log.warning("run %s changes its config: %s", config.run_id, describe_changes(changes))
-        store.add_event(config.run_id, Event("config-changed", describe_changes(changes)))
-    if run.config != config.to_dict():  # also rounds, deadline, devices: allowed
-        store.set_run_config(config.run_id, config.to_dict())
-    if run.status == "created":  # created before (a simulation's digests), never started
-        return
-    log.info("resuming run %s after round %s", config.run_id, run.current_round or 0)
-    store.add_event(
-        config.run_id, Event("resumed", f"after round {run.current_round or 0} ({run.status})")
-    )
-
-
-def first_try(store: RunStore, run_id: str, number: int) -> int:
-    """The number round ``number``'s first try takes in this process: above any an earlier
-    coordinator of the run gave it (1 for a round no coordinator opened yet). Devices tell a
-    round's tries apart by number (credits, batches); a restarted coordinator numbering from
-    1 again made the GPU server's credits for "try 1" reach edges still in the old try 1,
-    whose restart then dropped them: each resume lost a whole round deadline. An earlier
-    coordinator's tries of the round ended in an event of the round (failed, an outage)
-    or were cut short by its end (one ``resumed`` event each), so their count bounds them."""
-    events = store.events(run_id)
-    if not any(e.round == number for e in events) and not _opened(store, run_id, number):
-        return 1
-    earlier = sum(e.round == number for e in events) + sum(e.kind == "resumed" for e in events)
-    return min(1 + earlier, _MAX_FIRST_TRY)
-
-
-def _opened(store: RunStore, run_id: str, number: int) -> bool:
-    try:
-        store.get_round(run_id, number)
-    except NotFoundError:
-        return False
-    return True
-
-
-def _resume(store: RunStore, run_id: str) -> ResumeState | None:
-    """The run's last committed round whose checkpoint verifies (None: none committed); the
-    console says so when later rounds' checkpoints did not and are trained again."""
-    recorded = store.get_run(run_id).current_round or 0
-    resumed = store.resume(run_id)
-    done = 0 if resumed is None else resumed.round.number
-    if done < recorded:
-        rounds = f"round {recorded}" if done + 1 == recorded else f"rounds {done + 1}-{recorded}"
-        log.warning(
-            "the checkpoint of %s is unusable (events: checkpoint-corrupt); resuming from "
-            "round %d and training again",
-            rounds,
-            done,
-        )
-    return resumed
 
 
 def _central(config: RunConfig, data: Dataset) -> Evaluate:

@@ -80,6 +80,12 @@ class StopWatch:
         if self._thread is not None:
             self._thread.join(timeout=5)
 
+    def __enter__(self) -> StopWatch:
+        return self.start()
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
 
 def request_stop(
     store: RunStore,
@@ -90,11 +96,16 @@ def request_stop(
     sleep: Callable[[float], None] = time.sleep,
 ) -> str:
     """Ask whoever drives ``run_id`` to stop; wait up to ``wait`` s for it to be cancelled.
-    With no answer in ``answer_within`` s nothing drives the run: mark it cancelled here.
+    When no coordinator holds the run's lease, or none answers in ``answer_within`` s,
+    nothing drives the run: mark it cancelled here.
     Returns what happened, one line."""
     status = store.get_run(run_id).status
     if status in TERMINAL:
         return f"run {run_id} is {status}; nothing to stop"
+    held = store.lease(run_id)
+    if held is None or held.expired():  # no coordinator holds the run: nobody would answer
+        mark_cancelled(store, run_id, "stop requested; no coordinator held the run")
+        return f"run {run_id} is cancelled (no coordinator was driving it)"
     answers = sum(1 for e in store.events(run_id) if e.kind == STOPPING)
     store.add_event(run_id, Event(STOP_REQUESTED, "edgesplit runs stop"))
     started = clock()

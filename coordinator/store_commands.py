@@ -98,6 +98,8 @@ def status_command(args: argparse.Namespace) -> int:
         f"run {status['run_id']}: {status['status']}, current round "
         f"{_cell(status['current_round'])}, plan version {status['plan_version']}"
     )
+    if (driver := _driver_line(status)) is not None:
+        print(driver)
     if (plan := _plan_line(status["plan"])) is not None:
         print(plan)
     if status["checkpoint"]:
@@ -115,6 +117,17 @@ def status_command(args: argparse.Namespace) -> int:
         print(f"last events (all: edgesplit runs events {args.run}):")
         print("\n".join(f"  {format_event(e)}" for e in last))
     return 0
+
+
+def _driver_line(status: dict[str, Any]) -> str | None:
+    """Which coordinator drives the run; for an unfinished run nobody drives, that nobody does."""
+    driver = status.get("coordinator")
+    if driver is not None:
+        gone = " (expired: it is gone, the next one takes over)" if driver["expired"] else ""
+        return f"driven by the coordinator with {driver['description']}{gone}"
+    if status["status"] in ("planning", "training"):
+        return "no coordinator drives it now (killed?): start the coordinator again to resume"
+    return None
 
 
 def _plan_line(plan: Any, listed: int = 12) -> str | None:

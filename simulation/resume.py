@@ -21,7 +21,7 @@ from coordinator.config import (
     config_changes,
     describe_changes,
 )
-from coordinator.service import create_or_check
+from coordinator.resumption import create_or_check
 from simulation.config import Profile, SimConfig, run_config
 from split_models.data import Dataset
 from split_models.errors import ConfigError

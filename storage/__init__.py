@@ -21,6 +21,7 @@ from storage.errors import (
     StateError,
     StoreError,
 )
+from storage.lease import Lease, LeaseLostError
 from storage.memory import InMemoryRunStore
 from storage.records import (
     CheckpointRef,
@@ -41,6 +42,8 @@ __all__ = [
     "DeviceResult",
     "Event",
     "InMemoryRunStore",
+    "Lease",
+    "LeaseLostError",
     "MetricPoint",
     "NotFoundError",
     "ResumeState",

@@ -8,6 +8,7 @@ from dataclasses import replace
 from typing import Any
 
 from storage.errors import CheckpointError, StateError
+from storage.lease import Lease
 from storage.records import (
     DEVICE_STATUSES,
     ROUND_STATES,
@@ -211,6 +212,41 @@ class RunStore(abc.ABC):
 
     @abc.abstractmethod
     def events(self, run_id: str | None = None) -> list[Event]: ...
+
+    # ---------------------------------------------------------------- leases
+    @abc.abstractmethod
+    def lease(self, run_id: str) -> Lease | None:
+        """Who holds ``run_id``'s lease (:mod:`storage.lease`); None when nobody does."""
+
+    @abc.abstractmethod
+    def claim_lease(self, lease: Lease, replacing: Lease | None = None) -> bool:
+        """Take the lease for ``lease.holder``: only if nobody holds it when ``replacing`` is
+        None, else only if it is still ``replacing``. False when someone else got there."""
+
+    @abc.abstractmethod
+    def renew_lease(self, run_id: str, holder: str) -> bool:
+        """Renew ``holder``'s lease now; False when ``holder`` no longer holds it."""
+
+    @abc.abstractmethod
+    def release_lease(self, run_id: str, holder: str) -> None:
+        """Give the lease up (nothing happens when ``holder`` does not hold it)."""
+
+    @abc.abstractmethod
+    def list_leases(self) -> list[Lease]: ...
+
+    def fence(self, run_id: str, holder: str | None) -> None:
+        """From now on :meth:`commit_round` of ``run_id`` through this store commits only while
+        ``holder`` holds the run's lease (and renews it); None lifts the condition."""
+        fences: dict[str, str] = self.__dict__.setdefault("_fences", {})
+        if holder is None:
+            fences.pop(run_id, None)
+        else:
+            fences[run_id] = holder
+
+    def fenced(self, run_id: str) -> str | None:
+        """The holder :meth:`fence` set for ``run_id``, if any."""
+        fences: dict[str, str] = self.__dict__.get("_fences", {})
+        return fences.get(run_id)
 
     # ---------------------------------------------------------------- maintenance
     @abc.abstractmethod

@@ -16,7 +16,7 @@ from sqlalchemy.pool import NullPool
 
 from storage.errors import NotAStoreError, StoreError, UnreachableError
 
-__all__ = ["create_store_engine", "opening_error", "shown_url"]
+__all__ = ["create_store_engine", "database_failure", "opening_error", "shown_url"]
 
 _SQLITE_BUSY_MS = 30_000
 
@@ -49,6 +49,15 @@ def opening_error(url: str, error: Exception) -> StoreError:
         return NotAStoreError(f"--db {shown_url(url)}: not an edgesplit store ({reason})")
     # a failed migration, a permission the database refused: named, a runtime failure
     return StoreError(f"cannot open the store at {shown_url(url)}: {reason}")
+
+
+def database_failure(url: str, error: DatabaseError) -> StoreError:
+    """One line for a database that failed under a command (full, read-only, gone)."""
+    reason = str(error.orig or error).strip().splitlines()[0]
+    hint = ""
+    if "full" in reason or "disk i/o" in reason.lower():
+        hint = "; nothing was half-written: free space and run the same command again"
+    return StoreError(f"the database at {shown_url(url)} failed: {reason}{hint}")
 
 
 def create_store_engine(url: str, password: str | None = None, readonly: bool = False) -> Engine:

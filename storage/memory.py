@@ -12,6 +12,7 @@ import numpy as np
 
 from storage.base import RunStore, plan_version, validate_result
 from storage.errors import NotFoundError, StateError
+from storage.lease import Lease, lost_error
 from storage.records import (
     CheckpointRef,
     DeviceRecord,
@@ -46,6 +47,7 @@ class InMemoryRunStore(RunStore):
         self._metrics: dict[str, list[MetricPoint]] = {}
         self._events: list[tuple[str | None, Event]] = []
         self._profiles: dict[str, dict[str, Any]] = {}
+        self._leases: dict[str, Lease] = {}
 
     def _upsert_device(self, device: DeviceRecord) -> None:
         with self._lock:
@@ -150,6 +152,8 @@ class InMemoryRunStore(RunStore):
             raise ValueError("commit_round: weights must name at least one segment")
         with self._lock:
             record = self._open_round(run_id, number)
+            if (holder := self.fenced(run_id)) and not self.renew_lease(run_id, holder):
+                raise lost_error(run_id, self._leases.get(run_id))
             self._weights[(run_id, number)] = (_copy(weights), _copy(optimizer_states or {}))
             record = replace(
                 record,
@@ -163,6 +167,41 @@ class InMemoryRunStore(RunStore):
             if current is None or number > current:
                 self._update_run(run_id, current_round=number)
             return record
+
+    # ---------------------------------------------------------------- leases
+    def lease(self, run_id: str) -> Lease | None:
+        with self._lock:
+            return self._leases.get(run_id)
+
+    def claim_lease(self, lease: Lease, replacing: Lease | None = None) -> bool:
+        with self._lock:
+            held = self._leases.get(lease.run_id)
+            if replacing is None and held is not None:
+                return False
+            if replacing is not None and (
+                held is None or (held.holder, held.beats) != (replacing.holder, replacing.beats)
+            ):
+                return False
+            beats = 0 if replacing is None else replacing.beats + 1
+            self._leases[lease.run_id] = replace(lease, beats=beats)
+            return True
+
+    def renew_lease(self, run_id: str, holder: str) -> bool:
+        with self._lock:
+            held = self._leases.get(run_id)
+            if held is None or held.holder != holder:
+                return False
+            self._leases[run_id] = replace(held, renewed_at=utcnow(), beats=held.beats + 1)
+            return True
+
+    def release_lease(self, run_id: str, holder: str) -> None:
+        with self._lock:
+            if (held := self._leases.get(run_id)) is not None and held.holder == holder:
+                del self._leases[run_id]
+
+    def list_leases(self) -> list[Lease]:
+        with self._lock:
+            return list(self._leases.values())
 
     def get_round(self, run_id: str, number: int) -> RoundRecord:
         with self._lock:

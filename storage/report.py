@@ -64,6 +64,21 @@ def run_status(store: RunStore, run_id: str) -> dict[str, Any]:
         "updated_at": run.updated_at.isoformat(),
         "rounds": [round_summary(r, _servers(run)) for r in store.list_rounds(run_id)],
         "checkpoint": _latest_problem(store, run, deep=True),
+        "coordinator": _driver(store, run_id),
+    }
+
+
+def _driver(store: RunStore, run_id: str) -> dict[str, Any] | None:
+    """The coordinator that holds the run's lease (None: none does)."""
+    lease = store.lease(run_id)
+    if lease is None:
+        return None
+    return {
+        "host": lease.host,
+        "pid": lease.pid,
+        "renewed_seconds_ago": round(lease.age(), 1),
+        "expired": lease.expired(),
+        "description": lease.describe(),
     }
 
 

@@ -29,6 +29,7 @@ __all__ = [
     "MetricRow",
     "PendingCheckpointRow",
     "RoundRow",
+    "RunLeaseRow",
     "RunProfileRow",
     "RunRow",
     "StoreSettingRow",
@@ -179,3 +180,18 @@ class PendingCheckpointRow(Base):
     run_id: Mapped[str] = mapped_column(String(128), index=True)
     sha256: Mapped[str] = mapped_column(String(64), index=True)
     created_at: Mapped[datetime]
+
+
+class RunLeaseRow(Base):
+    """Which coordinator drives ``run_id`` (:mod:`storage.lease`); no foreign key, since a
+    coordinator claims the lease before it creates a new run."""
+
+    __tablename__ = "run_leases"
+    run_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(64))
+    host: Mapped[str] = mapped_column(String(255))
+    pid: Mapped[int] = mapped_column(Integer)
+    ttl_seconds: Mapped[float] = mapped_column(Float)
+    acquired_at: Mapped[datetime]
+    renewed_at: Mapped[datetime]
+    beats: Mapped[int] = mapped_column(BigInteger)

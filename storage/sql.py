@@ -22,9 +22,10 @@ from sqlalchemy.orm import Session, sessionmaker
 from storage import pending
 from storage.base import RunStore, plan_version, validate_result
 from storage.checkpoints import CheckpointFiles, encode
-from storage.engine import create_store_engine, opening_error, shown_url
+from storage.engine import create_store_engine, database_failure, opening_error, shown_url
 from storage.errors import NotAStoreError, NotFoundError, StateError, StoreError
 from storage.integrity import integrity_problems
+from storage.lease import SqlLeases, lease_in, lost_error, renew_in
 from storage.location import choose_root, default_root, unknown_root_error
 from storage.records import (
     CheckpointRef,
@@ -58,7 +59,7 @@ _ROOT_KEY = "checkpoint_root"
 _AGE = 3600.0  # files younger than this may belong to a commit under way in another process
 
 
-class SqlRunStore(RunStore):
+class SqlRunStore(SqlLeases, RunStore):
     """Rows in SQL, checkpoint tensors in content-addressed safetensors files."""
 
     def __init__(
@@ -148,15 +149,7 @@ class SqlRunStore(RunStore):
             with self._sessions.begin() as session:
                 yield session
         except (OperationalError, ProgrammingError, InternalError) as error:
-            raise self._failure(error) from None
-
-    def _failure(self, error: OperationalError | ProgrammingError | InternalError) -> StoreError:
-        """One line for a database that failed under a command (full, read-only, gone)."""
-        reason = str(error.orig or error).strip().splitlines()[0]
-        hint = ""
-        if "full" in reason or "disk i/o" in reason.lower():
-            hint = "; nothing was half-written: free space and run the same command again"
-        return StoreError(f"the database at {shown_url(self.url)} failed: {reason}{hint}")
+            raise database_failure(self.url, error) from None
 
     def check_can_commit(self) -> None:
         if self.readonly:
@@ -337,6 +330,8 @@ class SqlRunStore(RunStore):
         # 2. One transaction makes the round committed and current, or nothing happens.
         with self._session() as session:
             row = self._uncommitted(session, run_id, number)
+            if (holder := self.fenced(run_id)) and not renew_in(session, run_id, holder):
+                raise lost_error(run_id, lease_in(session, run_id))
             for ref in refs:
                 row.checkpoints.append(
                     CheckpointRow(

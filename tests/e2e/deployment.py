@@ -140,13 +140,13 @@ class Deployment:
             "1e12",
         )
 
-    def start_coordinator(self) -> subprocess.Popen[bytes]:
+    def start_coordinator(self, name: str = "coordinator") -> subprocess.Popen[bytes]:
         # a server database is told once where its checkpoints go (it records the folder)
         where = () if self.db.startswith("sqlite") else ("--checkpoints", "checkpoints")
         if self.max_attempts is not None:
             where = (*where, "--max-attempts", str(self.max_attempts))
         return self._start(
-            "coordinator",
+            name,
             "coordinator",
             "--config",
             str(self.config),

@@ -171,7 +171,7 @@ def test_runs_stop_cancels_a_run_nothing_drives_and_status_shows_why(tmp_path: P
     assert stopped.stdout.strip() == "run orphan is cancelled (no coordinator was driving it)"
     assert status.stdout.startswith("run orphan: cancelled")
     assert "round-failed  round 1  edge-1 offline" in status.stdout
-    assert "no coordinator answered a stop request" in status.stdout.splitlines()[-1]
+    assert "no coordinator held the run" in status.stdout.splitlines()[-1]
     assert unknown.returncode == 2 and "'nope' is not in this store" in unknown.stderr
 
 

@@ -62,7 +62,11 @@ def test_coordinator_killed_three_times_finishes_with_nothing_lost_or_left(
     with open_store(fleet.db, readonly=True) as store:
         run, found = store.get_run(RUN), store.list_rounds(RUN)
         resumed = [e.detail for e in store.events(RUN) if e.kind == "resumed"]
+        taken = [e.detail for e in store.events(RUN) if e.kind == "lease-taken-over"]
+        lease = store.lease(RUN)
     assert run.status == "finished" and [r.state for r in found] == ["committed"] * 3
+    # each restart took the killed one's lease at once (its process gone), the last gave it back
+    assert len(taken) == 3 and lease is None, (taken, lease)
     assert (kills[0].committed, kills[1].committed, kills[1].opened) == (0, 1, 2), kills
     assert kills[2].committed in (1, 2), kills
     for kill, detail in zip(kills, resumed, strict=True):  # no committed round trained again

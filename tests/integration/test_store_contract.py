@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -14,12 +15,15 @@ from storage import (
     DeviceResult,
     Event,
     InMemoryRunStore,
+    Lease,
+    LeaseLostError,
     MetricPoint,
     NotFoundError,
     RunStore,
     StateError,
     open_store,
 )
+from storage.records import utcnow
 
 CONFIG = {"model": "cnn", "rounds": 3, "optimizer": {"name": "sgd", "lr": 0.1}}
 
@@ -217,6 +221,65 @@ class StoreContract:
             thread.join()
         assert errors == []
         assert len(store.metrics("r")) == 6 * 25 and len(store.events("r")) == 6 * 25
+
+    def test_a_lease_is_claimed_once_and_swapped_only_as_it_was_read(self, store: RunStore) -> None:
+        assert store.claim_lease(lease("r", "a"))
+        assert not store.claim_lease(lease("r", "b"))  # held
+        first = store.lease("r")
+        assert first is not None and (first.holder, first.host, first.pid) == ("a", "h-a", 11)
+        assert store.renew_lease("r", "a")
+        renewed = store.lease("r")
+        assert renewed is not None and renewed.beats == first.beats + 1
+        assert renewed.renewed_at >= first.renewed_at
+        assert not store.claim_lease(lease("r", "b"), replacing=first)  # renewed since read
+        assert store.claim_lease(lease("r", "b"), replacing=renewed)
+        assert not store.renew_lease("r", "a")
+        store.release_lease("r", "a")  # not a's any more: nothing happens
+        held = store.lease("r")
+        assert held is not None and held.holder == "b"
+        assert [x.run_id for x in store.list_leases()] == ["r"]
+        store.release_lease("r", "b")
+        assert store.lease("r") is None and store.list_leases() == []
+
+    def test_one_of_many_simultaneous_claims_wins(self, store: RunStore) -> None:
+        won: list[str] = []
+        barrier = threading.Barrier(6)
+
+        def claim(name: str) -> None:
+            barrier.wait()
+            if store.claim_lease(lease("r", name)):
+                won.append(name)
+
+        threads = [threading.Thread(target=claim, args=(f"c{i}",)) for i in range(6)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        held = store.lease("r")
+        assert len(won) == 1 and held is not None and held.holder == won[0]
+
+    def test_a_fenced_commit_needs_the_lease(self, store: RunStore) -> None:
+        store.create_run("r", CONFIG, seed=0)
+        assert store.claim_lease(lease("r", "a"))
+        store.fence("r", "a")
+        store.open_round("r", 1, ["a"])
+        store.commit_round("r", 1, weights_for(1))
+        taken = store.lease("r")
+        assert taken is not None and taken.beats == 1  # the commit renewed it
+        assert store.claim_lease(lease("r", "b"), replacing=taken)
+        store.open_round("r", 2, ["a"])
+        with pytest.raises(LeaseLostError, match=r"taken over.*h-b"):
+            store.commit_round("r", 2, weights_for(2))
+        assert store.get_run("r").current_round == 1
+        assert store.get_round("r", 2).state == "open"
+        store.fence("r", None)
+        store.commit_round("r", 2, weights_for(2))
+        assert store.get_run("r").current_round == 2
+
+
+def lease(run_id: str, holder: str, age: float = 0.0) -> Lease:
+    then = utcnow() - timedelta(seconds=age)
+    return Lease(run_id, holder, f"h-{holder}", 11, 30.0, then, then)
 
 
 @pytest.mark.unit

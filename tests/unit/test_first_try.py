@@ -3,7 +3,7 @@ earlier coordinator gave that round (devices tell a round's tries apart by numbe
 
 from __future__ import annotations
 
-from coordinator.service import first_try
+from coordinator.resumption import first_try
 from storage import open_store
 from storage.records import Event
 

@@ -1,0 +1,105 @@
+"""A run's start: create it or check it against its stored config, and pick up where an
+earlier coordinator of it stopped (its last good round, the numbers of its tries)."""
+
+from __future__ import annotations
+
+import logging
+
+from coordinator.config import (
+    STRUCTURE_KEYS,
+    TRAINING_KEYS,
+    RunConfig,
+    config_changes,
+    describe_changes,
+)
+from coordinator.lease import RunLease
+from split_models.errors import ConfigError
+from storage.base import RunStore
+from storage.errors import NotFoundError
+from storage.records import Event, ResumeState
+
+__all__ = ["create_or_check", "first_try", "record_take_over", "resume_state"]
+
+log = logging.getLogger(__name__)
+_MAX_FIRST_TRY = 900  # devices take tries up to 999; the round's own tries come after it
+
+
+def create_or_check(store: RunStore, config: RunConfig, allow_config_change: bool) -> None:
+    """Create the run, or check that the stored one trains the same model (and the same way,
+    unless ``allow_config_change``)."""
+    try:
+        run = store.get_run(config.run_id)
+    except NotFoundError:
+        store.create_run(config.run_id, config.to_dict(), config.training.seed)
+        return
+    structure = config_changes(run.config, config, STRUCTURE_KEYS)
+    if structure:
+        raise ConfigError(
+            f"run {config.run_id!r} exists with another network: "
+            f"{describe_changes(structure)} (use a new run_id)"
+        )
+    changes = config_changes(run.config, config, TRAINING_KEYS)
+    if changes and not allow_config_change:
+        raise ConfigError(
+            f"run {config.run_id!r} was trained with other settings: "
+            f"{describe_changes(changes)}; resume with the stored ones, use a new "
+            "run_id, or pass --allow-config-change to train on with these"
+        )
+    if changes:
+        log.warning("run %s changes its config: %s", config.run_id, describe_changes(changes))
+        store.add_event(config.run_id, Event("config-changed", describe_changes(changes)))
+    if run.config != config.to_dict():  # also rounds, deadline, devices: allowed
+        store.set_run_config(config.run_id, config.to_dict())
+    if run.status == "created":  # created before (a simulation's digests), never started
+        return
+    log.info("resuming run %s after round %s", config.run_id, run.current_round or 0)
+    store.add_event(
+        config.run_id, Event("resumed", f"after round {run.current_round or 0} ({run.status})")
+    )
+
+
+def first_try(store: RunStore, run_id: str, number: int) -> int:
+    """The number round ``number``'s first try takes in this process: above any an earlier
+    coordinator of the run gave it (1 for a round no coordinator opened yet). Devices tell a
+    round's tries apart by number (credits, batches); a restarted coordinator numbering from
+    1 again made the GPU server's credits for "try 1" reach edges still in the old try 1,
+    whose restart then dropped them: each resume lost a whole round deadline. An earlier
+    coordinator's tries of the round ended in an event of the round (failed, an outage)
+    or were cut short by its end (one ``resumed`` event each), so their count bounds them."""
+    events = store.events(run_id)
+    if not any(e.round == number for e in events) and not _opened(store, run_id, number):
+        return 1
+    earlier = sum(e.round == number for e in events) + sum(e.kind == "resumed" for e in events)
+    return min(1 + earlier, _MAX_FIRST_TRY)
+
+
+def _opened(store: RunStore, run_id: str, number: int) -> bool:
+    try:
+        store.get_round(run_id, number)
+    except NotFoundError:
+        return False
+    return True
+
+
+def resume_state(store: RunStore, run_id: str) -> ResumeState | None:
+    """The run's last committed round whose checkpoint verifies (None: none committed); the
+    console says so when later rounds' checkpoints did not and are trained again."""
+    recorded = store.get_run(run_id).current_round or 0
+    resumed = store.resume(run_id)
+    done = 0 if resumed is None else resumed.round.number
+    if done < recorded:
+        rounds = f"round {recorded}" if done + 1 == recorded else f"rounds {done + 1}-{recorded}"
+        log.warning(
+            "the checkpoint of %s is unusable (events: checkpoint-corrupt); resuming from "
+            "round %d and training again",
+            rounds,
+            done,
+        )
+    return resumed
+
+
+def record_take_over(store: RunStore, lease: RunLease) -> None:
+    """An event of the run when ``lease`` was taken over from a coordinator gone."""
+    if lease.replaced is not None:
+        detail = f"from a coordinator gone ({lease.replaced.describe()})"
+        store.add_event(lease.run_id, Event("lease-taken-over", detail))

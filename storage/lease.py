@@ -1,0 +1,172 @@
+"""Leases on runs: at most one coordinator drives a run.
+
+A coordinator claims its run's lease before it touches the broker or the run, renews it every
+few seconds and releases it when it ends. Every change of a lease is a compare-and-swap on
+``(holder, beats)``, and a commit of a round renews the lease in the commit's own transaction:
+a coordinator whose lease was taken over cannot commit, even if it does not know yet (the
+lease is a fencing token). Who may take a lease over, and when, is the coordinator's policy
+(:mod:`coordinator.lease`); the store only keeps the row.
+
+Times are each holder's own clock (UTC): hosts whose clocks differ by more than a lease's
+``ttl`` may take a lease over early or late.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import delete, inspect, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from storage.errors import StateError
+from storage.records import utcnow
+from storage.rows import utc
+from storage.schema import RunLeaseRow
+
+__all__ = ["Lease", "LeaseLostError", "SqlLeases", "lease_in", "lost_error", "renew_in"]
+
+
+class LeaseLostError(StateError):
+    """Another coordinator holds the run's lease now; this one must stop without committing."""
+
+
+@dataclass(frozen=True)
+class Lease:
+    """Who drives ``run_id``: ``holder`` is a random token per coordinator, ``beats`` counts
+    its renewals (the compare-and-swap's version)."""
+
+    run_id: str
+    holder: str
+    host: str
+    pid: int
+    ttl: float
+    acquired_at: datetime
+    renewed_at: datetime
+    beats: int = 0
+
+    def age(self, now: datetime | None = None) -> float:
+        """Seconds since the last renewal."""
+        return ((now or utcnow()) - self.renewed_at).total_seconds()
+
+    def expired(self, now: datetime | None = None) -> bool:
+        return self.age(now) > self.ttl
+
+    def describe(self, now: datetime | None = None) -> str:
+        """``pid 4242 on host-a, renewed 3 s ago``."""
+        return f"pid {self.pid} on {self.host}, renewed {max(self.age(now), 0.0):.0f} s ago"
+
+
+def lost_error(run_id: str, holder: Lease | None) -> LeaseLostError:
+    now = f"; it is held by the coordinator with {holder.describe()}" if holder else ""
+    return LeaseLostError(
+        f"run {run_id!r}: this coordinator's lease was taken over{now}; it stops without committing"
+    )
+
+
+def _record(row: RunLeaseRow) -> Lease:
+    return Lease(
+        row.run_id,
+        row.holder,
+        row.host,
+        row.pid,
+        row.ttl_seconds,
+        utc(row.acquired_at) or utcnow(),
+        utc(row.renewed_at) or utcnow(),
+        row.beats,
+    )
+
+
+def lease_in(session: Session, run_id: str) -> Lease | None:
+    """``run_id``'s lease as ``session`` reads it (None without one, or on a store from
+    before leases opened read-only)."""
+    if not inspect(session.connection()).has_table(RunLeaseRow.__tablename__):
+        return None
+    row = session.get(RunLeaseRow, run_id)
+    return None if row is None else _record(row)
+
+
+def renew_in(session: Session, run_id: str, holder: str) -> bool:
+    """Renew ``holder``'s lease inside ``session``'s transaction; False when it holds none."""
+    changed = session.execute(
+        update(RunLeaseRow)
+        .where(RunLeaseRow.run_id == run_id, RunLeaseRow.holder == holder)
+        .values(renewed_at=utcnow(), beats=RunLeaseRow.beats + 1)
+        .execution_options(synchronize_session=False)
+    )
+    return bool(getattr(changed, "rowcount", 0))
+
+
+class SqlLeases:
+    """The lease operations of :class:`storage.sql.SqlRunStore` (a mixin over its sessions)."""
+
+    def _session(self) -> AbstractContextManager[Session]:
+        raise NotImplementedError  # SqlRunStore's transactions
+
+    def lease(self, run_id: str) -> Lease | None:
+        with self._session() as session:
+            return lease_in(session, run_id)
+
+    def claim_lease(self, lease: Lease, replacing: Lease | None = None) -> bool:
+        """Take ``run_id``'s lease for ``lease.holder``: a new row when ``replacing`` is None,
+        else only if the row is still ``replacing`` (same holder, same beats)."""
+        try:
+            with self._session() as session:
+                if replacing is None:
+                    session.add(_row(lease))
+                    session.flush()
+                    return True
+                changed = session.execute(
+                    update(RunLeaseRow)
+                    .where(
+                        RunLeaseRow.run_id == lease.run_id,
+                        RunLeaseRow.holder == replacing.holder,
+                        RunLeaseRow.beats == replacing.beats,
+                    )
+                    .values(
+                        holder=lease.holder,
+                        host=lease.host,
+                        pid=lease.pid,
+                        ttl_seconds=lease.ttl,
+                        acquired_at=lease.acquired_at,
+                        renewed_at=lease.renewed_at,
+                        beats=replacing.beats + 1,
+                    )
+                    .execution_options(synchronize_session=False)
+                )
+                return bool(getattr(changed, "rowcount", 0))
+        except IntegrityError:  # another coordinator inserted the row first
+            return False
+
+    def renew_lease(self, run_id: str, holder: str) -> bool:
+        with self._session() as session:
+            return renew_in(session, run_id, holder)
+
+    def release_lease(self, run_id: str, holder: str) -> None:
+        with self._session() as session:
+            session.execute(
+                delete(RunLeaseRow).where(
+                    RunLeaseRow.run_id == run_id, RunLeaseRow.holder == holder
+                )
+            )
+
+    def list_leases(self) -> list[Lease]:
+        with self._session() as session:
+            if not inspect(session.connection()).has_table(RunLeaseRow.__tablename__):
+                return []
+            return [_record(r) for r in session.scalars(select(RunLeaseRow))]
+
+
+def _row(lease: Lease) -> RunLeaseRow:
+    return RunLeaseRow(
+        run_id=lease.run_id,
+        holder=lease.holder,
+        host=lease.host,
+        pid=lease.pid,
+        ttl_seconds=lease.ttl,
+        acquired_at=lease.acquired_at,
+        renewed_at=lease.renewed_at,
+        beats=lease.beats,
+    )
