@@ -8,7 +8,7 @@ at that size where the allocator places a few buffers moves a fresh process's pe
 0.15 MiB, and a device has to fit the largest. Targets: |error| <= 15% on every row
 and no underestimate worse than -10%.
 
-    python benchmarks/memory.py [--quick] [--gallery] [--only NAME]
+    python benchmarks/memory.py [--quick] [--gallery] [--only NAME] [--mode backprop]
                                 [--out docs/benchmarks-memory.md]
 
 ``--gallery`` measures the ordinary ``nn.Module`` models split automatically
@@ -71,6 +71,7 @@ def measure(
     batch: int,
     optimizer: str,
     options: dict[str, object] | None = None,
+    mode: str = "local-loss",
 ) -> dict[str, object]:
     done = run_measuring_child(
         [
@@ -85,6 +86,7 @@ def measure(
             str(batch),
             "--optimizer",
             optimizer,
+            f"--mode={mode}",
         ]
     )
     done.check_returncode()
@@ -109,6 +111,13 @@ def main() -> int:
         "--gallery", action="store_true", help="the automatically split gallery models"
     )
     parser.add_argument("--only", help="the cases whose model name contains this")
+    parser.add_argument(
+        "--mode",
+        choices=("local-loss", "backprop"),
+        default="local-loss",
+        help="backprop: splitfed's segments before the last (no head; the next segment's "
+        "gradient of the output arrives and is kept through backward)",
+    )
     parser.add_argument("--out", type=Path, help="append the table to this markdown file")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -124,15 +133,16 @@ def main() -> int:
     for name, shape, segments, options in cases:
         for batch in (64,) if args.quick else batches:
             profile = fresh_profile(name, shape, batch, options)
+            if args.mode == "backprop":  # the last segment has the task loss in both modes
+                segments = [(s, e) for s, e in segments if e < profile.num_blocks]
+            head = None if args.mode == "backprop" else "linear"
             for start, end in segments[:1] if args.quick else segments:
-                estimate = estimate_segment_memory(profile, start, end, batch, args.optimizer)
-                measured = measure(name, shape, start, end, batch, args.optimizer, options)
+                estimate = estimate_segment_memory(profile, start, end, batch, args.optimizer, head)
+                run = (name, shape, start, end, batch, args.optimizer, options, args.mode)
+                measured = measure(*run)
                 peak = int(measured["peak_bytes"])  # type: ignore[call-overload]
                 if peak < SMALL_SEGMENT:  # a device must fit the largest of three fresh runs
-                    again = [
-                        measure(name, shape, start, end, batch, args.optimizer, options)
-                        for _ in range(2)
-                    ]
+                    again = [measure(*run) for _ in range(2)]
                     peak = max(peak, *(int(m["peak_bytes"]) for m in again))  # type: ignore[call-overload]
                 error = (estimate.total - peak) / peak
                 worst, worst_under = max(worst, abs(error)), min(worst_under, error)
@@ -146,7 +156,7 @@ def main() -> int:
     verdict = "PASS" if worst <= 0.15 and worst_under >= -0.10 else "FAIL"
     summary = (
         f"\nworst |error| {worst:.1%}, worst underestimate {worst_under:+.1%} "
-        f"(targets 15% / -10%): {verdict}; optimizer {args.optimizer}; "
+        f"(targets 15% / -10%): {verdict}; optimizer {args.optimizer}, {args.mode}; "
         f"{machine()}, torch {torch.__version__}"
     )
     report.finish(summary, args.out)

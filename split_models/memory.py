@@ -145,12 +145,15 @@ class _Chain:
         self.saved += saved
         self.last = block
 
-    def estimate(self, head: BlockProfile | None) -> MemoryEstimate:
-        """The estimate of the chain so far, closed by ``head`` (or by the task loss)."""
+    def estimate(self, head: BlockProfile | None, incoming: bool = False) -> MemoryEstimate:
+        """The estimate of the chain so far, closed by ``head`` (or by the task loss);
+        ``incoming``: the next segment's gradient of the output arrives and is kept through
+        the whole backward pass (backprop mode, a segment before the last)."""
         if self.first is None or self.last is None:
             raise ConfigError("an empty segment has no memory estimate")
         params, buffers, largest_param = self.params, self.buffers, self.largest_param
         saved, relative_peak, tail, setup = self.saved, self.relative_peak, self.last, self.setup
+        gradient_in = self.batch * self.last.output_bytes if incoming and head is None else 0
         if head is not None:
             head_saved, head_pass, setup = self._extend(head)
             params, buffers = params + head.param_bytes, buffers + head.buffer_bytes
@@ -169,7 +172,8 @@ class _Chain:
             kernel_setup=setup,
             bookkeeping=STEP_BOOKKEEPING_BYTES,
             step_peak=math.ceil(
-                (1 + ALLOCATOR_ALLOWANCE) * max(relative_peak + params, saved, params)
+                (1 + ALLOCATOR_ALLOWANCE)
+                * max(relative_peak + params + gradient_in, saved + gradient_in, params)
             ),
             gradients=params,
             activations=saved,
@@ -195,6 +199,11 @@ def _head(profile: ModelProfile, end: int, local_loss: str | None) -> BlockProfi
     return profile.heads[local_loss][end]
 
 
+def _incoming(profile: ModelProfile, end: int, local_loss: str | None) -> bool:
+    """Whether a segment ending at ``end`` receives its output's gradient (backprop mode)."""
+    return local_loss is None and end < profile.num_blocks
+
+
 def estimate_segment_memory(
     profile: ModelProfile,
     start: int,
@@ -217,7 +226,7 @@ def estimate_segment_memory(
     chain = _Chain(batch_size, optimizer, profile.label_bytes, anchor)
     for block in profile.blocks[start:end]:
         chain.add(block)
-    return chain.estimate(_head(profile, end, local_loss))
+    return chain.estimate(_head(profile, end, local_loss), _incoming(profile, end, local_loss))
 
 
 def segment_memory_table(
@@ -238,5 +247,6 @@ def segment_memory_table(
         chain = _Chain(batch_size, optimizer, profile.label_bytes, anchor)
         for end in range(start + 1, size):
             chain.add(profile.blocks[end - 1])
-            table[start][end] = chain.estimate(_head(profile, end, local_loss)).total
+            head, incoming = _head(profile, end, local_loss), _incoming(profile, end, local_loss)
+            table[start][end] = chain.estimate(head, incoming).total
     return table

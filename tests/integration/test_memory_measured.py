@@ -18,19 +18,27 @@ pytestmark = [
 ]
 
 
-# (start, end, batch, FedProx's proximal_mu: > 0 keeps the round's weights as an anchor)
+# (model, start, end, batch, FedProx's proximal_mu: > 0 keeps the round's weights as an
+# anchor, mode: backprop is splitfed's edge, no head, the next segment's gradient received)
 @pytest.mark.parametrize(
-    ("start", "end", "batch", "mu"), [(0, 2, 32, 0.0), (2, 6, 64, 0.0), (2, 6, 16, 0.1)]
+    ("model", "start", "end", "batch", "mu", "mode"),
+    [
+        ("cnn", 0, 2, 32, 0.0, "local-loss"),
+        ("cnn", 2, 6, 64, 0.0, "local-loss"),
+        ("cnn", 2, 6, 16, 0.1, "local-loss"),
+        ("resnet8", 0, 1, 16, 0.0, "backprop"),  # -11.5% before the received gradient counted
+    ],
 )
 def test_estimate_is_within_15_percent_of_measured_peak(
-    start: int, end: int, batch: int, mu: float
+    model: str, start: int, end: int, batch: int, mu: float, mode: str
 ) -> None:
     # profiled in a fresh process: this one's heap holds whatever earlier tests freed
-    spec = ModelConfig("cnn", (1, 28, 28), 10)
+    shape = (1, 28, 28) if model == "cnn" else (3, 32, 32)
+    spec = ModelConfig(model, shape, 10)
     profile = profile_in_fresh_process(spec, ("linear",), batch)
-    anchor = mu > 0
+    anchor, head = mu > 0, None if mode == "backprop" else "linear"
     estimate = estimate_segment_memory(
-        profile, start, end, batch, "sgd-momentum", anchor=anchor
+        profile, start, end, batch, "sgd-momentum", head, anchor=anchor
     ).total
     # measured as benchmarks/memory.py does: a fresh process with the measurement allocator
     done = run_measuring_child(
@@ -45,6 +53,7 @@ def test_estimate_is_within_15_percent_of_measured_peak(
             "--batch-size",
             str(batch),
             f"--proximal-mu={mu}",
+            f"--mode={mode}",
         ],
         timeout=300,
     )

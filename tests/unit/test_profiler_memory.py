@@ -95,12 +95,22 @@ def test_estimate_grows_with_batch_and_last_segment_has_no_head(cnn_profile: Mod
 
 
 def test_table_equals_single_estimates(cnn_profile: ModelProfile) -> None:
-    for optimizer in ("sgd", "adam"):
-        table = segment_memory_table(cnn_profile, 24, optimizer, "mlp")
+    for optimizer, head in (("sgd", "mlp"), ("adam", "mlp"), ("sgd-momentum", None)):
+        table = segment_memory_table(cnn_profile, 24, optimizer, head)
         for start in range(cnn_profile.num_blocks):
             for end in range(start + 1, cnn_profile.num_blocks + 1):
-                single = estimate_segment_memory(cnn_profile, start, end, 24, optimizer, "mlp")
+                single = estimate_segment_memory(cnn_profile, start, end, 24, optimizer, head)
                 assert table[start][end] == single.total
+
+
+def test_a_backprop_segment_keeps_the_gradient_it_receives(cnn_profile: ModelProfile) -> None:
+    # splitfed: no head; the next segment's gradient of the output (as large as the output)
+    # is alive through the whole backward pass, on top of the saved activations
+    backprop = estimate_segment_memory(cnn_profile, 0, 2, 32, "sgd", None)
+    received = 32 * cnn_profile.blocks[1].output_bytes
+    assert backprop.step_peak >= 1.06 * (backprop.activations + received)
+    last = estimate_segment_memory(cnn_profile, 4, 6, 32, "sgd", None)  # the task loss's own
+    assert last == estimate_segment_memory(cnn_profile, 4, 6, 32, "sgd", "linear")
 
 
 def test_estimate_rejects_bad_input(cnn_profile: ModelProfile) -> None:
