@@ -73,6 +73,7 @@ def plan_command(args: argparse.Namespace) -> int:
         compression=args.compression,
         min_edge_blocks=args.min_edge_blocks,
         cuts=args.cuts,
+        mode=args.mode,
     )
     devices = load_devices(args.devices)
     model = model_section(args).build(seed=0)
@@ -126,8 +127,9 @@ def coordinator_command(args: argparse.Namespace) -> int:
     broker = MqttConfig.from_url(args.broker, args.broker_password)
     try:
         # the lease first: a second coordinator of the run would knock this one off the broker
-        with RunLease(store, config.run_id) as lease:
+        with RunLease(store, config.run_id, ttl=args.lease_seconds) as lease:
             transport = MqttTransport(broker, f"coordinator-{config.run_id}")
+            lease.on_lost.append(transport.leave)
             try:
                 ran = Coordinator(
                     config,

@@ -9,6 +9,7 @@ Each file is run through onnxruntime against torch on a sample batch.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,16 +18,21 @@ import numpy as np
 
 from coordinator.planner import stored_plan
 from coordinator.recorder import LOCAL_PREFIX
+from coordinator.resumption import code_change, stored_code
 from split_models.config import ModelConfig, stored_section
 from split_models.errors import ConfigError
+from split_models.fingerprint import model_fingerprint
 from split_models.onnx_export import export_checked
 from split_models.segment import Segment
 from split_models.weights import load_segment_state
+from split_models.zoo import SplittableModel
 from storage.base import RunStore
+from storage.records import RoundRecord
 
 __all__ = ["TOLERANCE", "ExportResult", "export_run"]
 
 TOLERANCE = 1e-4
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -50,30 +56,56 @@ def _export(segment: Segment, name: str, spec: ModelConfig, out: Path) -> Export
     )
 
 
+def _check_code(
+    store: RunStore, trained: RoundRecord, model: SplittableModel, allow_change: bool
+) -> None:
+    """Refuse (unless ``allow_change``) a model whose code changed since ``trained``."""
+    stored = stored_code(store, trained.run_id, trained.committed_at)
+    if (what := code_change(stored, model_fingerprint(model.blocks))) is None:
+        return
+    round_of = f"round {trained.number} of run {trained.run_id!r}"
+    if not allow_change:
+        raise ConfigError(
+            f"{round_of} was trained with other model code: {what}; export with the code it "
+            "was trained with, or pass --allow-model-change to export this code with its weights"
+        )
+    log.warning("%s: %s; exporting this code", round_of, what)
+
+
+def _split_local(
+    segments: dict[str, dict[str, np.ndarray]],
+) -> tuple[dict[str, np.ndarray], dict[str, dict[str, np.ndarray]]]:
+    """A checkpoint's shared tensors, merged, and each device's own (FedBN's BatchNorm)."""
+    weights: dict[str, np.ndarray] = {}
+    local: dict[str, dict[str, np.ndarray]] = {}
+    for name, tensors in segments.items():
+        if name.startswith(LOCAL_PREFIX):
+            local[name.removeprefix(LOCAL_PREFIX)] = tensors
+        else:
+            weights.update(tensors)
+    return weights, local
+
+
 def export_run(
     store: RunStore,
     run_id: str,
     out: Path,
     round_number: int | None = None,
     per_device: bool = False,
+    allow_model_change: bool = False,
 ) -> list[ExportResult]:
     """Export the model of ``round_number`` (default: the last committed) into ``out``; with
     ``per_device``, each edge's segment too (with ``norm: local``, with its own BatchNorm
-    layers; the whole model holds their average)."""
+    layers; the whole model holds their average). ``allow_model_change``: see _check_code."""
     run = store.get_run(run_id)
     number = run.current_round if round_number is None else round_number
     if number is None:
         raise ConfigError(f"run {run_id!r} has no committed round to export")
     state = store.checkpoint(run_id, number)
-    weights: dict[str, np.ndarray] = {}
-    local: dict[str, dict[str, np.ndarray]] = {}  # FedBN: each device's own BatchNorm layers
-    for name, tensors in state.weights.items():
-        if name.startswith(LOCAL_PREFIX):
-            local[name.removeprefix(LOCAL_PREFIX)] = tensors
-        else:
-            weights.update(tensors)
+    weights, local = _split_local(state.weights)
     spec = stored_section(ModelConfig, run.config, f"run {run_id!r}'s stored config")
     model = spec.build(seed=0)
+    _check_code(store, state.round, model, allow_model_change)
     whole = Segment.from_model(model, 0, model.num_blocks)
     load_segment_state(whole, weights)
     plan = stored_plan(run) if per_device else None

@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 
 from coordinator.errors import RunHeldError
+from split_models.errors import ConfigError
 from storage.base import RunStore
 from storage.lease import Lease, lost_error
 from storage.records import utcnow
@@ -65,14 +66,17 @@ class RunLease:
         sleep: Callable[[float], None] = time.sleep,
         alive: Callable[[int], bool] = process_alive,
     ) -> None:
-        if ttl <= 0:
-            raise ValueError(f"lease ttl: expected > 0 s, got {ttl}")
+        if not 1.0 <= ttl <= 3600.0:
+            raise ConfigError(f"--lease-seconds: expected 1 to 3600 s, got {ttl:g}")
         self.store, self.run_id, self.ttl = store, run_id, ttl
         self.holder = secrets.token_hex(16)
         self.host, self.pid = socket.gethostname(), os.getpid()
         self._clock, self._sleep, self._alive = clock, sleep, alive
         self.replaced: Lease | None = None  # the lease this one took over, if any
         self.lost = threading.Event()
+        # called (from the renewing thread) once the lease is lost: e.g. leave the broker at
+        # once, before a stale coordinator's reconnect knocks its successor (same client id) off
+        self.on_lost: list[Callable[[], None]] = []
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -96,7 +100,7 @@ class RunLease:
             held = self.store.lease(self.run_id)
             if held is not None and not self._gone(held):  # else freed meanwhile: try again
                 if watched is not None and (held.holder, held.beats) != watched:
-                    raise _held(self.run_id, held, "it renewed its lease just now")
+                    raise _held(self.run_id, held, "alive: it renewed the lease meanwhile")
                 if self._clock() - started >= limit:
                     raise _held(self.run_id, held, f"its lease did not expire in {limit:.0f} s")
                 if watched is None:
@@ -143,8 +147,13 @@ class RunLease:
         except Exception as error:  # a store hiccup: the next beat tries again
             log.warning("renewing the lease on run %s: %s", self.run_id, error)
             return True
-        log.error("%s", lost_error(self.run_id, self.store.lease(self.run_id)))
         self.lost.set()
+        for call in self.on_lost:
+            try:
+                call()
+            except Exception as error:  # the run is another's: stop regardless
+                log.warning("after losing the lease on run %s: %s", self.run_id, error)
+        log.error("%s", lost_error(self.run_id, self.store.lease(self.run_id)))
         return False
 
     def check(self) -> None:

@@ -93,7 +93,8 @@ class Problem:
         flops = np.array([0] + [b.flops for b in profile.blocks], dtype=np.float64)
         prefix = np.cumsum(flops)
         heads = profile.heads[config.local_loss][: profile.num_blocks]  # none after the last
-        head_flops = np.array([h.flops for h in heads] + [0], dtype=np.float64)
+        # a backprop edge computes no head (its weights still travel: every edge gets one)
+        head_flops = np.array([h.flops if config.head else 0 for h in heads] + [0], np.float64)
         # what a segment's state crosses the link as: parameters and buffers (BatchNorm's
         # running statistics travel with the weights)
         weights = np.cumsum([0] + [b.param_bytes + b.buffer_bytes for b in profile.blocks])
@@ -104,7 +105,7 @@ class Problem:
             + [math.ceil(b.output_bytes * ratio) + profile.label_bytes for b in profile.blocks]
         )
         memory = segment_memory_table(
-            profile, config.batch_size, config.optimizer, config.local_loss, config.anchor
+            profile, config.batch_size, config.optimizer, config.head, config.anchor
         )
         return cls(
             num_blocks=profile.num_blocks,
@@ -280,11 +281,18 @@ def step_seconds(
 # ---------------------------------------------------------------- errors
 
 
+def _with_head(config: PartitionConfig) -> str:
+    """``with a linear head``, or what a backprop segment keeps instead."""
+    if config.head is None:
+        return "with no head (backprop: the gradient of its output kept)"
+    return f"with a {config.head} head"
+
+
 def _describe(
     profile: ModelProfile, config: PartitionConfig, start: int, end: int, stream: int = 0
 ) -> str:
     estimate = estimate_segment_memory(
-        profile, start, end, config.batch_size, config.optimizer, config.local_loss, config.anchor
+        profile, start, end, config.batch_size, config.optimizer, config.head, config.anchor
     )
     buffers = f", send buffers {format_bytes(stream)}" if stream else ""
     return (
@@ -317,7 +325,7 @@ def _edge_errors(
             has, its = ("has", "its") if len(names) == 1 else ("have", "their")
             messages.append(
                 f"{_names(names)} {has} {format_bytes(memory)} but {its} smallest segment, "
-                f"blocks [0, {low}) with a {config.local_loss} head, needs "
+                f"blocks [0, {low}) {_with_head(config)}, needs "
                 f"{_describe(profile, config, 0, low, buffers)}"
                 "; lower the batch size, give the device "
                 "more memory, or use a model with a smaller first block"

@@ -10,6 +10,7 @@ from split_models.options import LOCAL_LOSSES, OPTIMIZERS
 
 __all__ = ["COMPRESSION_BYTES", "CUTS", "PartitionConfig"]
 
+_MODES = ("local-loss", "backprop")  # split_models.config.MODES, without importing torch
 COMPRESSION_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0}
 # per-device: each edge its own cut; uniform: one cut for every edge (the classic SplitFed
 # set-up, and the baseline per-device cuts are measured against)
@@ -27,6 +28,7 @@ class PartitionConfig:
     min_edge_blocks: int = 1
     cuts: str = "per-device"
     anchor: bool = False  # FedProx: each device keeps a copy of the round's weights
+    mode: str = "local-loss"  # backprop (splitfed): no head; the output's gradient comes back
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -43,3 +45,11 @@ class PartitionConfig:
             raise ConfigError(f"min_edge_blocks: must be >= 1, got {self.min_edge_blocks}")
         if self.cuts not in CUTS:
             raise ConfigError(f"cuts: unknown {self.cuts!r}; use one of {list(CUTS)}")
+        if self.mode not in _MODES:
+            raise ConfigError(f"mode: unknown {self.mode!r}; use one of {list(_MODES)}")
+
+    @property
+    def head(self) -> str | None:
+        """The local head an edge segment trains with: none in backprop mode, whose
+        segments keep the gradient of their output instead (the memory estimate's choice)."""
+        return None if self.mode == "backprop" else self.local_loss

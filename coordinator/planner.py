@@ -178,6 +178,7 @@ class Planner:
             compression=training.compression,
             cuts=self.config.devices.cuts,
             anchor=self.config.aggregation.anchors,
+            mode=training.mode,
         )
 
     def per_round(self) -> tuple[int, int, float]:

@@ -3,7 +3,9 @@ earlier coordinator of it stopped (its last good round, the numbers of its tries
 
 from __future__ import annotations
 
+import json
 import logging
+from datetime import datetime
 
 from coordinator.config import (
     STRUCTURE_KEYS,
@@ -14,13 +16,29 @@ from coordinator.config import (
 )
 from coordinator.lease import RunLease
 from split_models.errors import ConfigError
+from split_models.fingerprint import (
+    changed_blocks,
+    describe_blocks,
+    model_fingerprint,
+    parse_fingerprint,
+)
 from storage.base import RunStore
 from storage.errors import NotFoundError
 from storage.records import Event, ResumeState
 
-__all__ = ["create_or_check", "first_try", "record_take_over", "resume_state"]
+__all__ = [
+    "MODEL_CODE",
+    "code_change",
+    "create_or_check",
+    "first_try",
+    "model_code",
+    "record_take_over",
+    "resume_state",
+    "stored_code",
+]
 
 log = logging.getLogger(__name__)
+MODEL_CODE = "model-code"  # the event holding the fingerprint of the model trained
 _MAX_FIRST_TRY = 900  # devices take tries up to 999; the round's own tries come after it
 
 
@@ -31,6 +49,7 @@ def create_or_check(store: RunStore, config: RunConfig, allow_config_change: boo
         run = store.get_run(config.run_id)
     except NotFoundError:
         store.create_run(config.run_id, config.to_dict(), config.training.seed)
+        _record_code(store, config.run_id, model_code(config))
         return
     structure = config_changes(run.config, config, STRUCTURE_KEYS)
     if structure:
@@ -48,6 +67,7 @@ def create_or_check(store: RunStore, config: RunConfig, allow_config_change: boo
     if changes:
         log.warning("run %s changes its config: %s", config.run_id, describe_changes(changes))
         store.add_event(config.run_id, Event("config-changed", describe_changes(changes)))
+    _check_code(store, config, allow_config_change)
     if run.config != config.to_dict():  # also rounds, deadline, devices: allowed
         store.set_run_config(config.run_id, config.to_dict())
     if run.status == "created":  # created before (a simulation's digests), never started
@@ -56,6 +76,54 @@ def create_or_check(store: RunStore, config: RunConfig, allow_config_change: boo
     store.add_event(
         config.run_id, Event("resumed", f"after round {run.current_round or 0} ({run.status})")
     )
+
+
+def model_code(config: RunConfig) -> list[str]:
+    """The fingerprint of the model ``config`` builds (:mod:`split_models.fingerprint`)."""
+    return model_fingerprint(config.model.build(seed=config.training.seed).blocks)
+
+
+def stored_code(store: RunStore, run_id: str, until: datetime | None = None) -> list[str] | None:
+    """The fingerprint of the model code the run last trained with (``until``: as of then, a
+    round's commit); None for a run from before fingerprints."""
+    for event in reversed(store.events(run_id)):
+        if event.kind != MODEL_CODE or (until and event.at and event.at > until):
+            continue
+        if (blocks := parse_fingerprint(event.detail)) is not None:
+            return blocks
+    return None
+
+
+def code_change(stored: list[str] | None, current: list[str]) -> str | None:
+    """How ``current`` differs from ``stored`` in words; None when it does not (or nothing
+    was stored)."""
+    if stored is None or not (changed := changed_blocks(stored, current)):
+        return None
+    return f"the model's code changed in {describe_blocks(changed)} (layers or their source)"
+
+
+def _record_code(store: RunStore, run_id: str, blocks: list[str]) -> None:
+    store.add_event(run_id, Event(MODEL_CODE, json.dumps({"blocks": blocks})))
+
+
+def _check_code(store: RunStore, config: RunConfig, allow_config_change: bool) -> None:
+    """Refuse to resume with model code that computes something else than the run's weights
+    were trained for (unless ``allow_config_change``: then it is recorded)."""
+    stored, current = stored_code(store, config.run_id), model_code(config)
+    if stored is None:  # trained before fingerprints: from now on, this code
+        _record_code(store, config.run_id, current)
+        return
+    if (what := code_change(stored, current)) is None:
+        return
+    if not allow_config_change:
+        raise ConfigError(
+            f"run {config.run_id!r} was trained with other model code: {what}; resume with "
+            "the code it was trained with, use a new run_id, or pass --allow-config-change "
+            "to train on with this code"
+        )
+    log.warning("run %s: %s; training on with it", config.run_id, what)
+    store.add_event(config.run_id, Event("config-changed", what))
+    _record_code(store, config.run_id, current)
 
 
 def first_try(store: RunStore, run_id: str, number: int) -> int:

@@ -144,12 +144,8 @@ class RoundRunner:
         self.grid, self.strategy, self.recorder = grid, strategy, recorder
         self.on_attempt = on_attempt or (lambda _number, _attempt: None)
         self.first_try: dict[int, int] = {}  # round -> its first try's number (a resumed one's)
-        self.seed, self.deadline, self.attempts, self.min_edges = (
-            seed,
-            deadline,
-            attempts,
-            min_edges,
-        )
+        self.seed, self.deadline = seed, deadline
+        self.attempts, self.min_edges = attempts, min_edges
         self._clock, self._sleep = clock, sleep
         transport = getattr(grid, "transport", None)
         self.link = LinkWatch(transport, clock, sleep)
@@ -255,8 +251,9 @@ class RoundRunner:
         return None
 
     def _outage(self, number: int, attempt: int, work: RoundWork) -> None:
-        """The coordinator lost the broker during try ``attempt``: record it and wait until
-        the link and the try's devices are back."""
+        """The coordinator lost the broker during try ``attempt``: record it (unless told to
+        stop: e.g. its run was taken over) and wait until the link and the devices are back."""
+        self.stop_check()
         self.recorder.event(
             number,
             "broker-outage",

@@ -202,12 +202,14 @@ class Coordinator:
         requested = isinstance(stop, RunCancelled) and stop.requested
         signum = getattr(stop, "signum", None) or signal.SIGINT
         why = (
-            "stop requested (edgesplit runs stop)"
+            "stop requested by edgesplit runs stop"
             if requested
             else f"interrupted by {signal.Signals(signum).name}"
         )
-        _say_ended(self._guard)  # devices give up the round under way at once
+        # first the store (which refuses a coordinator whose run was taken over), then the
+        # devices give up the round under way at once
         mark_cancelled(self.store, self.config.run_id, why)
+        _say_ended(self._guard)
         log.info("run %s cancelled: %s", self.config.run_id, why)
         return RunCancelled(
             f"run {self.config.run_id} cancelled ({why}); run the same command again to resume",
@@ -249,11 +251,11 @@ class Coordinator:
                 if number < config.training.rounds:
                     placement, weights = self._replan(number, placement, weights)
         except CoordinatorError:
+            store.set_run_status(config.run_id, "failed")  # refused once the run is another's
             _say_ended(guard)
-            store.set_run_status(config.run_id, "failed")
             raise
-        _say_ended(guard)  # a replayed task of this session is work nobody waits for
         store.set_run_status(config.run_id, "finished")
+        _say_ended(guard)  # a replayed task of this session is work nobody waits for
         return config.training.rounds - done
 
     def _replan(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -120,13 +121,18 @@ def status_command(args: argparse.Namespace) -> int:
 
 
 def _driver_line(status: dict[str, Any]) -> str | None:
-    """Which coordinator drives the run; for an unfinished run nobody drives, that nobody does."""
-    driver = status.get("coordinator")
+    """Which coordinator drives the run; for an unfinished run nobody drives, that nobody does
+    (a lease expired, or held by a process of this host that is gone, drives nothing)."""
+    from coordinator.lease import process_alive
+
+    driver, last = status.get("coordinator"), ""
     if driver is not None:
-        gone = " (expired: it is gone, the next one takes over)" if driver["expired"] else ""
-        return f"driven by the coordinator with {driver['description']}{gone}"
+        here = driver["host"] == socket.gethostname()
+        if not driver["expired"] and not (here and not process_alive(driver["pid"])):
+            return f"driven by the coordinator with {driver['description']}"
+        last = f" (the last one, pid {driver['pid']} on {driver['host']}, is gone)"
     if status["status"] in ("planning", "training"):
-        return "no coordinator drives it now (killed?): start the coordinator again to resume"
+        return f"no coordinator drives it now{last}: start the coordinator again to resume"
     return None
 
 
@@ -174,7 +180,9 @@ def export_command(args: argparse.Namespace) -> int:
 
     with open_existing(args.db, args.db_password, args.checkpoints, readonly=True) as store:
         run = args.run or _only_run(store)
-        results = export_run(store, run, Path(args.out), args.round, args.per_device)
+        results = export_run(
+            store, run, Path(args.out), args.round, args.per_device, args.allow_model_change
+        )
     for result in results:
         verdict = "ok" if result.ok else f"FAILS (> {TOLERANCE:g})"
         print(

@@ -16,9 +16,9 @@ from collections.abc import Callable, Sequence
 from coordinator.plan_config import CUTS, PartitionConfig
 from edgesplit import __version__
 from edgesplit.exits import EXIT_OK, exit_for, signals_interrupt, wants_traceback
-from edgesplit.runs_cli import runs_parser
+from edgesplit.runs_cli import export_parser, runs_parser
 from simulation.config import BASELINES, METHODS, SimConfig
-from split_models.config import TrainingConfig, default_of
+from split_models.config import MODES, TrainingConfig, default_of
 from split_models.options import INPUT_DTYPE_NAMES, LOCAL_LOSSES, OPTIMIZERS, TASKS, OptimizerConfig
 from split_models.runtime import configure_process
 from wire.codec import ENCODINGS
@@ -97,6 +97,7 @@ def _plan_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[
             "precision of the streamed activations; ",
         ),
         ("--cuts", default_of(PartitionConfig, "cuts"), CUTS, "one cut per edge, or uniform; "),
+        ("--mode", default_of(TrainingConfig, "mode"), MODES, "backprop is splitfed's; "),
     )
     for flag, default, options, what in choices:
         plan.add_argument(
@@ -199,6 +200,13 @@ def _coordinator_parser(commands: argparse._SubParsersAction) -> None:  # type: 
         action="store_true",
         help="resume a run whose training settings changed (recorded as a run event); "
         "without it such a resume is refused, naming the keys",
+    )
+    coordinator.add_argument(
+        "--lease-seconds",
+        type=float,
+        default=30.0,
+        help="how long the run stays this coordinator's after its last sign of life; another "
+        "coordinator takes it over after that (default: %(default)s)",
     )
     coordinator.add_argument("-v", "--verbose", action="store_true")
 
@@ -334,24 +342,6 @@ def _simulate_host_flags(sim: argparse.ArgumentParser) -> None:
     )
 
 
-def _export_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    export = commands.add_parser(
-        "export",
-        help="export a run's trained model (and device segments) to checked ONNX",
-        description="Write the model of a committed round as ONNX with a dynamic batch, run "
-        "each file through onnxruntime against torch, and fail above 1e-4.",
-    )
-    _db_flags(export)
-    export.add_argument("--run", help="run id (default: the store's only run)")
-    export.add_argument("--round", type=int, help="round to export (default: the last committed)")
-    export.add_argument("--out", required=True, help="output directory")
-    export.add_argument(
-        "--per-device",
-        action="store_true",
-        help="also export each edge device's segment (heads removed)",
-    )
-
-
 def _store_parsers(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     status = commands.add_parser(
         "status",
@@ -394,7 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
     _broker_parser(commands)
     _role_parsers(commands)
     _simulate_parser(commands)
-    _export_parser(commands)
+    export_parser(commands, _db_flags)
     _store_parsers(commands)
     return parser
 

@@ -1,12 +1,12 @@
-"""The ``edgesplit runs`` flags: one run's events, and stopping a run (like ``flwr log`` and
-``flwr stop``)."""
+"""The flags of ``edgesplit runs`` (one run's events, and stopping a run, like ``flwr log``
+and ``flwr stop``) and of ``edgesplit export``."""
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
 
-__all__ = ["runs_parser"]
+__all__ = ["export_parser", "runs_parser"]
 
 
 def runs_parser(
@@ -47,4 +47,32 @@ def runs_parser(
         type=float,
         default=30.0,
         help="seconds to wait for the run to be cancelled (default: %(default)s)",
+    )
+
+
+def export_parser(
+    commands: argparse._SubParsersAction,  # type: ignore[type-arg]
+    db_flags: Callable[[argparse.ArgumentParser], None],
+) -> None:
+    """``export``: a run's model (and device segments) as checked ONNX."""
+    export = commands.add_parser(
+        "export",
+        help="export a run's trained model (and device segments) to checked ONNX",
+        description="Write the model of a committed round as ONNX with a dynamic batch, run "
+        "each file through onnxruntime against torch, and fail above 1e-4.",
+    )
+    db_flags(export)
+    export.add_argument("--run", help="run id (default: the store's only run)")
+    export.add_argument("--round", type=int, help="round to export (default: the last committed)")
+    export.add_argument("--out", required=True, help="output directory")
+    export.add_argument(
+        "--per-device",
+        action="store_true",
+        help="also export each edge device's segment (heads removed)",
+    )
+    export.add_argument(
+        "--allow-model-change",
+        action="store_true",
+        help="export even when the model's code changed since the round was trained "
+        "(layers or their source; refused by default)",
     )

@@ -337,9 +337,10 @@ def build_model(
             )
         blocks = zoo
     else:
-        built = _call_factory(_import_factory(name), shape, num_classes)
+        factory = _import_factory(name)
+        built = _call_factory(factory, shape, num_classes)
         example = example_input(shape, options.input_range, 2, zeros=True)
-        key = (name, shape, num_classes, options)
+        key = (name, factory, shape, num_classes, options)  # a module imported again: traced again
         blocks = _as_blocks(name, built, example, options, key)
     model = SplittableModel(name, nn.ModuleList(blocks), shape, num_classes, options)
     if zoo is None and key not in _OUTPUTS_CHECKED:

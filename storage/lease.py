@@ -2,10 +2,11 @@
 
 A coordinator claims its run's lease before it touches the broker or the run, renews it every
 few seconds and releases it when it ends. Every change of a lease is a compare-and-swap on
-``(holder, beats)``, and a commit of a round renews the lease in the commit's own transaction:
-a coordinator whose lease was taken over cannot commit, even if it does not know yet (the
-lease is a fencing token). Who may take a lease over, and when, is the coordinator's policy
-(:mod:`coordinator.lease`); the store only keeps the row.
+``(holder, beats)``, and a store a coordinator fenced (:meth:`~storage.base.RunStore.fence`)
+renews the lease in the transaction of every write to the run (a round opened, results, a
+commit, an event, the status): a coordinator whose lease was taken over cannot write to the
+run, even before it knows (the lease is a fencing token). Who may take a lease over, and when,
+is the coordinator's policy (:mod:`coordinator.lease`); the store only keeps the row.
 
 Times are each holder's own clock (UTC): hosts whose clocks differ by more than a lease's
 ``ttl`` may take a lease over early or late.
@@ -26,7 +27,15 @@ from storage.records import utcnow
 from storage.rows import utc
 from storage.schema import RunLeaseRow
 
-__all__ = ["Lease", "LeaseLostError", "SqlLeases", "lease_in", "lost_error", "renew_in"]
+__all__ = [
+    "Lease",
+    "LeaseLostError",
+    "SqlLeases",
+    "fence_in",
+    "lease_in",
+    "lost_error",
+    "renew_in",
+]
 
 
 class LeaseLostError(StateError):
@@ -99,10 +108,17 @@ def renew_in(session: Session, run_id: str, holder: str) -> bool:
     return bool(getattr(changed, "rowcount", 0))
 
 
+def fence_in(session: Session, run_id: str, holder: str) -> None:
+    """Renew ``holder``'s lease on ``run_id`` inside ``session``'s transaction, or raise
+    :class:`LeaseLostError` (the transaction then writes nothing)."""
+    if not renew_in(session, run_id, holder):
+        raise lost_error(run_id, lease_in(session, run_id))
+
+
 class SqlLeases:
     """The lease operations of :class:`storage.sql.SqlRunStore` (a mixin over its sessions)."""
 
-    def _session(self) -> AbstractContextManager[Session]:
+    def _session(self, fence: str | None = None) -> AbstractContextManager[Session]:
         raise NotImplementedError  # SqlRunStore's transactions
 
     def lease(self, run_id: str) -> Lease | None:

@@ -88,14 +88,17 @@ class InMemoryRunStore(RunStore):
 
     def _set_run_status(self, run_id: str, status: str) -> None:
         with self._lock:
+            self._fence(run_id)
             self._update_run(run_id, status=status)
 
     def set_run_config(self, run_id: str, config: Mapping[str, Any]) -> None:
         with self._lock:
+            self._fence(run_id)
             self._update_run(run_id, config=dict(config))
 
     def set_plan(self, run_id: str, plan: Mapping[str, Any], *, revise: bool = False) -> int:
         with self._lock:
+            self._fence(run_id)
             run = self.get_run(run_id)
             version = plan_version(run_id, run.plan_version, revise)
             self._update_run(run_id, plan=dict(plan), plan_version=version)
@@ -103,6 +106,7 @@ class InMemoryRunStore(RunStore):
 
     def set_profile(self, run_id: str, document: Mapping[str, Any]) -> None:
         with self._lock:
+            self._fence(run_id)
             self.get_run(run_id)
             self._profiles[run_id] = json.loads(json.dumps(dict(document)))  # as SQL keeps it
 
@@ -113,6 +117,7 @@ class InMemoryRunStore(RunStore):
 
     def open_round(self, run_id: str, number: int, participants: Sequence[str]) -> RoundRecord:
         with self._lock:
+            self._fence(run_id)
             self.get_run(run_id)
             existing = self._rounds.get((run_id, number))
             if existing is not None and existing.state == "committed":
@@ -130,12 +135,14 @@ class InMemoryRunStore(RunStore):
     def record_result(self, run_id: str, number: int, result: DeviceResult) -> None:
         validate_result(result)
         with self._lock:
+            self._fence(run_id)
             record = self._open_round(run_id, number)
             others = tuple(r for r in record.results if r.device != result.device)
             self._rounds[(run_id, number)] = replace(record, results=(*others, result))
 
     def _set_round_state(self, run_id: str, number: int, state: str) -> None:
         with self._lock:
+            self._fence(run_id)
             record = self._open_round(run_id, number)
             self._rounds[(run_id, number)] = replace(record, state=state)
 
@@ -151,9 +158,8 @@ class InMemoryRunStore(RunStore):
         if not weights:
             raise ValueError("commit_round: weights must name at least one segment")
         with self._lock:
+            self._fence(run_id)
             record = self._open_round(run_id, number)
-            if (holder := self.fenced(run_id)) and not self.renew_lease(run_id, holder):
-                raise lost_error(run_id, self._leases.get(run_id))
             self._weights[(run_id, number)] = (_copy(weights), _copy(optimizer_states or {}))
             record = replace(
                 record,
@@ -169,6 +175,12 @@ class InMemoryRunStore(RunStore):
             return record
 
     # ---------------------------------------------------------------- leases
+    def _fence(self, run_id: str | None) -> None:
+        """Renew the fenced holder's lease on ``run_id`` before a write, or raise."""
+        holder = None if run_id is None else self.fenced(run_id)
+        if run_id is not None and holder is not None and not self.renew_lease(run_id, holder):
+            raise lost_error(run_id, self._leases.get(run_id))
+
     def lease(self, run_id: str) -> Lease | None:
         with self._lock:
             return self._leases.get(run_id)
@@ -227,6 +239,7 @@ class InMemoryRunStore(RunStore):
 
     def add_metrics(self, run_id: str, points: Iterable[MetricPoint]) -> None:
         with self._lock:
+            self._fence(run_id)
             self.get_run(run_id)
             stamped = [p if p.recorded_at else replace(p, recorded_at=utcnow()) for p in points]
             self._metrics.setdefault(run_id, []).extend(stamped)
@@ -237,6 +250,7 @@ class InMemoryRunStore(RunStore):
 
     def add_event(self, run_id: str | None, event: Event) -> None:
         with self._lock:
+            self._fence(run_id)
             if run_id is not None:
                 self.get_run(run_id)
             self._events.append((run_id, event if event.at else replace(event, at=utcnow())))

@@ -25,7 +25,7 @@ from storage.checkpoints import CheckpointFiles, encode
 from storage.engine import create_store_engine, database_failure, opening_error, shown_url
 from storage.errors import NotAStoreError, NotFoundError, StateError, StoreError
 from storage.integrity import integrity_problems
-from storage.lease import SqlLeases, lease_in, lost_error, renew_in
+from storage.lease import SqlLeases, fence_in
 from storage.location import choose_root, default_root, unknown_root_error
 from storage.records import (
     CheckpointRef,
@@ -144,9 +144,13 @@ class SqlRunStore(SqlLeases, RunStore):
         return self._files
 
     @contextmanager
-    def _session(self) -> Iterator[Session]:
+    def _session(self, fence: str | None = None) -> Iterator[Session]:
+        """A transaction; ``fence``: a run whose lease must still be this store's holder's
+        (:meth:`fence`), renewed in the transaction, else :class:`LeaseLostError`."""
         try:
             with self._sessions.begin() as session:
+                if fence is not None and (holder := self.fenced(fence)) is not None:
+                    fence_in(session, fence, holder)
                 yield session
         except (OperationalError, ProgrammingError, InternalError) as error:
             raise database_failure(self.url, error) from None
@@ -225,17 +229,17 @@ class SqlRunStore(SqlLeases, RunStore):
             ]
 
     def _set_run_status(self, run_id: str, status: str) -> None:
-        with self._session() as session:
+        with self._session(run_id) as session:
             row = self._run_row(session, run_id)
             row.status, row.updated_at = status, utcnow()
 
     def set_run_config(self, run_id: str, config: Mapping[str, Any]) -> None:
-        with self._session() as session:
+        with self._session(run_id) as session:
             row = self._run_row(session, run_id)
             row.config, row.updated_at = dict(config), utcnow()
 
     def set_plan(self, run_id: str, plan: Mapping[str, Any], *, revise: bool = False) -> int:
-        with self._session() as session:
+        with self._session(run_id) as session:
             row = self._run_row(session, run_id)
             version = plan_version(run_id, row.plan_version, revise)
             row.plan, row.plan_version, row.updated_at = dict(plan), version, utcnow()
@@ -257,7 +261,7 @@ class SqlRunStore(SqlLeases, RunStore):
         return row
 
     def open_round(self, run_id: str, number: int, participants: Sequence[str]) -> RoundRecord:
-        with self._session() as session:
+        with self._session(run_id) as session:
             self._run_row(session, run_id)
             row = session.scalar(
                 select(RoundRow).where(RoundRow.run_id == run_id, RoundRow.number == number)
@@ -279,7 +283,7 @@ class SqlRunStore(SqlLeases, RunStore):
     def record_results(self, run_id: str, number: int, results: Sequence[DeviceResult]) -> None:
         for result in results:
             validate_result(result)
-        with self._session() as session:
+        with self._session(run_id) as session:
             row = self._uncommitted(session, run_id, number)
             replaced = {r.device for r in results}
             for existing in list(row.results):
@@ -303,7 +307,7 @@ class SqlRunStore(SqlLeases, RunStore):
             )
 
     def _set_round_state(self, run_id: str, number: int, state: str) -> None:
-        with self._session() as session:
+        with self._session(run_id) as session:
             self._uncommitted(session, run_id, number).state = state
 
     def commit_round(
@@ -321,17 +325,15 @@ class SqlRunStore(SqlLeases, RunStore):
         # durable before any row names them, and a killed commit's files known to its run.
         kinds = [("weights", weights), ("optimizer", optimizer_states or {})]
         encoded = [(s, k, *encode(t)) for k, group in kinds for s, t in group.items()]
-        with self._session() as session:
+        with self._session(run_id) as session:
             pending.mark(session, run_id, (digest for *_, digest, _ in encoded))
         refs = []
         for segment, kind, digest, payload in encoded:
             self.files.write(digest, payload)
             refs.append(CheckpointRef(segment, kind, digest, len(payload)))
         # 2. One transaction makes the round committed and current, or nothing happens.
-        with self._session() as session:
+        with self._session(run_id) as session:
             row = self._uncommitted(session, run_id, number)
-            if (holder := self.fenced(run_id)) and not renew_in(session, run_id, holder):
-                raise lost_error(run_id, lease_in(session, run_id))
             for ref in refs:
                 row.checkpoints.append(
                     CheckpointRow(
@@ -383,7 +385,7 @@ class SqlRunStore(SqlLeases, RunStore):
 
     # ---------------------------------------------------------------- metrics and events
     def add_metrics(self, run_id: str, points: Iterable[MetricPoint]) -> None:
-        with self._session() as session:
+        with self._session(run_id) as session:
             self._run_row(session, run_id)
             session.add_all(
                 MetricRow(
@@ -408,7 +410,7 @@ class SqlRunStore(SqlLeases, RunStore):
             ]
 
     def add_event(self, run_id: str | None, event: Event) -> None:
-        with self._session() as session:
+        with self._session(run_id) as session:
             if run_id is not None:
                 self._run_row(session, run_id)
             session.add(
@@ -474,12 +476,12 @@ class SqlRunStore(SqlLeases, RunStore):
     def discard_pending(self, run_id: str) -> int:
         if self.readonly or self._files is None:
             return 0
-        with self._session() as session:
+        with self._session(run_id) as session:
             return pending.discard(session, self._files, run_id)
 
     # ---------------------------------------------------------------- profiles
     def set_profile(self, run_id: str, document: Mapping[str, Any]) -> None:
-        with self._session() as session:
+        with self._session(run_id) as session:
             self._run_row(session, run_id)
             row = RunProfileRow(run_id=run_id, document=dict(document), recorded_at=utcnow())
             session.merge(row)

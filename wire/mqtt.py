@@ -417,6 +417,17 @@ class MqttTransport(Transport):
         self._client.loop_stop()
         self.mailbox.stop()
 
+    def leave(self) -> None:
+        """Disconnect now and never reconnect, without waiting for what is unacknowledged
+        (a coordinator whose run was taken over: its reconnect would knock its successor,
+        with the same client id, off the broker)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._client.disconnect()
+        self._client.loop_stop()
+        self.mailbox.stop()
+
     def kill(self) -> None:
         """Drop the network connection without DISCONNECT, as a crash would (for tests)."""
         if self._closed:

@@ -140,7 +140,7 @@ class Deployment:
             "1e12",
         )
 
-    def start_coordinator(self, name: str = "coordinator") -> subprocess.Popen[bytes]:
+    def start_coordinator(self, name: str = "coordinator", *extra: str) -> subprocess.Popen[bytes]:
         # a server database is told once where its checkpoints go (it records the folder)
         where = () if self.db.startswith("sqlite") else ("--checkpoints", "checkpoints")
         if self.max_attempts is not None:
@@ -155,6 +155,7 @@ class Deployment:
             "--broker",
             self.broker_for("coordinator"),
             *where,
+            *extra,
         )
 
     def start_all(self) -> subprocess.Popen[bytes]:

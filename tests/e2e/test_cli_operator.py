@@ -153,7 +153,7 @@ def test_runs_stop_stops_a_running_coordinator(tmp_path: Path) -> None:
     assert events.returncode == 0
     kinds = [line.split("  ")[1] for line in events.stdout.splitlines()]
     assert kinds[-3:] == ["stop-requested", "stopping", "cancelled"], events.stdout
-    assert "stop requested (edgesplit runs stop)" in events.stdout.splitlines()[-1]
+    assert "stop requested by edgesplit runs stop" in events.stdout.splitlines()[-1]
 
 
 def test_runs_stop_cancels_a_run_nothing_drives_and_status_shows_why(tmp_path: Path) -> None:

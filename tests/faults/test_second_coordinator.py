@@ -5,9 +5,16 @@ up after six outages."""
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 
 from storage import open_store
+from tests.e2e.deployment import EDGES, Deployment
 from tests.faults.conftest import Fleet
 from tests.faults.restarts import RUN
 from tests.faults.watch import status_of
@@ -17,6 +24,13 @@ pytestmark = pytest.mark.e2e
 
 def test_a_second_coordinator_of_a_running_run_is_refused(fleet: Fleet) -> None:
     deployment, _ = fleet(rounds=2, per_edge=160)
+    try:
+        _second_refused(deployment)
+    finally:
+        deployment.stop()  # the next test starts devices of the same names
+
+
+def _second_refused(deployment: Deployment) -> None:
     first = deployment.start_all()
     running = deployment.wait_until(lambda s: s["rounds"] != [], 300, "round 1")
     assert running["coordinator"]["pid"] == first.pid, running["coordinator"]
@@ -37,3 +51,58 @@ def test_a_second_coordinator_of_a_running_run_is_refused(fleet: Fleet) -> None:
         assert store.lease(RUN) is None  # given back at the end
     assert "broker-outage" not in kinds, kinds
     assert "lease-taken-over" not in kinds, kinds
+
+
+@pytest.mark.parametrize("wake", ["SIGCONT", "SIGTERM"])
+def test_a_frozen_coordinator_is_taken_over_and_wakes_up_without_a_trace(
+    fleet: Fleet, wake: str
+) -> None:
+    # SIGSTOP for longer than its lease: a successor takes the run over. Woken (SIGCONT: it
+    # carries on where it stopped; SIGTERM first: into its cancel path), the first must write
+    # nothing and must not knock the successor (the same MQTT client id) off the broker
+    deployment, _ = fleet(rounds=6, per_edge=160)
+    try:
+        _frozen_taken_over(deployment, wake == "SIGTERM")
+    finally:
+        deployment.stop()
+
+
+def _frozen_taken_over(deployment: Deployment, terminate: bool) -> None:
+    deployment.start_gpu()
+    for name in EDGES:
+        deployment.start_edge(name)
+    first = deployment.start_coordinator("coordinator", *_SHORT_LEASE)
+    deployment.wait_until(lambda s: s["rounds"] != [], 300, "round 1")
+    os.kill(first.pid, signal.SIGSTOP)
+    try:
+        second = deployment.start_coordinator("coordinator-2", *_SHORT_LEASE)
+        took = lambda s: (s["coordinator"] or {}).get("pid") == second.pid  # noqa: E731
+        _wait(deployment, took, "the take-over")
+        taken = status_of(deployment)["current_round"] or 0
+        _wait(deployment, lambda s: (s["current_round"] or 0) > taken, "a successor's round")
+        if terminate:
+            first.send_signal(signal.SIGTERM)
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
+
+    assert first.wait(60) == 1, deployment.log("coordinator")
+    assert "lease was taken over" in deployment.log("coordinator")
+    assert second.wait(600) == 0, deployment.log("coordinator-2")
+    status = status_of(deployment)
+    assert status["status"] == "finished" and len(status["rounds"]) == 6, status
+    with open_store(deployment.db, readonly=True) as store:
+        kinds = [e.kind for e in store.events(RUN)]
+    assert kinds.count("lease-taken-over") == 1 and "cancelled" not in kinds, kinds
+    assert "MQTT connection lost" not in deployment.log("coordinator-2")
+
+
+_SHORT_LEASE = ("--lease-seconds", "4")
+
+
+def _wait(deployment: Deployment, condition: Callable[[dict[str, Any]], bool], what: str) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if condition(status_of(deployment)):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}: {status_of(deployment)}")

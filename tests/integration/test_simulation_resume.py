@@ -40,7 +40,8 @@ def test_a_cancelled_run_resumes_only_on_the_same_data_partition_and_devices(
 ) -> None:
     out = tmp_path / "sim"
     first = _simulate(out)["run_id"]
-    assert _kinds(out, first)[0] == "simulation" and "resumed" not in _kinds(out, first)
+    assert _kinds(out, first)[:2] == ["model-code", "simulation"]
+    assert "resumed" not in _kinds(out, first)
     changes = [
         ({"clients": 3}, "other partition, other devices"),
         ({"partition": {"kind": "dirichlet", "alpha": 0.5}}, "other partition"),

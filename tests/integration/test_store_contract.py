@@ -265,13 +265,24 @@ class StoreContract:
         store.open_round("r", 1, ["a"])
         store.commit_round("r", 1, weights_for(1))
         taken = store.lease("r")
-        assert taken is not None and taken.beats == 1  # the commit renewed it
-        assert store.claim_lease(lease("r", "b"), replacing=taken)
+        assert taken is not None and taken.beats >= 2  # the open and the commit renewed it
         store.open_round("r", 2, ["a"])
+        taken = store.lease("r")
+        assert taken is not None and store.claim_lease(lease("r", "b"), replacing=taken)
         with pytest.raises(LeaseLostError, match=r"taken over.*h-b"):
             store.commit_round("r", 2, weights_for(2))
-        assert store.get_run("r").current_round == 1
-        assert store.get_round("r", 2).state == "open"
+        for write in (  # every write to the run: a stale coordinator changes nothing
+            lambda: store.open_round("r", 2, ["b"]),
+            lambda: store.record_result("r", 2, DeviceResult("a", examples=1)),
+            lambda: store.set_run_status("r", "cancelled"),
+            lambda: store.add_event("r", Event("cancelled", "a stale coordinator")),
+            lambda: store.add_metrics("r", [MetricPoint("loss", 1.0)]),
+        ):
+            with pytest.raises(LeaseLostError):
+                write()
+        assert store.get_run("r").current_round == 1 and store.get_run("r").status == "created"
+        assert store.get_round("r", 2).state == "open" and store.get_round("r", 2).results == ()
+        assert store.events("r") == [] and store.metrics("r") == []
         store.fence("r", None)
         store.commit_round("r", 2, weights_for(2))
         assert store.get_run("r").current_round == 2

@@ -99,7 +99,7 @@ def fleets(draw: st.DrawFn) -> list[DeviceSpec]:
 
 def _memory(profile: ModelProfile, config: PartitionConfig, a: int, b: int) -> int:
     return estimate_segment_memory(
-        profile, a, b, config.batch_size, config.optimizer, config.local_loss, config.anchor
+        profile, a, b, config.batch_size, config.optimizer, config.head, config.anchor
     ).total
 
 
@@ -144,7 +144,8 @@ def _brute_force(
             continue
         edge_times = []
         for edge, s in zip(edges, splits, strict=False):
-            flops = sum(b.flops for b in profile.blocks[:s]) + heads[s].flops
+            head = heads[s].flops if config.head else 0  # a backprop edge runs no head
+            flops = sum(b.flops for b in profile.blocks[:s]) + head
             upload = batch * (profile.blocks[s - 1].output_bytes + LABEL_BYTES) / edge.uplink
             step = max(TRAIN_FLOPS_FACTOR * batch * flops / edge.flops, upload)
             if edge.round_batches:  # the segment's weights down and up, spread over the round
@@ -166,11 +167,17 @@ def _brute_force(
     batch=st.sampled_from([1, 8, 32]),
     cuts=st.sampled_from(["per-device", "per-device", "uniform"]),
     anchor=st.booleans(),
+    mode=st.sampled_from(["local-loss", "backprop"]),
 )
 def test_partitioner_matches_brute_force(
-    profile: ModelProfile, devices: list[DeviceSpec], batch: int, cuts: str, anchor: bool
+    profile: ModelProfile,
+    devices: list[DeviceSpec],
+    batch: int,
+    cuts: str,
+    anchor: bool,
+    mode: str,
 ) -> None:
-    config = PartitionConfig(batch_size=batch, optimizer="sgd", cuts=cuts, anchor=anchor)
+    config = PartitionConfig(batch_size=batch, optimizer="sgd", cuts=cuts, anchor=anchor, mode=mode)
     expected = _brute_force(profile, devices, config)
     if expected is None:
         with pytest.raises(InfeasiblePlanError):
@@ -211,6 +218,23 @@ def test_edge_too_small_names_device_need_and_fix() -> None:
     message = str(caught.value)
     assert "'pi-01'" in message and "1.0 KiB" in message and "blocks [0, 1)" in message
     assert "lower the batch size" in message
+
+
+def test_a_splitfed_edge_is_sized_for_the_gradient_it_receives_not_for_a_head() -> None:
+    profile = _small_profile()
+    local, splitfed = PartitionConfig(batch_size=8), PartitionConfig(batch_size=8, mode="backprop")
+    assert splitfed.head is None and local.head == "linear"
+    need = Problem.build(profile, splitfed).edge_memory
+    estimate = {  # of [0, 1): with the linear head, and with the received gradient instead
+        head: estimate_segment_memory(profile, 0, 1, 8, "sgd-momentum", head).total
+        for head in ("linear", None)
+    }
+    assert need[1] - Problem.build(profile, local).edge_memory[1] == (
+        estimate[None] - estimate["linear"]
+    )
+    with pytest.raises(InfeasiblePlanError, match=r"blocks \[0, 1\) with no head \(backprop"):
+        plan_split(profile, _fleet(need[1] - 1), splitfed)
+    assert plan_split(profile, _fleet(need[1]), splitfed).edge("pi-01").blocks == (0, 1)
 
 
 def test_many_edges_too_small_get_one_line_per_memory_size() -> None:

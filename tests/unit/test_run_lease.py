@@ -9,7 +9,8 @@ import pytest
 
 from coordinator.errors import RunHeldError
 from coordinator.lease import RunLease
-from storage import InMemoryRunStore, Lease, LeaseLostError
+from split_models.errors import ConfigError
+from storage import Event, InMemoryRunStore, Lease, LeaseLostError
 from storage.records import utcnow
 
 pytestmark = pytest.mark.unit
@@ -109,16 +110,24 @@ def test_a_silent_holder_that_outlasts_the_wait_is_refused() -> None:
 def test_a_lease_taken_over_stops_its_coordinator_and_its_commits() -> None:
     store = InMemoryRunStore()
     store.create_run("r", {}, seed=0)
-    lease = RunLease(store, "r", ttl=0.06).acquire()
+    lease = RunLease(store, "r", ttl=1.0).acquire()
     mine = store.lease("r")
     assert mine is not None
     lease._closed.set()  # as if the coordinator froze: no more renewals
     assert lease._thread is not None
     lease._thread.join()
-    assert store.claim_lease(other("elsewhere"), replacing=store.lease("r"))
     store.open_round("r", 1, ["a"])
+    assert store.claim_lease(other("elsewhere"), replacing=store.lease("r"))
     with pytest.raises(LeaseLostError, match="taken over"):
         store.commit_round("r", 1, {"s": {}})
+    for write in (
+        lambda: store.open_round("r", 2, ["a"]),
+        lambda: store.set_run_status("r", "cancelled"),
+        lambda: store.add_event("r", Event("cancelled", "by a coordinator gone")),
+    ):
+        with pytest.raises(LeaseLostError):
+            write()
+    assert store.get_run("r").status == "created" and store.events("r") == []
     lease._closed.clear()
     lease._renew_once()
     assert lease.lost.is_set()
@@ -129,6 +138,7 @@ def test_a_lease_taken_over_stops_its_coordinator_and_its_commits() -> None:
     assert held is not None and held.holder == "other"  # a lost lease is not given up
 
 
-def test_a_lease_needs_a_positive_ttl() -> None:
-    with pytest.raises(ValueError, match="ttl"):
-        RunLease(InMemoryRunStore(), "r", ttl=0)
+def test_a_lease_needs_a_sensible_ttl() -> None:
+    for ttl in (0.0, 0.5, 1e5):
+        with pytest.raises(ConfigError, match="--lease-seconds: expected 1 to 3600 s"):
+            RunLease(InMemoryRunStore(), "r", ttl=ttl)
