@@ -32,7 +32,7 @@ from storage.base import RunStore
 from storage.lease import Lease, lost_error
 from storage.records import utcnow
 
-__all__ = ["LEASE_TTL", "RunLease", "process_alive"]
+__all__ = ["LEASE_TTL", "RunLease", "holder_gone", "process_alive"]
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,14 @@ def process_alive(pid: int) -> bool:
     except OSError:
         return True  # cannot tell: assume alive, the lease then expires by time
     return True
+
+
+def holder_gone(lease: Lease, alive: Callable[[int], bool] = process_alive) -> bool:
+    """Whether ``lease``'s coordinator is known to be gone: its lease expired, or it ran on
+    this host and its process no longer exists."""
+    if lease.expired():
+        return True
+    return lease.host == socket.gethostname() and lease.pid != os.getpid() and not alive(lease.pid)
 
 
 class RunLease:
@@ -85,10 +93,7 @@ class RunLease:
         return Lease(self.run_id, self.holder, self.host, self.pid, self.ttl, now, now)
 
     def _gone(self, held: Lease) -> bool:
-        """Whether ``held``'s coordinator is known to be gone (or its lease expired)."""
-        if held.expired():
-            return True
-        return held.host == self.host and held.pid != self.pid and not self._alive(held.pid)
+        return holder_gone(held, self._alive)
 
     def acquire(self, wait: float | None = None) -> RunLease:
         """Take the lease (see the module), waiting up to ``wait`` s (default: the ttl and a

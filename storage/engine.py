@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sqlite3
 import time
 from typing import Any
@@ -42,6 +43,9 @@ def opening_error(url: str, error: Exception) -> StoreError:
     sqlite = str(url).startswith("sqlite")
     if isinstance(error, OperationalError):
         message = f"cannot open the database at {shown_url(url)}: {reason}"
+        if not sqlite and re.search(r'database ".*" does not exist', reason):  # reached
+            name = make_url(str(url)).database
+            return NotAStoreError(f"{message}; create it first (createdb {name})")
         if not sqlite:  # a server: down, wrong address, login refused
             return UnreachableError(f"{message}; is the database server running and reachable?")
         return StoreError(message)

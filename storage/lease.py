@@ -131,7 +131,7 @@ class SqlLeases:
         try:
             with self._session() as session:
                 if replacing is None:
-                    session.add(_row(lease))
+                    session.add(RunLeaseRow(run_id=lease.run_id, **_columns(lease, lease.beats)))
                     session.flush()
                     return True
                 changed = session.execute(
@@ -141,15 +141,7 @@ class SqlLeases:
                         RunLeaseRow.holder == replacing.holder,
                         RunLeaseRow.beats == replacing.beats,
                     )
-                    .values(
-                        holder=lease.holder,
-                        host=lease.host,
-                        pid=lease.pid,
-                        ttl_seconds=lease.ttl,
-                        acquired_at=lease.acquired_at,
-                        renewed_at=lease.renewed_at,
-                        beats=replacing.beats + 1,
-                    )
+                    .values(**_columns(lease, replacing.beats + 1))
                     .execution_options(synchronize_session=False)
                 )
                 return bool(getattr(changed, "rowcount", 0))
@@ -175,14 +167,14 @@ class SqlLeases:
             return [_record(r) for r in session.scalars(select(RunLeaseRow))]
 
 
-def _row(lease: Lease) -> RunLeaseRow:
-    return RunLeaseRow(
-        run_id=lease.run_id,
-        holder=lease.holder,
-        host=lease.host,
-        pid=lease.pid,
-        ttl_seconds=lease.ttl,
-        acquired_at=lease.acquired_at,
-        renewed_at=lease.renewed_at,
-        beats=lease.beats,
-    )
+def _columns(lease: Lease, beats: int) -> dict[str, object]:
+    """The row's columns but its key, from ``lease``, at ``beats`` renewals."""
+    return {
+        "holder": lease.holder,
+        "host": lease.host,
+        "pid": lease.pid,
+        "ttl_seconds": lease.ttl,
+        "acquired_at": lease.acquired_at,
+        "renewed_at": lease.renewed_at,
+        "beats": beats,
+    }

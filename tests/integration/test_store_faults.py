@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from storage import CheckpointError, CheckpointWriteError, RunStore, StoreError, open_store
+from storage.errors import NotAStoreError
 from storage.migrate import upgrade
 from storage.sql import create_store_engine
 from tests.e2e.cli import ROOT
@@ -321,3 +322,11 @@ def test_orphans_and_dead_processes_temporary_files_are_collected_on_open_and_by
 
 
 _OUT = {"capture_output": True, "text": True, "check": True}
+
+
+def test_a_database_the_server_does_not_have_is_named_with_the_fix(postgres_url: str) -> None:
+    from sqlalchemy.engine import make_url
+
+    missing = make_url(postgres_url).set(database="edgesplit_no_such_db").render_as_string(False)
+    with pytest.raises(NotAStoreError, match=r"does not exist; create it first \(createdb"):
+        open_store(missing)

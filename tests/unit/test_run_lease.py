@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 from datetime import timedelta
 
 import pytest
 
 from coordinator.errors import RunHeldError
 from coordinator.lease import RunLease
+from coordinator.stopping import request_stop
 from split_models.errors import ConfigError
 from storage import Event, InMemoryRunStore, Lease, LeaseLostError
 from storage.records import utcnow
@@ -142,3 +145,25 @@ def test_a_lease_needs_a_sensible_ttl() -> None:
     for ttl in (0.0, 0.5, 1e5):
         with pytest.raises(ConfigError, match="--lease-seconds: expected 1 to 3600 s"):
             RunLease(InMemoryRunStore(), "r", ttl=ttl)
+
+
+def test_runs_stop_cancels_at_once_a_run_whose_coordinator_here_is_gone() -> None:
+    store = InMemoryRunStore()
+    store.create_run("r", {}, seed=0)
+    store.set_run_status("r", "training")
+    store.claim_lease(other(socket.gethostname(), pid=_dead_pid()))
+
+    def no_sleep(_: float) -> None:
+        raise AssertionError("waited for an answer nobody can give")
+
+    said = request_stop(store, "r", sleep=no_sleep)
+
+    assert said == "run r is cancelled (no coordinator was driving it)"
+    assert store.get_run("r").status == "cancelled"
+
+
+def _dead_pid() -> int:
+    """The pid of a process that has ended."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
