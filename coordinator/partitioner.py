@@ -326,7 +326,8 @@ def _edge_errors(
             messages.append(
                 f"{_names(names)} {has} {format_bytes(memory)} but {its} smallest segment, "
                 f"blocks [0, {low}) {_with_head(config)}, needs "
-                f"{_describe(profile, config, 0, low, buffers)}"
+                f"{_describe(profile, config, 0, low, buffers)}, "
+                f"{format_bytes(problem.edge_memory[low] - memory)} more than it has"
                 "; lower the batch size, give the device "
                 "more memory, or use a model with a smaller first block"
             )

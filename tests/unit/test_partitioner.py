@@ -234,6 +234,8 @@ def test_a_splitfed_edge_is_sized_for_the_gradient_it_receives_not_for_a_head() 
     )
     with pytest.raises(InfeasiblePlanError, match=r"blocks \[0, 1\) with no head \(backprop"):
         plan_split(profile, _fleet(need[1] - 1), splitfed)
+    with pytest.raises(InfeasiblePlanError, match="1 B more than it has"):  # not "2.7 MiB" twice
+        plan_split(profile, _fleet(need[1] - 1), splitfed)
     assert plan_split(profile, _fleet(need[1]), splitfed).edge("pi-01").blocks == (0, 1)
 
 
