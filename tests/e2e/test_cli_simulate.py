@@ -48,7 +48,7 @@ def test_default_simulation_trains_and_writes_its_outputs(tmp_path: Path) -> Non
     assert stored["status"] == "finished"
     assert stored["events"]["simulation"] == 1 and stored["events"]["planned"] == 1, stored
     plain = run_cli("status", "--db", str(out / "runs.db"), "--run", summary["run_id"])
-    assert "events: simulation 1, " in plain.stdout, plain.stdout  # a finished run's too
+    assert "events: model-code 1, simulation 1, " in plain.stdout, plain.stdout  # finished too
     # status and summary.json count the same clients and examples; the GPU server apart
     trained = sum(c["examples"] for c in clients)
     assert sum(r["examples"] for r in stored["rounds"]) == trained
