@@ -14,11 +14,14 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import re
 from collections.abc import Iterable, Sequence
 
 from torch import nn
 
 __all__ = ["changed_blocks", "describe_blocks", "model_fingerprint", "parse_fingerprint"]
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
 def _source(cls: type) -> str:
@@ -28,10 +31,16 @@ def _source(cls: type) -> str:
         return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def _stable(text: str) -> str:
+    """``text`` without object addresses (``<function f at 0x7f...>``), which differ from one
+    process to the next."""
+    return _ADDRESS.sub("", text)
+
+
 def block_digest(block: nn.Module) -> str:
     """16 hex digits over ``block``'s module tree, traced code and non-torch classes' source."""
-    digest = hashlib.sha256(repr(block).encode())
-    digest.update(str(getattr(block, "code", "")).encode())  # a torch.fx GraphModule's forward
+    digest = hashlib.sha256(_stable(repr(block)).encode())
+    digest.update(_stable(str(getattr(block, "code", ""))).encode())  # a GraphModule's forward
     classes = {type(m) for m in block.modules()}
     for cls in sorted(classes, key=lambda c: (c.__module__, c.__qualname__)):
         if not cls.__module__.startswith("torch."):

@@ -55,6 +55,21 @@ def test_a_traced_block_has_its_generated_code_in_its_digest() -> None:
     assert block_digest(relu) != block_digest(gelu)
 
 
+class WithAFunction(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.act = lambda x: x  # shown in repr with its address, new in every process
+
+    def extra_repr(self) -> str:
+        return f"act={self.act}"
+
+
+def test_an_object_address_in_a_repr_does_not_change_the_digest() -> None:
+    first, second = WithAFunction(), WithAFunction()
+    assert repr(first) != repr(second)
+    assert block_digest(first) == block_digest(second)
+
+
 def test_stored_fingerprints_parse_back_and_changes_are_named() -> None:
     assert parse_fingerprint('{"blocks": ["a", "b"]}') == ["a", "b"]
     assert parse_fingerprint("not json") is None
