@@ -3,7 +3,7 @@
 A coordinator claims the lease before it connects to the broker (two coordinators of a run
 share one MQTT client id and would knock each other off) and before it reads or writes the
 run. While it drives the run a thread renews the lease every ``ttl / 3`` s; the store renews
-it again in each round's commit, which fails once another coordinator took it over.
+it again in every write to the run, which fails once another coordinator took it over.
 
 A lease held by someone else is taken over when its holder is gone:
 
@@ -29,36 +29,15 @@ from collections.abc import Callable
 from coordinator.errors import RunHeldError
 from split_models.errors import ConfigError
 from storage.base import RunStore
-from storage.lease import Lease, lost_error
+from storage.lease import Lease, lost_error, process_alive
 from storage.records import utcnow
 
-__all__ = ["LEASE_TTL", "RunLease", "holder_gone", "process_alive"]
+__all__ = ["LEASE_TTL", "RunLease"]
 
 log = logging.getLogger(__name__)
 
 LEASE_TTL = 30.0  # seconds without a renewal after which a lease is anybody's
 _POLL = 0.5
-
-
-def process_alive(pid: int) -> bool:
-    """Whether a process ``pid`` exists on this host (one of another user counts)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    except OSError:
-        return True  # cannot tell: assume alive, the lease then expires by time
-    return True
-
-
-def holder_gone(lease: Lease, alive: Callable[[int], bool] = process_alive) -> bool:
-    """Whether ``lease``'s coordinator is known to be gone: its lease expired, or it ran on
-    this host and its process no longer exists."""
-    if lease.expired():
-        return True
-    return lease.host == socket.gethostname() and lease.pid != os.getpid() and not alive(lease.pid)
 
 
 class RunLease:
@@ -92,18 +71,15 @@ class RunLease:
         now = utcnow()
         return Lease(self.run_id, self.holder, self.host, self.pid, self.ttl, now, now)
 
-    def _gone(self, held: Lease) -> bool:
-        return holder_gone(held, self._alive)
-
     def acquire(self, wait: float | None = None) -> RunLease:
         """Take the lease (see the module), waiting up to ``wait`` s (default: the ttl and a
         little) for a silent holder's to expire; :class:`RunHeldError` when a live
-        coordinator holds it. Starts renewing it and fences the store's commits of the run."""
+        coordinator holds it. Starts renewing it and fences the store's writes to the run."""
         limit = self.ttl * 1.2 + 1.0 if wait is None else wait
         started, watched = self._clock(), None
-        while not self._take():
-            held = self.store.lease(self.run_id)
-            if held is not None and not self._gone(held):  # else freed meanwhile: try again
+        while not (tried := self._take())[0]:
+            held = tried[1]
+            if held is not None:  # alive for all it is known (else a claim raced: try again)
                 if watched is not None and (held.holder, held.beats) != watched:
                     raise _held(self.run_id, held, "alive: it renewed the lease meanwhile")
                 if self._clock() - started >= limit:
@@ -123,22 +99,25 @@ class RunLease:
         self._thread.start()
         return self
 
-    def _take(self) -> bool:
-        """One try at the lease: free, or held by a coordinator that is gone."""
+    def _take(self) -> tuple[bool, Lease | None]:
+        """One try at the lease, free or held by a coordinator that is gone: whether it was
+        taken, and the holder that kept it when one does not look gone."""
         held = self.store.lease(self.run_id)
         if held is None:
-            return self.store.claim_lease(self._mine())
+            return self.store.claim_lease(self._mine()), None
         if held.holder == self.holder:
-            return True
-        if not self._gone(held) or not self.store.claim_lease(self._mine(), replacing=held):
-            return False
+            return True, None
+        if not held.gone(self._alive):
+            return False, held
+        if not self.store.claim_lease(self._mine(), replacing=held):
+            return False, None
         self.replaced = held
         log.warning(
             "run %s: took over the lease of a coordinator gone (%s)",
             self.run_id,
             held.describe(),
         )
-        return True
+        return True, None
 
     def _renew(self) -> None:
         while not self._closed.wait(self.ttl / 3) and self._renew_once():

@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable
 
 from coordinator.errors import RunCancelled
-from coordinator.lease import holder_gone
 from storage.base import RunStore
 from storage.records import Event
 
@@ -104,7 +103,7 @@ def request_stop(
     if status in TERMINAL:
         return f"run {run_id} is {status}; nothing to stop"
     held = store.lease(run_id)
-    if held is None or holder_gone(held):  # no coordinator holds the run: nobody would answer
+    if held is None or held.gone():  # no coordinator holds the run: nobody would answer
         mark_cancelled(store, run_id, "stop requested; no coordinator held the run")
         return f"run {run_id} is cancelled (no coordinator was driving it)"
     answers = sum(1 for e in store.events(run_id) if e.kind == STOPPING)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -123,12 +122,9 @@ def status_command(args: argparse.Namespace) -> int:
 def _driver_line(status: dict[str, Any]) -> str | None:
     """Which coordinator drives the run; for an unfinished run nobody drives, that nobody does
     (a lease expired, or held by a process of this host that is gone, drives nothing)."""
-    from coordinator.lease import process_alive
-
     driver, last = status.get("coordinator"), ""
     if driver is not None:
-        here = driver["host"] == socket.gethostname()
-        if not driver["expired"] and not (here and not process_alive(driver["pid"])):
+        if not driver["gone"]:
             return f"driven by the coordinator with {driver['description']}"
         last = f" (the last one, pid {driver['pid']} on {driver['host']}, is gone)"
     if status["status"] in ("planning", "training"):

@@ -235,8 +235,9 @@ class RunStore(abc.ABC):
     def list_leases(self) -> list[Lease]: ...
 
     def fence(self, run_id: str, holder: str | None) -> None:
-        """From now on :meth:`commit_round` of ``run_id`` through this store commits only while
-        ``holder`` holds the run's lease (and renews it); None lifts the condition."""
+        """From now on every write to ``run_id`` through this store (rounds, results, commits,
+        events, metrics, status) happens only while ``holder`` holds the run's lease, and
+        renews it; else :class:`~storage.lease.LeaseLostError`. None lifts the condition."""
         fences: dict[str, str] = self.__dict__.setdefault("_fences", {})
         if holder is None:
             fences.pop(run_id, None)

@@ -14,6 +14,9 @@ Times are each holder's own clock (UTC): hosts whose clocks differ by more than 
 
 from __future__ import annotations
 
+import os
+import socket
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import datetime
@@ -34,8 +37,20 @@ __all__ = [
     "fence_in",
     "lease_in",
     "lost_error",
+    "process_alive",
     "renew_in",
 ]
+
+
+def process_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists on this host (one of another user counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's (PermissionError), or cannot tell: assume alive, the
+        return True  # lease then expires by time
+    return True
 
 
 class LeaseLostError(StateError):
@@ -63,6 +78,14 @@ class Lease:
     def expired(self, now: datetime | None = None) -> bool:
         return self.age(now) > self.ttl
 
+    def gone(self, alive: Callable[[int], bool] = process_alive) -> bool:
+        """Whether the holder is known to be gone: its lease expired, or it ran on this host
+        (in another process) and its process no longer exists."""
+        if self.expired():
+            return True
+        here = self.host == socket.gethostname() and self.pid != os.getpid()
+        return here and not alive(self.pid)
+
     def describe(self, now: datetime | None = None) -> str:
         """``pid 4242 on host-a, renewed 3 s ago``."""
         return f"pid {self.pid} on {self.host}, renewed {max(self.age(now), 0.0):.0f} s ago"
@@ -88,10 +111,14 @@ def _record(row: RunLeaseRow) -> Lease:
     )
 
 
+def _has_leases(session: Session) -> bool:
+    """False on a store from before leases (0003), opened read-only as it is."""
+    return inspect(session.connection()).has_table(RunLeaseRow.__tablename__)
+
+
 def lease_in(session: Session, run_id: str) -> Lease | None:
-    """``run_id``'s lease as ``session`` reads it (None without one, or on a store from
-    before leases opened read-only)."""
-    if not inspect(session.connection()).has_table(RunLeaseRow.__tablename__):
+    """``run_id``'s lease as ``session`` reads it (None without one)."""
+    if not _has_leases(session):
         return None
     row = session.get(RunLeaseRow, run_id)
     return None if row is None else _record(row)
@@ -162,7 +189,7 @@ class SqlLeases:
 
     def list_leases(self) -> list[Lease]:
         with self._session() as session:
-            if not inspect(session.connection()).has_table(RunLeaseRow.__tablename__):
+            if not _has_leases(session):
                 return []
             return [_record(r) for r in session.scalars(select(RunLeaseRow))]
 

@@ -177,8 +177,9 @@ class InMemoryRunStore(RunStore):
     # ---------------------------------------------------------------- leases
     def _fence(self, run_id: str | None) -> None:
         """Renew the fenced holder's lease on ``run_id`` before a write, or raise."""
-        holder = None if run_id is None else self.fenced(run_id)
-        if run_id is not None and holder is not None and not self.renew_lease(run_id, holder):
+        if run_id is None or (holder := self.fenced(run_id)) is None:
+            return
+        if not self.renew_lease(run_id, holder):
             raise lost_error(run_id, self._leases.get(run_id))
 
     def lease(self, run_id: str) -> Lease | None:

@@ -78,6 +78,7 @@ def _driver(store: RunStore, run_id: str) -> dict[str, Any] | None:
         "pid": lease.pid,
         "renewed_seconds_ago": round(lease.age(), 1),
         "expired": lease.expired(),
+        "gone": lease.gone(),
         "description": lease.describe(),
     }
 
