@@ -413,9 +413,7 @@ class MqttTransport(Transport):
             self.flush(timeout=5.0)
         except TransportError:
             log.warning("closing with unacknowledged messages")
-        self._client.disconnect()
-        self._client.loop_stop()
-        self.mailbox.stop()
+        self._disconnect()
 
     def leave(self) -> None:
         """Disconnect now and never reconnect, without waiting for what is unacknowledged
@@ -424,6 +422,9 @@ class MqttTransport(Transport):
         if self._closed:
             return
         self._closed = True
+        self._disconnect()
+
+    def _disconnect(self) -> None:
         self._client.disconnect()
         self._client.loop_stop()
         self.mailbox.stop()
