@@ -100,6 +100,7 @@ class RoundRecorder:
         self._pending: dict[str, dict[str, np.ndarray]] = {}
         # the strategy's server-side state before the aggregation of a try not yet committed
         self._before: dict[str, Any] | None = None
+        self._said: dict[tuple[str, str], int] = {}  # events logged as warnings: first round
 
     def keep_local(
         self,
@@ -177,8 +178,14 @@ class RoundRecorder:
 
     def event(self, number: int, kind: str, detail: str, device: str | None = None) -> None:
         """Something round ``number``'s aggregation did that the operator should know of (a
-        group a rule could not take, a claim capped, an update clipped): logged and stored."""
-        log.warning("round %d: %s", number, detail)
+        group a rule could not take, a claim capped, an update clipped): stored every time,
+        logged as a warning the first time, and at INFO when a later round repeats it (a
+        strategy's fallback for one group holds every round)."""
+        first = self._said.setdefault((kind, detail), number)
+        if first == number:
+            log.warning("round %d: %s", number, detail)
+        else:
+            log.info("round %d: %s (as since round %d)", number, detail, first)
         self.store.add_event(self.run_id, Event(kind, detail, device=device, round=number))
 
     def _trained_local(

@@ -100,3 +100,20 @@ def test_a_commit_collects_old_unreferenced_checkpoint_files(store: SqlRunStore)
     assert store.files.path(young).exists()
     assert store.get_run("rec").current_round == 1
     assert store.integrity_problems(deep=True) == []
+
+
+def test_a_fallback_that_holds_every_round_warns_once_and_is_stored_each_round(
+    store: SqlRunStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    # one replica of a group is too few for Krum: the median stands in every round; the
+    # operator is warned once, and the run's events still say it for each round
+    store.open_round("rec", 2, ["pi-01"])
+    recorder = _recorder(store, "krum")
+    content = {"block0.w": np.ones(4, np.float32)}
+    with caplog.at_level("INFO", logger="coordinator.recorder"):
+        for number in (1, 2):
+            assert recorder.aggregate(number, [_reply(content)]) is not None
+    notes = [e for e in store.events("rec") if e.kind == "aggregation"]
+    assert [e.round for e in notes] == [1, 2], notes
+    levels = [r.levelname for r in caplog.records if "coordinate-wise median" in r.message]
+    assert levels == ["WARNING", "INFO"], caplog.records
