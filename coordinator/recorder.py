@@ -278,11 +278,12 @@ class RoundRecorder:
         self.observer.round_committed(number, evaluation, outcome.results, servers)
         failed = ", ".join(f"{r.device} ({r.failure})" for r in outcome.results if r.failure)
         log.info(
-            "round %d/%d committed: %s, %d device(s) trained%s, %.1f s",
+            "round %d/%d committed: %s, %d edge(s) and %d GPU server(s) trained%s, %.1f s",
             number,
             self.rounds,
             ", ".join(f"{k} {v:.4f}" for k, v in evaluation.items()) or "no eval data",
-            len(trained),
+            len(edges),
+            len(trained) - len(edges),
             f", without {failed}" if failed else "",
             metrics["wall_seconds"],
         )

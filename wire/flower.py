@@ -288,10 +288,21 @@ class TransportGrid(Grid):
                         node_id,
                     )
                     return
+                if (known := self._names.get(node_id, name)) != name:
+                    warn(
+                        log,
+                        ("same id", name),
+                        "ignored %r: its node id %s is %r's, which came online first; "
+                        "rename one of them",
+                        name,
+                        node_id,
+                        known,
+                    )
+                    return
                 self._names[node_id] = name
                 self._online.add(node_id)
                 self._incarnation(node_id, name, incarnation_of(payload))
-            else:
+            elif self._names.get(node_id, name) == name:  # not another's id going offline
                 self._online.discard(node_id)
             self._condition.notify_all()
 

@@ -164,3 +164,30 @@ def test_a_malformed_incarnation_is_no_restart() -> None:
     _settle()
     assert list(grid.pull_messages([identifier])) == []
     assert list(grid.get_node_ids()) == [node]
+
+
+def test_a_name_on_another_names_node_id_is_refused_and_cannot_take_it_offline() -> None:
+    # a device named with the number of another's id (the one way left to share an id):
+    # the first to come online keeps it; the second is ignored, online or offline
+    hub = InProcessHub()
+    grid = TransportGrid(hub.connect("coordinator"))
+    first = node_id_for("pi-02")
+    FlowerNode(hub.connect("pi-02"), first, app, name="pi-02")
+    assert grid.wait_for_nodes(1, timeout=5) == [first]
+    clash = hub.connect(str(first))
+    clash.publish(topics.presence(str(first)), f"online {first}".encode(), True)
+    clash.publish(topics.presence(str(first)), b"offline", True)
+    _settle()
+    assert list(grid.get_node_ids()) == [first]
+    message = grid.create_message(RecordDict(), "query", first, "g")
+    (reply,) = grid.send_and_receive([message], timeout=5)
+    assert reply.content.config_records["a"]["node"] == first
+
+
+def test_names_get_ids_of_63_bits_that_do_not_clash() -> None:
+    # two names a 31-bit CRC gave one id (found by a user-style trial)
+    assert node_id_for("edge-r0uybk8o") != node_id_for("edge-uf356rfu")
+    ids = {node_id_for(f"edge-{n}") for n in range(20_000)}
+    assert len(ids) == 20_000
+    assert all(1 <= i < 2**63 for i in ids)
+    assert max(ids) > 2**62  # the whole range is used, not 31 bits of it
