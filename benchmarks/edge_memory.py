@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT))  # the deployment harness lives in tests/e2e
 from split_models.units import format_bytes, parse_memory  # noqa: E402
 from tests.e2e.deployment import EDGES, SHARED, Deployment  # noqa: E402
 from wire.broker import Broker  # noqa: E402
+from wire.codec import ENCODINGS  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -38,8 +39,15 @@ class EdgeRow:
     peaks: list[int]  # one per round
 
 
-def one_run(broker: Broker, directory: Path, rounds: int) -> list[EdgeRow]:
-    deployment = Deployment(broker.url, f"sqlite:///{directory / 'runs.db'}", directory, rounds)
+def one_run(
+    broker: Broker,
+    directory: Path,
+    rounds: int,
+    training: dict[str, str],
+    budgets: dict[str, str],
+) -> list[EdgeRow]:
+    db = f"sqlite:///{directory / 'runs.db'}"
+    deployment = Deployment(broker.url, db, directory, rounds, training=training, budgets=budgets)
     try:
         coordinator = deployment.start_all()
         if coordinator.wait(900) != 0:
@@ -60,7 +68,7 @@ def one_run(broker: Broker, directory: Path, rounds: int) -> list[EdgeRow]:
             EdgeRow(
                 name,
                 plan[name]["blocks"],
-                parse_memory(EDGES[name]),
+                parse_memory(budgets[name]),
                 int(plan[name]["estimated_peak_bytes"]),
                 peaks,
             )
@@ -72,8 +80,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--runs", type=int, default=3, help="deployments, each a fresh set")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--mode", choices=("local-loss", "backprop"), default="local-loss")
+    parser.add_argument("--compression", choices=ENCODINGS, default="fp16")
+    parser.add_argument(
+        "--budgets",
+        default=",".join(EDGES.values()),
+        help="the three edges' memory, comma-separated (default: %(default)s, three cuts of "
+        "the default job)",
+    )
     parser.add_argument("--out", type=Path, help="append the table to this markdown file")
     args = parser.parse_args()
+    training = {"mode": args.mode, "compression": args.compression}
+    budgets = dict(zip(EDGES, args.budgets.split(","), strict=True))
     report = Report(
         "| run | edge | blocks | budget | estimate | peak per round | highest / estimate |\n"
         "|---|---|---|---|---|---|---|"
@@ -83,7 +101,7 @@ def main() -> int:
     with Broker() as broker:
         for run in range(1, args.runs + 1):
             with tempfile.TemporaryDirectory() as directory:
-                rows = one_run(broker, Path(directory), args.rounds)
+                rows = one_run(broker, Path(directory), args.rounds, training, budgets)
             for row in rows:
                 highest = max(row.peaks)
                 over_budget += sum(p > row.budget for p in row.peaks)
@@ -98,7 +116,8 @@ def main() -> int:
     data = "mnist8k" if SHARED.exists() else "the tiny fixture"
     report.finish(
         f"\nrounds above budget: {over_budget}, above estimate: {over_estimate}, highest peak / "
-        f"estimate {worst:.2f}: {verdict}; data {data}; {machine()}",
+        f"estimate {worst:.2f}: {verdict}; data {data}; {args.mode}, {args.compression} "
+        f"activations; {machine()}",
         args.out,
     )
     return 0 if verdict == "PASS" else 1

@@ -36,6 +36,7 @@ from itertools import combinations
 import numpy as np
 
 from coordinator.plan_config import COMPRESSION_BYTES as COMPRESSION_BYTES
+from coordinator.plan_config import ENCODE_WORK
 from coordinator.plan_config import PartitionConfig as PartitionConfig
 from split_models.devices import DeviceSpec
 from split_models.errors import ConfigError, InfeasiblePlanError
@@ -110,10 +111,7 @@ class Problem:
         return cls(
             num_blocks=profile.num_blocks,
             memory=memory,
-            edge_memory=[
-                memory[0][s] + stream_buffer_bytes(int(cut[s]), config.batch_size) if s else 0
-                for s in range(profile.num_blocks + 1)
-            ],
+            edge_memory=_edge_memory(profile, config, memory, cut),
             edge_flops=prefix + head_flops,
             server_flops=prefix[-1] - prefix,
             cut_bytes=cut,
@@ -121,6 +119,24 @@ class Problem:
             min_edge_blocks=config.min_edge_blocks,
             edge_weight_bytes=(weights + np.array(head_weights)).astype(np.float64),
         )
+
+
+def _edge_memory(
+    profile: ModelProfile, config: PartitionConfig, memory: list[list[int]], cut: np.ndarray
+) -> list[int]:
+    """Each split's edge peak: the segment's step, the stream's send buffers and, in backprop
+    mode, the codec's working copy (a backprop edge compresses a batch and decompresses its
+    gradient while its forward graph is held, at its peak; a local-loss edge sends after its
+    step, in the room the freed graph leaves)."""
+    work = ENCODE_WORK[config.compression] if config.mode == "backprop" else 0.0
+    return [
+        memory[0][s]
+        + stream_buffer_bytes(int(cut[s]), config.batch_size)
+        + math.ceil(work * profile.blocks[s - 1].output_bytes * config.batch_size)
+        if s
+        else 0
+        for s in range(profile.num_blocks + 1)
+    ]
 
 
 def stream_buffer_bytes(cut_bytes_per_sample: int, batch_size: int) -> int:

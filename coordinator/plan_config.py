@@ -8,10 +8,13 @@ from dataclasses import dataclass
 from split_models.errors import ConfigError
 from split_models.options import LOCAL_LOSSES, OPTIMIZERS
 
-__all__ = ["COMPRESSION_BYTES", "CUTS", "PartitionConfig"]
+__all__ = ["COMPRESSION_BYTES", "CUTS", "ENCODE_WORK", "PartitionConfig"]
 
 _MODES = ("local-loss", "backprop")  # split_models.config.MODES, without importing torch
 COMPRESSION_BYTES = {"fp32": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0}
+# the codec's working copy while it compresses a batch (``wire.codec``), as a share of the
+# batch's fp32 activations: bf16 rounds in one uint32 copy, int8 quantises in one float32 copy
+ENCODE_WORK = {"fp32": 0.0, "fp16": 0.0, "bf16": 1.0, "int8": 1.0}
 # per-device: each edge its own cut; uniform: one cut for every edge (the classic SplitFed
 # set-up, and the baseline per-device cuts are measured against)
 CUTS = ("per-device", "uniform")

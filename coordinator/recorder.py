@@ -282,8 +282,7 @@ class RoundRecorder:
             number,
             self.rounds,
             ", ".join(f"{k} {v:.4f}" for k, v in evaluation.items()) or "no eval data",
-            len(edges),
-            len(trained) - len(edges),
+            *(int(metrics[key]) for key in ("participants_ok", "servers_ok")),
             f", without {failed}" if failed else "",
             metrics["wall_seconds"],
         )

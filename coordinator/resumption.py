@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 from datetime import datetime
+from typing import Any
 
 from coordinator.config import (
     STRUCTURE_KEYS,
@@ -44,20 +45,39 @@ _MAX_FIRST_TRY = 900  # devices take tries up to 999; the round's own tries come
 
 def create_or_check(store: RunStore, config: RunConfig, allow_config_change: bool) -> None:
     """Create the run, or check that the stored one trains the same model (and the same way,
-    unless ``allow_config_change``)."""
+    unless ``allow_config_change``); one that committed no round starts over with ``config``."""
     try:
         run = store.get_run(config.run_id)
     except NotFoundError:
         store.create_run(config.run_id, config.to_dict(), config.training.seed)
         _record_code(store, config.run_id, model_code(config))
         return
-    structure = config_changes(run.config, config, STRUCTURE_KEYS)
+    if run.current_round:
+        _check_changes(store, config, run.config, allow_config_change)
+    else:
+        _start_over(store, config, run.config)
+    if run.config != config.to_dict():  # also rounds, deadline, devices: allowed
+        store.set_run_config(config.run_id, config.to_dict())
+    if run.status == "created":  # created before (a simulation's digests), never started
+        return
+    log.info("resuming run %s after round %s", config.run_id, run.current_round or 0)
+    store.add_event(
+        config.run_id, Event("resumed", f"after round {run.current_round or 0} ({run.status})")
+    )
+
+
+def _check_changes(
+    store: RunStore, config: RunConfig, stored: dict[str, Any], allow_config_change: bool
+) -> None:
+    """A run that trained rounds goes on with the same network, and with the same training
+    settings and model code unless ``allow_config_change`` (then the change is recorded)."""
+    structure = config_changes(stored, config, STRUCTURE_KEYS)
     if structure:
         raise ConfigError(
             f"run {config.run_id!r} exists with another network: "
             f"{describe_changes(structure)} (use a new run_id)"
         )
-    changes = config_changes(run.config, config, TRAINING_KEYS)
+    changes = config_changes(stored, config, TRAINING_KEYS)
     if changes and not allow_config_change:
         raise ConfigError(
             f"run {config.run_id!r} was trained with other settings: "
@@ -68,14 +88,21 @@ def create_or_check(store: RunStore, config: RunConfig, allow_config_change: boo
         log.warning("run %s changes its config: %s", config.run_id, describe_changes(changes))
         store.add_event(config.run_id, Event("config-changed", describe_changes(changes)))
     _check_code(store, config, allow_config_change)
-    if run.config != config.to_dict():  # also rounds, deadline, devices: allowed
-        store.set_run_config(config.run_id, config.to_dict())
-    if run.status == "created":  # created before (a simulation's digests), never started
-        return
-    log.info("resuming run %s after round %s", config.run_id, run.current_round or 0)
-    store.add_event(
-        config.run_id, Event("resumed", f"after round {run.current_round or 0} ({run.status})")
-    )
+
+
+def _start_over(store: RunStore, config: RunConfig, stored: dict[str, Any]) -> None:
+    """A run that committed no round (its start failed, or it was stopped in round 1) has
+    trained nothing with its old settings: it starts over with these, whatever changed, and
+    the change is recorded."""
+    changes = config_changes(stored, config, (*STRUCTURE_KEYS, *TRAINING_KEYS))
+    current = model_code(config)
+    if changes or code_change(stored_code(store, config.run_id), current):
+        what = describe_changes(changes) or "the model's code"
+        log.info("run %s committed no round: it starts over with %s", config.run_id, what)
+        store.add_event(
+            config.run_id, Event("config-changed", f"{what} (no round had been committed)")
+        )
+        _record_code(store, config.run_id, current)
 
 
 def model_code(config: RunConfig) -> list[str]:

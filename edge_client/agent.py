@@ -321,15 +321,7 @@ class EdgeAgent:
                 )
             arrays = lease.state()
         self.rounds += 1
-        log.info(
-            "round %d: %d examples, loss %.4f, peak %s (estimate %s, budget %s)",
-            number,
-            report.examples,
-            report.mean_loss,
-            format_bytes(peak[0]) if peak[0] >= 0 else "not measured",
-            format_bytes(task.estimated_peak_bytes),
-            format_bytes(self.budget),
-        )
+        self.log_round(number, report, peak[0], task.estimated_peak_bytes)
         traffic = (
             report.bytes_sent + sum(a.nbytes for a in arrays.values()),
             report.bytes_received + sum(w.nbytes for w in weights.values()),
@@ -337,6 +329,33 @@ class EdgeAgent:
         metrics = self._metrics(task, report, peak[0], traffic, started)
         content = RecordDict({"arrays": array_record(arrays), "metrics": metrics})
         return Message(content, reply_to=message)
+
+    def log_round(self, number: int, report: EdgeRoundReport, peak: int, estimate: int) -> None:
+        """The round's line; a warning when the measured peak went over the budget (the
+        estimate fell short on this device: the operator may lower the batch or the cut)."""
+        loss = (
+            "no local loss"
+            if report.mean_loss != report.mean_loss
+            else f"loss {report.mean_loss:.4f}"
+        )
+        sizes = (format_bytes(estimate), format_bytes(self.budget))
+        if peak > self.budget:
+            log.warning(
+                "round %d: the measured peak %s went over the budget %s (estimated %s): "
+                "this device may run out of memory; give it a smaller batch or a shorter segment",
+                number,
+                format_bytes(peak),
+                sizes[1],
+                sizes[0],
+            )
+        log.info(
+            "round %d: %d examples, %s, peak %s (estimate %s, budget %s)",
+            number,
+            report.examples,
+            loss,
+            format_bytes(peak) if peak >= 0 else "not measured",
+            *sizes,
+        )
 
     @contextmanager
     def _peak(self) -> Iterator[list[int]]:

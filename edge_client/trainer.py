@@ -123,7 +123,9 @@ class EdgeTrainer:
                 self.rejected_gradients += 1
                 log.warning("dropped a gradient of shape %s", getattr(gradient, "shape", None))
                 continue
-            return torch.from_numpy(np.array(gradient, dtype=np.float32))
+            if gradient.dtype != np.float32 or not gradient.flags.writeable:
+                gradient = np.array(gradient, dtype=np.float32)  # a decompressed one is fresh
+            return torch.from_numpy(gradient)
         raise TimeoutError(
             f"no gradient from the GPU servers within {self.config.credit_timeout:.0f} s"
         )

@@ -22,12 +22,21 @@ from split_models.config import MODES, TrainingConfig, default_of
 from split_models.options import INPUT_DTYPE_NAMES, LOCAL_LOSSES, OPTIMIZERS, TASKS, OptimizerConfig
 from split_models.runtime import configure_process
 from wire.codec import ENCODINGS
+from wire.topics import check_name
 
 __all__ = ["main"]
 
 # The model `plan` and `profile` measure when not told (a run's model has no default: RUN.yaml
 # must name it). Every other default below is a configuration dataclass's.
 _MODEL_SHAPE, _MODEL_CLASSES = "1,28,28", 10
+
+
+def _device_name(value: str) -> str:
+    """``--id``: a name the topics can carry (an argparse error otherwise, exit 2)."""
+    try:
+        return check_name(value, "--id")
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error).removeprefix("--id: ")) from None
 
 
 def _model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -244,7 +253,9 @@ def _role_parsers(commands: argparse._SubParsersAction) -> None:  # type: ignore
         description="Announce this device's capabilities and train the blocks each round "
         "assigns, streaming the cut activations to the GPU servers. Runs until stopped.",
     )
-    edge.add_argument("--id", required=True, help="device name (stable across restarts)")
+    edge.add_argument(
+        "--id", required=True, type=_device_name, help="device name (stable across restarts)"
+    )
     edge.add_argument("--broker", default="mqtt://127.0.0.1:1883", help=broker_help)
     _broker_password_flag(edge)
     edge.add_argument("--data", required=True, help="local training data, e.g. npz:PATH")
@@ -261,7 +272,9 @@ def _role_parsers(commands: argparse._SubParsersAction) -> None:  # type: ignore
         description="Announce this server and train the back blocks of each round on the "
         "activation streams of the edges. Runs until stopped.",
     )
-    gpu.add_argument("--id", required=True, help="server name (stable across restarts)")
+    gpu.add_argument(
+        "--id", required=True, type=_device_name, help="server name (stable across restarts)"
+    )
     gpu.add_argument("--broker", default="mqtt://127.0.0.1:1883", help=broker_help)
     _broker_password_flag(gpu)
     gpu.add_argument("--device", choices=("cpu", "cuda"), default="cpu")

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 from split_models.units import format_bytes
+
+if TYPE_CHECKING:
+    from simulation.config import SimConfig
 
 __all__ = ["simulate_command"]
 
@@ -47,17 +52,34 @@ def simulate_command(args: argparse.Namespace) -> int:
     use_profile_cache(profile_cache(args.profile_cache))
     out = Path(args.out)
     title = f"{config.method}: {config.fleet.clients} clients, {config.model.name}"
-    if args.quiet or config.method == "centralized":
-        summary = simulate(
-            config, out, args.broker, observer=RoundObserver(), password=args.broker_password
-        )
-    else:
-        with RoundProgress(config.training.rounds, title) as progress:
+    with _devices_hint(config):
+        if args.quiet or config.method == "centralized":
             summary = simulate(
-                config, out, args.broker, observer=progress, password=args.broker_password
+                config, out, args.broker, observer=RoundObserver(), password=args.broker_password
             )
+        else:
+            with RoundProgress(config.training.rounds, title) as progress:
+                summary = simulate(
+                    config, out, args.broker, observer=progress, password=args.broker_password
+                )
     _print_summary(summary, out)
     return 0
+
+
+@contextlib.contextmanager
+def _devices_hint(config: SimConfig) -> Iterator[None]:
+    """A plan the simulated devices cannot hold says where their memory is set: the devices
+    are the configuration's (``devices:``, defaults sized for the digits cnn), not real ones."""
+    from split_models.errors import InfeasiblePlanError
+
+    try:
+        yield
+    except InfeasiblePlanError as error:
+        profiles = ", ".join(f"{p.name} {format_bytes(p.memory)}" for p in config.fleet.devices)
+        raise InfeasiblePlanError(
+            f"{error}. The simulated clients are the profiles of SIM.yaml's devices: ({profiles}); "
+            "give them more memory there (--config SIM.yaml with a devices: list)"
+        ) from error
 
 
 def _print_summary(summary: dict[str, object], out: object) -> None:

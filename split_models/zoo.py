@@ -214,6 +214,10 @@ def _import_factory(path: str) -> Callable[..., object]:
             f"model: cannot import module {module_name!r}: {error}. edgesplit looks in the "
             "working directory, the config file's folder and PYTHONPATH"
         ) from error
+    except Exception as error:  # a syntax error or a failure while the user's module runs
+        raise ModelError(
+            f"model: importing {module_name!r} raised {type(error).__name__}: {error}"
+        ) from error
     factory = getattr(module, attribute, None)
     if not callable(factory):
         raise ModelError(f"model: {module_name!r} has no callable named {attribute!r}")
@@ -256,7 +260,13 @@ def _call_factory(
         kwargs["input_shape"] = input_shape
     if takes_any or "num_classes" in parameters:
         kwargs["num_classes"] = num_classes
-    return factory(**kwargs)
+    try:
+        return factory(**kwargs)
+    except Exception as error:  # the user's code: named as theirs, not as edgesplit's fault
+        raise ModelError(
+            f"model: {factory.__module__}:{factory.__qualname__}() raised "
+            f"{type(error).__name__}: {error}"
+        ) from error
 
 
 def _as_blocks(

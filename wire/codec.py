@@ -88,14 +88,26 @@ class TensorSpec:
 # ---------------------------------------------------------------- compression
 
 
+# Compression runs on an edge while, in backprop mode, the batch's forward graph is still held,
+# and so does decompressing the gradient that comes back: each works in one full-size array
+# updated in place (the planner's estimate counts it: ``coordinator.plan_config.ENCODE_WORK``),
+# not in the three or four a chain of numpy expressions makes.
+
+
 def _to_bf16(array: np.ndarray) -> np.ndarray:
     bits = np.ascontiguousarray(array, dtype=np.float32).view(np.uint32)
-    rounding = ((bits >> 16) & 1) + 0x7FFF  # round to nearest even
-    return ((bits + rounding) >> 16).astype(np.uint16)
+    work = bits >> 16  # the one temporary: round to nearest even
+    work &= 1
+    work += 0x7FFF
+    work += bits
+    work >>= 16
+    return work.astype(np.uint16)
 
 
 def _from_bf16(array: np.ndarray) -> np.ndarray:
-    return (array.astype(np.uint32) << 16).view(np.float32)
+    bits = array.astype(np.uint32)
+    bits <<= 16
+    return bits.view(np.float32)
 
 
 def _int8_axes(array: np.ndarray) -> tuple[int, ...]:
@@ -104,11 +116,16 @@ def _int8_axes(array: np.ndarray) -> tuple[int, ...]:
 
 def _to_int8(array: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     values = np.asarray(array, dtype=np.float32)
-    axes = _int8_axes(values)
-    peak = np.max(np.abs(values), axis=axes, keepdims=True) if axes else np.max(np.abs(values))
+    axes = _int8_axes(values) or None
+    # the largest magnitude per channel, without a full-size copy of |values|
+    peak = np.maximum(
+        np.max(values, axis=axes, keepdims=True), -np.min(values, axis=axes, keepdims=True)
+    )
     scale = np.where(peak > 0, peak / 127.0, 1.0).astype(np.float32)
-    quantised = np.clip(np.rint(values / scale), -127, 127).astype(np.int8)
-    return quantised, np.asarray(scale, dtype=np.float32).reshape(-1)
+    work = np.asarray(values / scale)  # the one temporary (0-d stays an array)
+    np.rint(work, out=work)
+    np.clip(work, -127, 127, out=work)
+    return work.astype(np.int8), np.asarray(scale, dtype=np.float32).reshape(-1)
 
 
 def _from_int8(quantised: np.ndarray, scale: np.ndarray) -> np.ndarray:
@@ -116,7 +133,8 @@ def _from_int8(quantised: np.ndarray, scale: np.ndarray) -> np.ndarray:
         shape = [1] * quantised.ndim
         shape[1] = -1
         scale = scale.reshape(shape)
-    restored: np.ndarray = quantised.astype(np.float32) * scale
+    restored: np.ndarray = quantised.astype(np.float32)
+    restored *= scale
     return restored
 
 
@@ -258,7 +276,7 @@ def _restore(name: str, spec: Any, arrays: Mapping[str, np.ndarray]) -> np.ndarr
     elif encoding == "fp16":
         restored = raw.astype(dtype)
     elif encoding == "bf16":
-        restored = _from_bf16(raw).astype(dtype)
+        restored = _from_bf16(raw).astype(dtype, copy=False)
     else:
         scale = arrays.get(name + _SCALE)
         if scale is None or scale.dtype != np.float32 or not np.all(np.isfinite(scale)):
@@ -266,7 +284,7 @@ def _restore(name: str, spec: Any, arrays: Mapping[str, np.ndarray]) -> np.ndarr
         expected = raw.shape[1] if raw.ndim >= 2 else 1
         if scale.shape != (expected,):
             raise WireError("shape", f"tensor {name!r}: scale shape {scale.shape}")
-        restored = _from_int8(raw, scale).astype(dtype)
+        restored = _from_int8(raw, scale).astype(dtype, copy=False)
     if list(restored.shape) != spec["shape"]:
         raise WireError(
             "shape",

@@ -65,6 +65,8 @@ class Deployment:
     # environment that gives it its password (EDGESPLIT_BROKER_PASSWORD_FILE).
     url_for: Callable[[str], str] | None = None
     env_for: Callable[[str], dict[str, str]] | None = None
+    training: dict[str, Any] = field(default_factory=dict)  # keys that replace the run's
+    budgets: dict[str, str] = field(default_factory=lambda: dict(EDGES))  # each edge's --memory
 
     def __post_init__(self) -> None:
         self.data, self.test_data = split_data(self.directory, self.per_edge)
@@ -87,6 +89,7 @@ class Deployment:
                     "seed": 0,
                     "deterministic": self.deterministic,
                 }
+                | self.training
             )
         )
 
@@ -135,7 +138,7 @@ class Deployment:
             "--data",
             f"npz:{self.data[index]}",
             "--memory",
-            EDGES[name],
+            self.budgets[name],
             "--flops",
             "1e12",
         )

@@ -253,6 +253,26 @@ def test_missing_devices_are_named_after_the_wait(tmp_path: Path, store: RunStor
     assert store.get_run("svc-1").status == "failed"
 
 
+def test_a_run_that_committed_no_round_starts_over_with_a_changed_config(
+    tmp_path: Path, store: RunStore, profile: ModelProfile
+) -> None:
+    # its start failed (a device never came): nothing was trained with the old settings, so
+    # the fixed config, another optimizer and model included, is taken and recorded
+    hub = InProcessHub()
+    missing = config(tmp_path, model="mlp", devices={"edges": ["pi-01", "pi-09"], "wait": "1s"})
+    start_fleet(hub, tmp_path, dict.fromkeys(EDGES, 1 << 30), {})
+    with pytest.raises(CoordinatorError, match="pi-09"):
+        Coordinator(missing, store, hub.connect("c1")).run()
+    fixed = config(tmp_path, rounds=1, optimizer={"name": "adam", "lr": 0.01})
+    assert Coordinator(fixed, store, hub.connect("c2"), profile=lambda _: profile).run() == 1
+    (event,) = [e for e in store.events("svc-1") if e.kind == "config-changed"]
+    assert "model 'mlp' -> 'cnn'" in event.detail and "no round had been committed" in event.detail
+    assert store.get_run("svc-1").config == fixed.to_dict()
+    # once a round is committed, the same change is refused again
+    with pytest.raises(ConfigError, match="another network"):
+        Coordinator(missing, store, hub.connect("c3")).run()
+
+
 class MqttHub:
     """``connect`` like the in-process hub's, on a real broker."""
 

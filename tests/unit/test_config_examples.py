@@ -184,3 +184,16 @@ def test_cli_defaults_are_the_config_defaults() -> None:
     sim = build_parser().parse_args(["simulate"])
     overrides = {k: getattr(sim, k) for k in ("method", "rounds", "clients", "data", "seed")}
     assert set(overrides.values()) == {None}  # SIM.yaml, then SimConfig, decide
+
+
+@pytest.mark.parametrize("role", ["edge", "gpu-server"])
+@pytest.mark.parametrize("name", ["a/b", "g a", "x" * 65, "+"])
+def test_a_device_name_no_topic_can_carry_is_a_usage_error(
+    role: str, name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = ["--data", "digits"] if role == "edge" else []
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args([role, "--id", name, *data])
+    assert exited.value.code == 2
+    assert "cannot be used in a topic" in capsys.readouterr().err
+    assert build_parser().parse_args([role, "--id", "pi-01.a_b", *data]).id == "pi-01.a_b"

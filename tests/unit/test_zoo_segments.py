@@ -67,6 +67,16 @@ def test_user_model_by_import_path() -> None:
         ("tests.fixtures.user_models:not_a_model", ModelError, "returned int"),
         ("tests.fixtures.user_models:missing", ModelError, "no callable named 'missing'"),
         ("no_such_package.mod:f", ModelError, "cannot import module"),
+        (
+            "tests.fixtures.user_models:raises",
+            ModelError,
+            r"tests.fixtures.user_models:raises\(\) raised RuntimeError: boom in user code",
+        ),
+        (
+            "tests.fixtures.fails_at_import:f",
+            ModelError,
+            "importing 'tests.fixtures.fails_at_import' raised RuntimeError: this module fails",
+        ),
         ("vgg", ConfigError, "neither a zoo model"),
     ],
 )
