@@ -14,6 +14,10 @@ by one of two rules, named in the ``examples-capped`` event that says when one b
   ``factor / (factor + n - 1)`` among ``n`` edges, and trims an honest edge holding more than
   ``factor`` times its peers' median.
 
+**Tensors.** A reply may hold only tensors its train message gave the device, each in the
+shape it was given (:func:`foreign_tensors`): an edge writing a block it was not given (the GPU
+servers' back, say) or a tensor of another shape is left out of the round, named.
+
 **Updates** (``norm bound``, Sun et al. 2019, "Can you really backdoor federated learning?").
 Among the replicas holding the same tensors, an update ``w_i - w_round_start`` whose norm is
 above ``factor`` times the group's median norm is scaled down onto that bound. A group of
@@ -26,6 +30,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -36,6 +41,7 @@ __all__ = [
     "Cap",
     "cap_examples",
     "clip_update",
+    "foreign_tensors",
     "norm_limit",
     "server_counts",
     "update_norm",
@@ -104,6 +110,20 @@ def cap_examples(
         if claim > allowed:
             caps.append(Cap(device, claim, allowed, "peer-median"))
     return caps
+
+
+def foreign_tensors(given: Mapping[str, Any], sent: Mapping[str, Any]) -> str | None:
+    """Why the tensors a device ``sent`` back do not fit those it was ``given`` (name to
+    anything with a ``shape``: Flower's ``Array``, numpy's), or None."""
+    foreign = [name for name in sent if name not in given]
+    if foreign:
+        return f"sent tensors it was not given ({', '.join(sorted(foreign)[:3])})"
+    for name, array in sent.items():
+        if tuple(array.shape) != tuple(given[name].shape):
+            return (
+                f"sent {name} of shape {list(array.shape)}, it was given {list(given[name].shape)}"
+            )
+    return None
 
 
 def update_norm(replica: Mapping[str, np.ndarray], start: Mapping[str, np.ndarray]) -> float:

@@ -25,7 +25,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
 from coordinator.aggregation import WEIGHT_KEY, flower_quiet
-from coordinator.bounds import EXAMPLES_BOUND, cap_examples, server_counts
+from coordinator.bounds import EXAMPLES_BOUND, cap_examples, foreign_tensors, server_counts
 from coordinator.devices import GracefulNodes
 from coordinator.errors import CoordinatorError
 from coordinator.guard import divergence, non_finite_tensors
@@ -391,7 +391,7 @@ def _outcome(
         elif reply.has_error():
             why = (reply.error.reason or "failed")[:500]
             outcome.results.append(DeviceResult(device, failure=why))
-        elif (problem := _malformed(reply)) is not None:
+        elif problem := _malformed(reply) or foreign_tensors(*map(_tensors, (message, reply))):
             outcome.results.append(DeviceResult(device, failure=problem))
         elif bad := non_finite_tensors(numpy_arrays(reply, key=None)):
             why = f"sent weights holding NaN or infinity ({', '.join(bad[:3])})"
@@ -468,6 +468,11 @@ def _malformed_evaluation(reply: Message) -> str | None:
 
 def _examples(reply: Message) -> float:
     return float(reply.content.metric_records["metrics"]["num-examples"])  # type: ignore[arg-type]
+
+
+def _tensors(message: Message) -> dict[str, Any]:
+    """A message's tensors by name, undecoded (Flower's arrays: name, dtype, shape, bytes)."""
+    return {k: a for record in message.content.array_records.values() for k, a in record.items()}
 
 
 def _malformed(reply: Message) -> str | None:

@@ -115,3 +115,57 @@ def test_a_hugely_scaled_update_is_clipped_and_the_run_still_trains(
         assert not [e for e in store.events("unbounded") if e.kind == "update-clipped"]
     assert refused and "the evaluation loss jumped" in refused[0], refused
     assert ruined["final_accuracy"] < clean["final_accuracy"] - 0.3, (ruined, clean)
+
+
+def _overreach(change: Callable[[dict[str, np.ndarray]], None]) -> Callable[..., Message]:
+    """EdgeAgent._train where LIAR's reply is its honest one passed through ``change``."""
+    honest = EdgeAgent._train
+
+    def train(agent: EdgeAgent, message: Message, *args: Any) -> Message:
+        reply = honest(agent, message, *args)
+        if agent.device == LIAR and not reply.has_error():
+            arrays = numpy_arrays(reply, key=None)
+            change(arrays)
+            reply.content["arrays"] = array_record(arrays)
+        return reply
+
+    return train
+
+
+def _write_the_back(arrays: dict[str, np.ndarray]) -> None:
+    # the cnn's last block is the GPU server's alone: its classifier's bias, pinned to class 0
+    arrays["block5.0.bias"] = np.array([50.0] + [0.0] * 9, np.float32)
+
+
+def _grow_a_tensor(arrays: dict[str, np.ndarray]) -> None:
+    name = sorted(k for k, v in arrays.items() if v.ndim == 4)[0]
+    arrays[name] = np.zeros((arrays[name].shape[0] + 1, *arrays[name].shape[1:]), np.float32)
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        (_write_the_back, "sent tensors it was not given (block5.0.bias)"),
+        (_grow_a_tensor, "of shape"),
+    ],
+)
+def test_a_reply_with_tensors_the_edge_was_not_given_is_left_out_named(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    change: Callable[[dict[str, np.ndarray]], None],
+    why: str,
+) -> None:
+    # found by a user-style trial: a liar's extra tensors were averaged into the back (its
+    # bias pinned to a class), and a tensor of another shape crashed the coordinator's
+    # aggregation on every restart
+    monkeypatch.setattr(EdgeAgent, "_train", _overreach(change))
+    lied = _simulate(tmp_path, "overreach")
+    failures = {k: v for k, v in lied["results"].items() if k[1] == LIAR}
+    with open_store(f"sqlite:///{tmp_path / 'overreach' / 'runs.db'}") as store:
+        reasons = [
+            d.failure for r in store.list_rounds("overreach") for d in r.results if d.failure
+        ]
+    assert len(reasons) == 2 and all(why in str(r) for r in reasons), reasons
+    assert failures == {(1, LIAR): 0, (2, LIAR): 0}, failures
+    assert abs(float(lied["weights"]["block5.0.bias"][0])) < 1.0
+    assert lied["final_accuracy"] > 0.5, lied

@@ -11,6 +11,7 @@ from coordinator.aggregation import build_strategy
 from coordinator.bounds import (
     cap_examples,
     clip_update,
+    foreign_tensors,
     norm_limit,
     server_counts,
     update_norm,
@@ -122,3 +123,13 @@ def test_a_bad_bound_is_refused_by_name(option: str, value: object) -> None:
         build_strategy("fedavg", **{option: value})
     assert build_strategy("krum", **{option: 0}).__dict__[option] == 0.0
     assert build_strategy("fedadam", **{option: 3}).__dict__[option] == 3.0
+
+
+def test_a_reply_may_hold_only_the_tensors_it_was_given_in_their_shapes() -> None:
+    given = {"a": np.zeros((2, 3)), "b": np.zeros(4)}
+    assert foreign_tensors(given, {"a": np.ones((2, 3))}) is None  # fewer is no harm
+    assert foreign_tensors(given, given) is None
+    extra = foreign_tensors(given, {**given, "z.w": np.zeros(1), "c": np.zeros(1)})
+    assert extra == "sent tensors it was not given (c, z.w)"
+    grown = foreign_tensors(given, {"a": np.zeros((3, 3))})
+    assert grown == "sent a of shape [3, 3], it was given [2, 3]"
