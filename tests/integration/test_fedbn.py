@@ -142,5 +142,8 @@ def test_a_resumed_run_refuses_a_changed_norm(tmp_path: Path) -> None:
 
     with open_store(f"sqlite:///{tmp_path / 'runs.db'}") as store:
         store.create_run("bn", config("average").to_dict(), 0)
+        # a round trained with averaged norms (a run that committed none starts over freely)
+        store.open_round("bn", 1, ["pi-01"])
+        store.commit_round("bn", 1, {WEIGHTS_SEGMENT: {"w": np.zeros(1, np.float32)}})
         with pytest.raises(ConfigError, match="norm"):
             Coordinator(config("local"), store, InProcessHub().connect("c")).run()
