@@ -9,6 +9,17 @@ from collections.abc import Callable
 __all__ = ["export_parser", "runs_parser"]
 
 
+def _positive(value: str) -> int:
+    """``--last``: a count of 1 or more (an argparse error otherwise, exit 2)."""
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value!r}")
+    return number
+
+
 def runs_parser(
     commands: argparse._SubParsersAction,  # type: ignore[type-arg]
     db_flags: Callable[[argparse.ArgumentParser], None],
@@ -31,7 +42,7 @@ def runs_parser(
         help="keep printing new events until the run is finished, failed or cancelled",
     )
     events.add_argument(
-        "--last", type=int, metavar="N", help="only the last N events (default: all)"
+        "--last", type=_positive, metavar="N", help="only the last N events (default: all)"
     )
     stop = actions.add_parser(
         "stop",

@@ -1,8 +1,10 @@
 """Baselines for ``edgesplit simulate``, in the same harness and outputs as the split methods.
 
-- ``fedavg``: every client trains the whole model on its own data each round; a Flower FedAvg
-  strategy averages the models. Clients whose memory the whole model's training exceeds are
-  flagged in the report (they train anyway: this is a simulation of what would not fit).
+- ``fedavg``: every client trains the whole model on its own data each round; the configured
+  strategy (``strategy:``, FedAvg by default, its ``fraction_train`` sampling included)
+  aggregates the models; ``availability`` does not apply (every client stays online). Clients
+  whose memory the whole model's training exceeds are flagged in the report (they train
+  anyway: this is a simulation of what would not fit).
 - ``centralized``: one "device" holding the pooled training data, end-to-end
   back-propagation, one "round" per ``local_epochs`` epochs (its optimizer state carries over).
 
@@ -25,6 +27,7 @@ import numpy as np
 import torch
 from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.serverapp.strategy import FedAvg
 
 from coordinator.aggregation import build_strategy
 from coordinator.federated import run_federated
@@ -143,9 +146,7 @@ def _train(
             name=name,
         )
     grid.wait_for_nodes(len(nodes), timeout=30)
-    strategy = build_strategy(
-        "fedavg", fraction_evaluate=0.0, min_available_nodes=len(nodes), min_train_nodes=len(nodes)
-    )
+    strategy = _strategy(config)
     training = config.training
     store.create_run(run_id, config.to_dict(), training.seed)
     whole = _whole(config)
@@ -163,6 +164,24 @@ def _train(
         evaluate,
         seed=training.seed,
         local_keys=local,
+    )
+
+
+def _strategy(config: SimConfig) -> FedAvg:
+    """The configured strategy with its options (``fraction_train`` samples clients as in the
+    split methods); the centralized baseline's one client is averaged by FedAvg."""
+    if config.method == "centralized":
+        return build_strategy(
+            "fedavg", fraction_evaluate=0.0, min_available_nodes=1, min_train_nodes=1
+        )
+    options = {
+        k: v
+        for k, v in config.aggregation.options.items()
+        if k not in ("min_train_nodes", "min_available_nodes")
+    }
+    options.setdefault("fraction_evaluate", 0.0)
+    return build_strategy(
+        config.aggregation.name, min_available_nodes=1, min_train_nodes=1, **options
     )
 
 
@@ -307,13 +326,14 @@ def run_baseline(
             "round": record.number,
             "accuracy": record.evaluation.get("accuracy"),
             "loss": record.evaluation.get("loss"),
-            "participants": len(clients),
-            "bytes_up": whole.model_bytes * len(clients),
-            "bytes_down": whole.model_bytes * len(clients),
+            "participants": trained,  # the clients the strategy sampled that trained
+            "bytes_up": whole.model_bytes * trained,
+            "bytes_down": whole.model_bytes * trained,
             "wall_seconds": record.metrics.get("wall_seconds"),
             "simulated_seconds": simulated,
         }
         for record in store.list_rounds(run_id)
+        for trained in [int(record.metrics.get("participants_ok", len(clients)))]
     ]
     return rows, clients, _plan_text(config.method, clients, whole)
 

@@ -358,6 +358,10 @@ def _baseline(
     run_id: str,
     started: float,
 ) -> dict[str, Any]:
+    if config.fleet.availability is not None:
+        log.warning(
+            "availability applies to the split methods; every %s client stays online", config.method
+        )
     with open_store(f"sqlite:///{out / 'runs.db'}") as store:
         rows, clients, plan = run_baseline(config, data, parts, store, run_id)
     return {

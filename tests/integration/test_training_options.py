@@ -125,3 +125,20 @@ def test_a_decaying_learning_rate_reaches_every_trainer(
     if method == "local-loss":
         assert rates[False] == {0.05, 0.025}, "and so do the edges"
     assert any(not np.array_equal(constant[k], decayed[k]) for k in constant)
+
+
+def test_the_fedavg_baseline_takes_the_configured_strategy_and_sampling(tmp_path: Path) -> None:
+    # found by a user-style trial: the whole-model baseline averaged with FedAvg whatever the
+    # strategy said, and trained every client whatever fraction_train said
+    runs = {
+        name: _simulate(tmp_path, name, method="fedavg", clients=6, rounds=1, strategy=strategy)
+        for name, strategy in {
+            "fedavg": {"name": "fedavg"},
+            "median": {"name": "fedmedian"},
+            "half": {"name": "fedavg", "fraction_train": 0.5},
+        }.items()
+    }
+    (fedavg, averaged), (_, median), (half, _) = runs["fedavg"], runs["median"], runs["half"]
+    assert any(not np.array_equal(averaged[k], median[k]) for k in averaged)
+    assert fedavg["rounds"][0]["participants"] == 6
+    assert half["rounds"][0]["participants"] == 3, half["rounds"]

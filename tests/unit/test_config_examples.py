@@ -197,3 +197,15 @@ def test_a_device_name_no_topic_can_carry_is_a_usage_error(
     assert exited.value.code == 2
     assert "cannot be used in a topic" in capsys.readouterr().err
     assert build_parser().parse_args([role, "--id", "pi-01.a_b", *data]).id == "pi-01.a_b"
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "two"])
+def test_runs_events_last_takes_a_count_of_one_or_more(
+    value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["runs", "events", "r", "--db", "x.db", "--last", value])
+    assert exited.value.code == 2 and "expected a whole number >= 1" in capsys.readouterr().err
+    assert (
+        build_parser().parse_args(["runs", "events", "r", "--db", "x.db", "--last", "3"]).last == 3
+    )
