@@ -214,7 +214,8 @@ class Planner:
         the budget they reported; each refusal is logged and stored as an event."""
         for device, (reason, budget) in refusals.items():
             action = "planning without it" if budget is None else "planning with its budget"
-            log.warning("edge %s refused its blocks: %s; %s", device, reason, action)
+            said = "did not take" if reason.startswith("did not answer") else "refused"
+            log.warning("edge %s %s its blocks: %s; %s", device, said, reason, action)
             self.refusals[device] = reason
             self.store.add_event(self.config.run_id, Event("assignment-refused", reason, device))
         replanned = []

@@ -277,7 +277,7 @@ def _role_parsers(commands: argparse._SubParsersAction) -> None:  # type: ignore
     )
     gpu.add_argument("--broker", default="mqtt://127.0.0.1:1883", help=broker_help)
     _broker_password_flag(gpu)
-    gpu.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    gpu.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps (default: cpu)")
     gpu.add_argument("--memory", default="80GiB", help="memory for training (default: %(default)s)")
     gpu.add_argument("--flops", default="1e13", help="sustained FLOP/s (default: %(default)s)")
     _allowed_models(gpu)

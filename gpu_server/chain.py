@@ -36,14 +36,17 @@ class ChainLink:
 
     def pass_on(self, output: dict[str, np.ndarray], labels: np.ndarray, round_number: int) -> None:
         """Send one trained batch's output (the input of block ``cut``: its tensors under their
-        wire names) and its labels."""
+        wire names) and its labels, numbered in the round as an edge numbers its batches (the
+        next piece's log counts the distinct ones: docs/wire.md, "Counting")."""
+        with self._lock:
+            index = self._sent.get(round_number, 0)
         self.channel.send(
             topics.activations(self.run, self.forward, self.channel.sender),
             "activations",
             self.run,
             round=round_number,
             tensors={**output, "y": labels},
-            meta={"cut": self.cut, "attempt": self._attempt},
+            meta={"cut": self.cut, "attempt": self._attempt, "batch": index},
             encoding=self.encoding,
         )
         with self._lock:

@@ -63,7 +63,19 @@ def simulate_command(args: argparse.Namespace) -> int:
                     config, out, args.broker, observer=progress, password=args.broker_password
                 )
     _print_summary(summary, out)
+    _say_if_at_chance(summary["final_accuracy"], config.model.num_classes)
     return 0
+
+
+def _say_if_at_chance(accuracy: object, classes: int) -> None:
+    """A run that ends no better than guessing did not learn: said, not left to be noticed
+    in the last line (a learning rate too high for the model is the usual cause)."""
+    if isinstance(accuracy, float) and accuracy <= 1 / classes + 0.05:
+        print(
+            f"warning: the final accuracy {accuracy:.4f} is at chance level for {classes} "
+            "classes: the run did not learn (a learning rate too high for this model and "
+            "optimizer is the usual cause; curves.png and rounds.csv show when it went)"
+        )
 
 
 @contextlib.contextmanager

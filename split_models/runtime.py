@@ -55,7 +55,9 @@ def require_device(device: str, key: str) -> None:
 
     from split_models.errors import ConfigError
 
-    kind, _, index = device.partition(":")
+    kind, colon, index = device.partition(":")
+    if kind not in ("cpu", "cuda", "mps") or (colon and not (kind == "cuda" and index.isdigit())):
+        raise ConfigError(f"{key}: {device!r} is not a device; use cpu, cuda, cuda:N or mps")
     if kind == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if count <= int(index or 0):

@@ -86,6 +86,30 @@ def test_a_retried_round_of_a_chain_piece_counts_its_batches_afresh() -> None:
     assert [e.meta["batches"] for e in published] == [3, 2], "attempt 2 passed on 2, not 5"
 
 
+def test_a_chain_piece_numbers_the_batches_it_passes_on() -> None:
+    # the next piece counts distinct batches by their numbers (docs/wire.md, "Counting"):
+    # unnumbered, every batch read as the same one ("batches=64 distinct=1")
+    hub = InProcessHub()
+    back = _piece(hub)
+    passed: list[Envelope] = []
+    Channel(hub.connect("next"), "next").listen(
+        topics.activations(RUN, "seg-1", GPU),
+        lambda _t, e: passed.append(e),
+        kinds=frozenset({"activations"}),
+    )
+    edge = Channel(hub.connect(EDGE), EDGE)
+    for number in (1, 2):
+        back.begin_round(number, [EDGE])
+        for _ in range(3):
+            _send(edge, number)
+        _done(edge, number, 3)
+        assert back.stream.wait_round(5.0)
+        assert _until(lambda n=number: len(passed) == 3 * n)
+    assert [(e.round, e.meta["batch"]) for e in passed] == [
+        (r, b) for r in (1, 2) for b in range(3)
+    ]
+
+
 def test_an_empty_batch_is_rejected_not_trained() -> None:
     hub = InProcessHub()
     back = _piece(hub, forward=None)

@@ -43,3 +43,10 @@ def test_the_gpu_servers_device_is_a_simulation_key_that_round_trips() -> None:
     assert config.to_dict()["gpu"]["device"] == "cuda:1"
     assert parse_sim_config(config.to_dict()) == config
     assert parse_sim_config(None).gpu.device == "cpu"
+
+
+@pytest.mark.parametrize("device", ["tpu", "cuda:x", "cuda:", "cpu:0", "", "CUDA"])
+def test_a_name_that_is_no_device_is_refused_naming_the_choices(device: str) -> None:
+    # found by a user-style trial: `gpu-server --device tpu` announced itself and went online
+    with pytest.raises(ConfigError, match=r"--device: .* is not a device; use cpu, cuda, cuda:N"):
+        require_device(device, "--device")
