@@ -59,6 +59,7 @@ __all__ = [
     "STRATEGIES",
     "build_strategy",
     "check_strategy",
+    "configured_strategy",
     "flower_quiet",
     "key_groups",
     "split_weighted_mean",
@@ -355,6 +356,21 @@ def flower_quiet(level: int = logging.WARNING) -> Iterator[None]:
         yield
     finally:
         flower.setLevel(before)
+
+
+def configured_strategy(
+    name: str, options: Mapping[str, Any], fraction_evaluate: float = 0.0
+) -> tuple[FedAvg, int]:
+    """The run's strategy ``name`` with its ``options``, and the trained devices a round
+    needs (its ``min_train_nodes``, default 1). The node counts given to Flower are the
+    coordinator's own: it samples among the devices online, which it waited for."""
+    options = dict(options)
+    min_trained = int(options.pop("min_train_nodes", 1))
+    options.pop("min_available_nodes", None)
+    options.setdefault("fraction_evaluate", fraction_evaluate)
+    options.setdefault("min_evaluate_nodes", 1)
+    strategy = build_strategy(name, min_available_nodes=1, min_train_nodes=1, **options)
+    return strategy, min_trained
 
 
 def check_strategy(name: str, options: Mapping[str, Any]) -> None:

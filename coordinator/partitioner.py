@@ -125,9 +125,9 @@ def _edge_memory(
     profile: ModelProfile, config: PartitionConfig, memory: list[list[int]], cut: np.ndarray
 ) -> list[int]:
     """Each split's edge peak: the segment's step, the stream's send buffers and, in backprop
-    mode, the codec's working copy (a backprop edge compresses a batch and decompresses its
-    gradient while its forward graph is held, at its peak; a local-loss edge sends after its
-    step, in the room the freed graph leaves)."""
+    mode, the codec's working copy (a backprop edge compresses its batch while the forward
+    graph is held, at its peak; a local-loss edge sends after its step, in the room the freed
+    graph leaves)."""
     work = ENCODE_WORK[config.compression] if config.mode == "backprop" else 0.0
     return [
         memory[0][s]

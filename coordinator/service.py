@@ -32,7 +32,7 @@ import torch
 from flwr.app import ArrayRecord, Message
 from flwr.serverapp.strategy import FedAvg
 
-from coordinator.aggregation import build_strategy
+from coordinator.aggregation import configured_strategy
 from coordinator.assignments import build_message, build_task, keys_for, route, span
 from coordinator.config import RunConfig
 from coordinator.devices import DeviceRegistry, record_devices
@@ -109,15 +109,8 @@ def local_keys(config: RunConfig, model: SplittableModel) -> frozenset[str]:
 
 def _strategy(config: RunConfig) -> tuple[FedAvg, int]:
     """The configured split-aware strategy and the edges a round needs."""
-    options = dict(config.aggregation.options)
-    min_edges = int(options.pop("min_train_nodes", 1))
-    options.pop("min_available_nodes", None)
-    options.setdefault("fraction_evaluate", 1.0 if config.training.federated_eval > 0 else 0.0)
-    options.setdefault("min_evaluate_nodes", 1)
-    strategy = build_strategy(
-        config.aggregation.name, min_available_nodes=1, min_train_nodes=1, **options
-    )
-    return strategy, min_edges
+    evaluate = 1.0 if config.training.federated_eval > 0 else 0.0
+    return configured_strategy(config.aggregation.name, config.aggregation.options, evaluate)
 
 
 class Coordinator:

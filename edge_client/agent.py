@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator
@@ -333,20 +334,16 @@ class EdgeAgent:
     def log_round(self, number: int, report: EdgeRoundReport, peak: int, estimate: int) -> None:
         """The round's line; a warning when the measured peak went over the budget (the
         estimate fell short on this device: the operator may lower the batch or the cut)."""
-        loss = (
-            "no local loss"
-            if report.mean_loss != report.mean_loss
-            else f"loss {report.mean_loss:.4f}"
-        )
-        sizes = (format_bytes(estimate), format_bytes(self.budget))
+        loss = "no local loss" if math.isnan(report.mean_loss) else f"loss {report.mean_loss:.4f}"
+        estimated, budget = format_bytes(estimate), format_bytes(self.budget)
         if peak > self.budget:
             log.warning(
                 "round %d: the measured peak %s went over the budget %s (estimated %s): "
                 "this device may run out of memory; give it a smaller batch or a shorter segment",
                 number,
                 format_bytes(peak),
-                sizes[1],
-                sizes[0],
+                budget,
+                estimated,
             )
         log.info(
             "round %d: %d examples, %s, peak %s (estimate %s, budget %s)",
@@ -354,7 +351,8 @@ class EdgeAgent:
             report.examples,
             loss,
             format_bytes(peak) if peak >= 0 else "not measured",
-            *sizes,
+            estimated,
+            budget,
         )
 
     @contextmanager

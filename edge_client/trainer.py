@@ -124,7 +124,7 @@ class EdgeTrainer:
                 log.warning("dropped a gradient of shape %s", getattr(gradient, "shape", None))
                 continue
             if gradient.dtype != np.float32 or not gradient.flags.writeable:
-                gradient = np.array(gradient, dtype=np.float32)  # a decompressed one is fresh
+                gradient = np.array(gradient, dtype=np.float32)  # a decoded one is its own
             return torch.from_numpy(gradient)
         raise TimeoutError(
             f"no gradient from the GPU servers within {self.config.credit_timeout:.0f} s"

@@ -29,7 +29,7 @@ from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import FedAvg
 
-from coordinator.aggregation import build_strategy
+from coordinator.aggregation import configured_strategy
 from coordinator.federated import run_federated
 from simulation.config import BASELINES, Profile, SimConfig
 from split_models.config import ModelConfig, TrainingConfig
@@ -171,18 +171,8 @@ def _strategy(config: SimConfig) -> FedAvg:
     """The configured strategy with its options (``fraction_train`` samples clients as in the
     split methods); the centralized baseline's one client is averaged by FedAvg."""
     if config.method == "centralized":
-        return build_strategy(
-            "fedavg", fraction_evaluate=0.0, min_available_nodes=1, min_train_nodes=1
-        )
-    options = {
-        k: v
-        for k, v in config.aggregation.options.items()
-        if k not in ("min_train_nodes", "min_available_nodes")
-    }
-    options.setdefault("fraction_evaluate", 0.0)
-    return build_strategy(
-        config.aggregation.name, min_available_nodes=1, min_train_nodes=1, **options
-    )
+        return configured_strategy("fedavg", {})[0]
+    return configured_strategy(config.aggregation.name, config.aggregation.options)[0]
 
 
 def train_centralized(

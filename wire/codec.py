@@ -88,10 +88,10 @@ class TensorSpec:
 # ---------------------------------------------------------------- compression
 
 
-# Compression runs on an edge while, in backprop mode, the batch's forward graph is still held,
-# and so does decompressing the gradient that comes back: each works in one full-size array
-# updated in place (the planner's estimate counts it: ``coordinator.plan_config.ENCODE_WORK``),
-# not in the three or four a chain of numpy expressions makes.
+# Compression runs on an edge while, in backprop mode, the batch's forward graph is still held:
+# compressing and decompressing each work in one full-size array updated in place (the
+# planner's estimate counts it: ``coordinator.plan_config.ENCODE_WORK``), not in the two or
+# three a chain of numpy expressions makes.
 
 
 def _to_bf16(array: np.ndarray) -> np.ndarray:
