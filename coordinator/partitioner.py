@@ -49,6 +49,7 @@ __all__ = [
     "COMPRESSION_BYTES",
     "PartitionConfig",
     "Problem",
+    "place_back",
     "plan_split",
     "step_seconds",
     "stream_buffer_bytes",
@@ -212,6 +213,22 @@ def _place_servers(
         else:
             raise AssertionError(f"no server piece from block {position} despite feasibility")
     return pieces
+
+
+def place_back(
+    profile: ModelProfile, servers: Sequence[DeviceSpec], config: PartitionConfig, start: int
+) -> tuple[ServerAssignment, ...]:
+    """Contiguous pieces of the back ``[start, N)`` on ``servers``, fewest first, for edges
+    that keep their cuts; :class:`InfeasiblePlanError` when they cannot hold it."""
+    problem = Problem.build(profile, config)
+    packing = _packing(problem, servers)
+    if not servers or not packing[(1 << len(servers)) - 1][start]:
+        room, n = format_bytes(sum(s.memory for s in servers)), problem.num_blocks
+        raise InfeasiblePlanError(f"servers with {room} in all cannot hold blocks [{start}, {n})")
+    return tuple(
+        ServerAssignment(servers[g].name, (a, b), problem.memory[a][b], servers[g].memory)
+        for g, a, b in _place_servers(problem, servers, packing, start)
+    )
 
 
 # ---------------------------------------------------------------- edges: threshold sweep

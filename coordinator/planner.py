@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -18,7 +18,7 @@ from flwr.app import ArrayRecord, Message
 from coordinator.assignments import Assignment, build_message, build_task
 from coordinator.config import RunConfig
 from coordinator.errors import CoordinatorError
-from coordinator.partitioner import PartitionConfig, plan_split
+from coordinator.partitioner import PartitionConfig, place_back, plan_split
 from split_models.config import config_to_dict
 from split_models.data import trained_examples
 from split_models.devices import DeviceSpec
@@ -160,9 +160,22 @@ class Planner:
         refusals = self.ask(assigned)
         if refusals:
             return refusals
-        backs = self._servers(self.profile(), servers, min(a.end for a in assigned), plan)
+        backs = self._servers(self.profile(), servers, min(a.end for a in assigned), plan.servers)
         memory = {s.device: s.memory for s in servers}
         return Placement(_with_servers(plan, backs, memory), assigned, backs)
+
+    def move_back(self, placement: Placement, servers: list[Announcement]) -> Placement:
+        """``placement`` with its back on ``servers`` (those online now) and the edges' cuts
+        kept, so the edges are not asked again: a chain that lost a server is placed anew.
+        Raises :class:`InfeasiblePlanError` when ``servers`` cannot hold the back."""
+        profile, start = self.profile(), min(a.end for a in placement.edges)
+        try:
+            pieces = place_back(profile, device_specs([], servers), self.partition(), start)
+        except InfeasiblePlanError:
+            pieces = ()  # unless one server holds it all, _servers names the shortfall
+        backs = self._servers(profile, servers, start, pieces)
+        memory = {s.device: s.memory for s in servers}
+        return Placement(_with_servers(placement.plan, backs, memory), placement.edges, backs)
 
     def record(self, plan: Plan) -> dict[str, Any]:
         """``plan`` as the store keeps it, with what it was made for beside it."""
@@ -265,13 +278,17 @@ class Planner:
         return Placement(plan, assigned, backs)
 
     def _servers(
-        self, profile: ModelProfile, servers: list[Announcement], start: int, plan: Plan
+        self,
+        profile: ModelProfile,
+        servers: list[Announcement],
+        start: int,
+        planned: Sequence[ServerAssignment],
     ) -> list[Assignment]:
         """The GPU servers that hold the back from ``start``: every declared server with the
         memory for all of it (they share the edges' streams, one shared subscription, and
         their back replicas are aggregated like any other replicas); when none has, the plan's
         contiguous pieces, one server each, chained (each trains its piece with a local loss
-        and passes its output on)."""
+        and passes its output on), ``planned`` by the partitioner."""
         config = self.config
         need = estimate_segment_memory(
             profile,
@@ -285,7 +302,7 @@ class Planner:
         fitting = [s for s in servers if s.memory >= need]
         if fitting:
             return [Assignment(s.device, start, profile.num_blocks, need, "gpu") for s in fitting]
-        pieces = [p for p in plan.servers if p.blocks[1] > start]
+        pieces = [p for p in planned if p.blocks[1] > start]
         if not pieces or pieces[0].blocks[0] > start or config.training.mode == "backprop":
             best = max(servers, key=lambda s: s.memory)
             why = (

@@ -100,6 +100,18 @@ def head_cuts(placement: Placement) -> list[int]:
     return [a.end for a in placement.edges] + [b.end for b in placement.servers if b.end < last]
 
 
+def with_heads(
+    config: RunConfig, placement: Placement, weights: dict[str, np.ndarray]
+) -> dict[str, np.ndarray]:
+    """``weights`` with fresh local heads for the cuts of a new ``placement`` that have none."""
+    training = config.training
+    model = config.model.build(seed=training.seed)
+    fresh = initial_weights(
+        model, training.local_loss, head_cuts(placement), training.seed, weights
+    )
+    return fresh | weights
+
+
 def local_keys(config: RunConfig, model: SplittableModel) -> frozenset[str]:
     """The tensors each device keeps as its own: the BatchNorm layers with ``norm: local``."""
     if config.training.norm != "local":
@@ -240,7 +252,7 @@ class Coordinator:
         store.set_run_status(config.run_id, "training")
         try:
             for number in range(done + 1, config.training.rounds + 1):
-                weights = self._round(number, weights, placement)
+                weights, placement = self._round(number, weights, placement)
                 if number < config.training.rounds:
                     placement, weights = self._replan(number, placement, weights)
         except CoordinatorError:
@@ -260,11 +272,8 @@ class Coordinator:
         new = self.replanner.after_round(number, placement, reported, online)
         if new is None:
             return placement, weights
-        training = self.config.training
-        model = self.config.model.build(seed=training.seed)
-        fresh = initial_weights(model, training.local_loss, head_cuts(new), training.seed, weights)
         self.runner.recorder.replanned(new.spans())
-        return new, fresh | weights
+        return new, with_heads(self.config, new, weights)
 
     def _placement(self, resumed: bool) -> Placement:
         """The stored plan of a resumed run if it still holds, else a new plan (stored)."""
@@ -289,19 +298,24 @@ class Coordinator:
 
     def _round(
         self, number: int, weights: dict[str, np.ndarray], placement: Placement
-    ) -> dict[str, np.ndarray]:
-        """Round ``number`` from ``weights``, retried through the runner."""
+    ) -> tuple[dict[str, np.ndarray], Placement]:
+        """Round ``number`` from ``weights`` through the runner; its weights and placement."""
+        now = (placement, weights)
 
         def prepare(number: int) -> RoundWork:
-            return self._work(number, weights, placement)
+            nonlocal now
+            if moved := self.replanner.around_lost(number, now[0], [*self.online("gpu").values()]):
+                self.runner.recorder.replanned(moved.spans())
+                now = (moved, with_heads(self.config, moved, now[1]))
+            return self._work(number, now[1], now[0])
 
         def evaluate(
             number: int, merged: dict[str, np.ndarray], edges: list[str]
         ) -> dict[str, float]:
-            return self._federated(number, merged, placement, edges)
+            return self._federated(number, merged, now[0], edges)
 
         federated = evaluate if self.config.training.federated_eval > 0 else None
-        return self.runner.run(number, prepare, federated, start=weights)
+        return self.runner.run(number, prepare, federated, start=weights), now[0]
 
     def _work(self, number: int, weights: dict[str, np.ndarray], placement: Placement) -> RoundWork:
         """One attempt's messages: the strategy's sample of the edges, the online servers."""

@@ -300,6 +300,31 @@ class Replanner:
         log.info("plan after round %d, from measured speeds:\n%s", number, new.plan)
         return new
 
+    def around_lost(
+        self, number: int, placement: Placement, servers: list[Announcement]
+    ) -> Placement | None:
+        """When a piece of ``placement``'s back has no server among ``servers`` (those online;
+        a chain lost one): the back placed on them, the edges' cuts kept, stored as a new
+        plan version; None when nothing is lost or they cannot hold it (the round waits for
+        the lost server as before)."""
+        held = {b.device for b in servers}
+        spans_held = {(b.start, b.end) for b in placement.servers if b.device in held}
+        lost = sorted({b.device for b in placement.servers if (b.start, b.end) not in spans_held})
+        if not lost or not servers:
+            return None
+        try:
+            new = self.planner.move_back(placement, self.believed_of([], servers)[1])
+        except (CoordinatorError, SplitError) as error:
+            log.info("round %d: %s offline, and the back cannot move: %s", number, lost, error)
+            return None
+        pieces = ", ".join(f"{b.device} [{b.start}, {b.end})" for b in new.servers)
+        detail = f"{', '.join(lost)} offline: the back moved to {pieces}"
+        run = self.planner.config.run_id
+        self.store.set_plan(run, self.planner.record(new.plan) | self.measured())
+        self.store.add_event(run, Event("replanned", detail, None, number))
+        log.warning("round %d: %s", number, detail)
+        return new
+
     def _kept(self, number: int, plan: Plan, detail: str) -> None:
         """The plan stays: the speeds measured with it are stored beside it (the same plan
         version), so a restarted coordinator compares against them, not the declared ones."""

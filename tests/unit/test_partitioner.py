@@ -15,6 +15,7 @@ from coordinator.partitioner import (
     TRAIN_FLOPS_FACTOR,
     PartitionConfig,
     Problem,
+    place_back,
     plan_split,
     step_seconds,
 )
@@ -332,6 +333,22 @@ def test_server_packing_finds_an_order_that_largest_first_misses() -> None:
     ]
     plan = plan_split(profile, devices, config)
     assert [(s.name, s.blocks) for s in plan.servers] == [("small", (1, 2)), ("big", (2, 3))]
+
+
+def test_a_back_placed_anew_covers_it_in_pieces_or_names_the_shortfall() -> None:
+    blocks = (_block(10, 10, 0, 1000, 0), _block(10, 10, 0, 1000, 0), _block(1000, 10, 0, 1000, 0))
+    heads = tuple(_block(1, 10, 0, 10, 0) for _ in range(4))
+    profile = ModelProfile("skewed", (1,), 10, blocks, {"linear": heads})
+    config = PartitionConfig(batch_size=1, optimizer="sgd")
+    heavy, light = _memory(profile, config, 2, 3), _memory(profile, config, 1, 2)
+    servers = [DeviceSpec("big", "gpu", heavy, 1e12), DeviceSpec("small", "gpu", light, 1e12)]
+
+    pieces = place_back(profile, servers, config, 1)
+
+    assert [(s.name, s.blocks) for s in pieces] == [("small", (1, 2)), ("big", (2, 3))]
+    assert [s.estimated_peak_bytes for s in pieces] == [light, heavy]
+    with pytest.raises(InfeasiblePlanError, match=r"cannot hold blocks \[1, 3\)"):
+        place_back(profile, servers[1:], config, 1)
 
 
 def test_the_command_prints_the_reasons_numbered_on_one_line(
