@@ -104,6 +104,8 @@ class Planner:
         self.config, self.store, self.grid, self.session = config, store, grid, session
         self._profile, self.min_edges = profile, min_edges
         self.refusals: dict[str, str] = {}
+        # edges that timed the blocks they accepted (undeclared speeds): their reply metrics
+        self.timed: dict[str, dict[str, Any]] = {}
 
     def ask(self, edges: list[Assignment]) -> Refusals:
         """Offer each edge its blocks; return the refusals: device -> (reason, the memory
@@ -136,6 +138,8 @@ class Planner:
             elif not answer[0]:
                 memory = answer[1] if answer[1] < assignment.estimate else None
                 refusals[assignment.device] = (answer[2], memory)
+            elif "compute-seconds" in (metrics := reply.content.metric_records["metrics"]):
+                self.timed[assignment.device] = dict(metrics)  # checked where it is used
         return refusals
 
     def plan(self, edges: list[Announcement], servers: list[Announcement]) -> Placement:

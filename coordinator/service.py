@@ -268,8 +268,7 @@ class Coordinator:
     ) -> tuple[Placement, dict[str, np.ndarray]]:
         """The placement for the next round (a new one when round ``number``'s measured
         speeds call for it: its new cuts get fresh local heads)."""
-        reported, online = self.runner.reported, self.online()
-        new = self.replanner.after_round(number, placement, reported, online)
+        new = self.replanner.after_round(number, placement, self.runner.reported, self.online())
         if new is None:
             return placement, weights
         self.runner.recorder.replanned(new.spans())
@@ -294,6 +293,7 @@ class Coordinator:
             store.set_plan(config.run_id, record)
             store.add_event(config.run_id, Event("planned", f"cuts {placement.plan.cuts()}"))
             log.info("plan:\n%s", placement.plan)
+            placement = self.replanner.before_first_round(placement, self.online()) or placement
         return placement
 
     def _round(

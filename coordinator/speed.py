@@ -300,6 +300,15 @@ class Replanner:
         log.info("plan after round %d, from measured speeds:\n%s", number, new.plan)
         return new
 
+    def before_first_round(
+        self, placement: Placement, online: Mapping[str, Announcement]
+    ) -> Placement | None:
+        """A new placement when the speeds the edges measured on the blocks they accepted
+        (:attr:`Planner.timed`: edges whose speed was not declared) call for one, else
+        None: like a re-plan after a round, but before any local head was trained."""
+        timed, self.planner.timed = self.planner.timed, {}
+        return self.after_round(0, placement, timed, online) if timed else None
+
     def around_lost(
         self, number: int, placement: Placement, servers: list[Announcement]
     ) -> Placement | None:
@@ -373,7 +382,7 @@ class Replanner:
         )
 
     def _event(self, number: int, kind: str, detail: str, device: str | None = None) -> None:
-        log.info("round %d: %s", number, detail)
+        log.info("%s: %s", f"round {number}" if number else "before round 1", detail)
         self.store.add_event(self.planner.config.run_id, Event(kind, detail, device, number))
 
 

@@ -21,6 +21,7 @@ from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
@@ -34,12 +35,14 @@ from edge_client.trainer import (
 )
 from split_models.activations import activation_arrays
 from split_models.config import ModelConfig, TrainingConfig
+from split_models.cpu import process_cpu_share
 from split_models.data import Dataset, model_data_problem
 from split_models.errors import ConfigError
 from split_models.evaluation import evaluate_weights
 from split_models.measure import PeakMeter, peak_supported
 from split_models.sections import task_sections
 from split_models.segment import Segment
+from split_models.timing import StepClock
 from split_models.units import format_bytes
 from wire import topics
 from wire.channel import Channel
@@ -57,6 +60,7 @@ __all__ = ["AssignmentRefused", "EdgeAgent"]
 
 log = logging.getLogger(__name__)
 _SERVERS_WAIT = 30.0  # seconds a failed round waits for its servers before saying so
+_TIMED_STEPS, _TIMING_SECONDS = 16, 0.5  # an offered task's timing: at most, at least 3
 
 
 class AssignmentRefused(RuntimeError):
@@ -132,14 +136,17 @@ class EdgeAgent:
         measure_peak: bool = True,
         source: SegmentSource | None = None,
         models: Collection[str] = (),
+        time_tasks: bool = False,
     ) -> None:
         """``budget``: the memory training may use now, when it is below what the device
         announced (other work on the device); assignments are checked against it.
         ``source``: where the agent gets built segments (a host running many agents shares
         one); by default the agent builds and keeps its own. ``models``: the import paths
         (``package.module:function``) it may build besides the zoo's models; a task naming
-        any other is refused, so no message makes the agent import code."""
-        self.models = tuple(models)
+        any other is refused, so no message makes the agent import code. ``time_tasks``: time
+        a few steps of each task it accepts and answer with the timing (a device whose
+        speed was not declared; a simulation's profiles declare theirs)."""
+        self.models, self.time_tasks = tuple(models), time_tasks
         if announcement.role != "edge":
             raise ValueError("an edge agent announces the role 'edge'")
         if announcement.examples is None:  # the planner spreads weight traffic over them
@@ -245,13 +252,34 @@ class EdgeAgent:
         except AssignmentRefused as refusal:
             accepted, reason = 0, str(refusal)
             log.warning("%s refused an assignment: %s", self.device, refusal)
+        timed = self._time_task(job) if accepted and self.time_tasks else {}
         content = RecordDict(
             {
-                "metrics": MetricRecord({"accepted": accepted, "budget": self.budget}),
+                "metrics": MetricRecord({"accepted": accepted, "budget": self.budget, **timed}),
                 "answer": ConfigRecord({"reason": reason}),
             }
         )
         return Message(content, reply_to=message)
+
+    def _time_task(self, job: _Job) -> dict[str, float | list[int]]:
+        """A few training steps of the offered blocks on this device's data, timed as a
+        round's are (:class:`~split_models.timing.StepClock`): the coordinator plans with
+        the speed they measure, not the announced one. Backprop mode is timed in rounds."""
+        if job.training.mode == "backprop":
+            return {}
+        segment, (data, _) = self._build_segment(job), self._datasets(job.training)
+        clock = StepClock(share=process_cpu_share(torch.get_num_threads()))
+        batch = min(job.training.batch_size, len(data))
+        started = time.perf_counter()
+        for step in range(_TIMED_STEPS):
+            rows = (np.arange(batch) + step * batch) % len(data)
+            inputs, labels = torch.from_numpy(data.x[rows]), torch.from_numpy(data.y[rows])
+            began = clock.start()
+            segment.train_step(inputs, labels)
+            clock.add(began, {job.task.end: batch})
+            if step >= 2 and time.perf_counter() - started > _TIMING_SECONDS:
+                break
+        return clock.metrics()
 
     def _round(self, message: Message, job: _Job) -> Message:
         task, handed = job.task, [False]

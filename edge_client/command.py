@@ -6,6 +6,7 @@ import argparse
 import logging
 
 from edge_client.agent import EdgeAgent
+from split_models.calibration import measure_flops
 from split_models.data import load_dataset
 from split_models.measure import release_freed_memory
 from split_models.runtime import configure_logging, wait_for_stop
@@ -22,11 +23,12 @@ log = logging.getLogger("edgesplit.edge")
 def edge_command(args: argparse.Namespace) -> int:
     configure_logging(args.verbose)
     release_freed_memory()  # freed tensors leave the resident set: the measured peak is true
+    measured = str(args.flops).strip().lower() == "auto"
     announcement = Announcement(
         device=args.id,
         role="edge",
         memory=parse_memory(args.memory, "--memory"),
-        flops=parse_flops(args.flops, "--flops"),
+        flops=_measured_flops() if measured else parse_flops(args.flops, "--flops"),
         uplink=parse_bandwidth(args.uplink, "--uplink"),
     )
     data = load_dataset(args.data)
@@ -34,7 +36,7 @@ def edge_command(args: argparse.Namespace) -> int:
     node = node_id_for(args.id)
     control = MqttTransport(config, f"{args.id}-control", will=node_will(node, args.id))
     stream = MqttTransport(config, f"{args.id}-stream")
-    agent = EdgeAgent(announcement, data, control, stream, models=args.models)
+    agent = EdgeAgent(announcement, data, control, stream, models=args.models, time_tasks=measured)
     log.info(
         "edge %s online (node %d): %d samples, memory %s, broker %s",
         args.id,
@@ -50,3 +52,11 @@ def edge_command(args: argparse.Namespace) -> int:
         stream.close()
 
     return wait_for_stop(stop)
+
+
+def _measured_flops() -> float:
+    """This machine's speed, measured (``--flops auto``); the edge also times the blocks it
+    is offered, so the first plan follows the run's own model."""
+    flops = measure_flops()
+    log.info("measured %.3g FLOP/s (--flops sets a speed instead)", flops)
+    return flops

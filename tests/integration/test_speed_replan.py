@@ -77,8 +77,11 @@ def run_config(
     )
 
 
-def start_fleet(hub: InProcessHub, tmp_path: Path) -> tuple[list[EdgeAgent], GpuAgent]:
-    """Two edges and a GPU server that all declare 1 TFLOP/s (the edges are far slower)."""
+def start_fleet(
+    hub: InProcessHub, tmp_path: Path, time_tasks: bool = False
+) -> tuple[list[EdgeAgent], GpuAgent]:
+    """Two edges and a GPU server that all declare 1 TFLOP/s (the edges are far slower);
+    ``time_tasks``: the edges time the blocks they accept (``edgesplit edge --flops auto``)."""
     server = GpuAgent(
         Announcement("gpu-a", "gpu", 1 << 30, 1e12),
         hub.connect("gpu-a-control", node_will(node_id_for("gpu-a"), "gpu-a")),
@@ -90,6 +93,7 @@ def start_fleet(hub: InProcessHub, tmp_path: Path) -> tuple[list[EdgeAgent], Gpu
             load_dataset(f"npz:{tmp_path / f'{name}.npz'}"),
             hub.connect(f"{name}-control", node_will(node_id_for(name), name)),
             hub.connect(f"{name}-stream"),
+            time_tasks=time_tasks,
         )
         for name in EDGES
     ]
@@ -145,6 +149,33 @@ def test_edges_slower_than_declared_are_replanned_to_shallower_cuts(
     # the edges trained the last rounds at their new cuts
     assert {e.device: e._built.trainer.segment.end for e in edges} == second  # type: ignore[union-attr]
     assert store.get_round("speed-1", 3).evaluation["accuracy"] > 0.15
+
+
+def test_edges_that_time_the_blocks_they_accept_are_replanned_before_round_1(
+    tmp_path: Path, store: RunStore, profile: ModelProfile, slow_edges: None
+) -> None:
+    logging.getLogger("flwr").setLevel(logging.WARNING)
+    config = run_config(tmp_path, 0.25)
+    config = RunConfig.parse({**config.to_dict(), "rounds": 1})  # no re-plan after a round
+    hub = InProcessHub()
+    edges, _ = start_fleet(hub, tmp_path, time_tasks=True)
+    coordinator = Coordinator(config, store, hub.connect("coordinator"), profile=lambda _: profile)
+
+    assert coordinator.run() == 1
+
+    run = store.get_run("speed-1")
+    assert run.plan_version == 2
+    events = store.events("speed-1")
+    first = next(e.detail for e in events if e.kind == "planned")
+    replanned = [e for e in events if e.kind == "replanned"]
+    assert [e.round for e in replanned] == [0], [(e.kind, e.detail) for e in events]
+    assert all(f"{name} measured" in replanned[0].detail for name in EDGES)
+    second = cuts(store)
+    assert first != f"cuts {second}"
+    assert all(second[n] < int(first.split(f"'{n}': ")[1][0]) for n in EDGES), (first, second)
+    # round 1 trained at the cuts the timings called for
+    assert {e.device: e._built.trainer.segment.end for e in edges} == second  # type: ignore[union-attr]
+    assert (run.plan or {})[MEASURED_KEY]["round"] == 0
 
 
 def test_without_a_drift_the_plan_stays(
