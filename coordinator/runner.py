@@ -230,6 +230,7 @@ class RoundRunner:
             return _UNREADY
         for message in work.messages.values():  # devices tell a retry's credits apart
             message.content.config_records["config"]["attempt"] = attempt
+            message.content.config_records["config"]["order"] = counted  # its batch order
         self.on_attempt(number, attempt)
         self.recorder.observer.round_started(number, list(work.messages))
         epoch = self.link.epoch()

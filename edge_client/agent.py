@@ -49,7 +49,14 @@ from wire.channel import Channel
 from wire.codec import Envelope, encode
 from wire.errors import WireError
 from wire.flow import CreditGate
-from wire.flower import array_record, attempt_of, numpy_arrays, proximal_mu_of, round_of
+from wire.flower import (
+    array_record,
+    attempt_of,
+    numpy_arrays,
+    order_of,
+    proximal_mu_of,
+    round_of,
+)
 from wire.logs import warn
 from wire.presence import PeerOffline, PresenceWatch
 from wire.roles import Announcement, Task, go_online
@@ -95,6 +102,7 @@ class _Job:
     training: TrainingConfig
     proximal_mu: float = 0.0  # FedProx's, from the strategy's train message
     attempt: int = 1  # the coordinator's try of the round
+    order: int = 1  # the batch order it draws (wire.flower.order_of)
 
 
 def _job(message: Message, models: Collection[str]) -> _Job:
@@ -103,7 +111,8 @@ def _job(message: Message, models: Collection[str]) -> _Job:
     task = Task.parse(str(message.content.config_records["config"]["task"]))
     train = message.metadata.message_type == "train"
     mu, attempt = (proximal_mu_of(message), attempt_of(message)) if train else (0.0, 1)
-    return _Job(task, *task_sections(task.model, task.training, models), mu, attempt)
+    order = order_of(message) if train else 1
+    return _Job(task, *task_sections(task.model, task.training, models), mu, attempt, order)
 
 
 def _with_job(
@@ -345,7 +354,7 @@ class EdgeAgent:
                     seed=seed,
                     step=lease.train_step,
                     cancelled=cancelled,
-                    attempt=job.attempt,
+                    attempt=(job.attempt, job.order),
                     offline=lambda: self.presence.offline(task.servers, since),
                 )
             arrays = lease.state()

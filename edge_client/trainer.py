@@ -198,7 +198,7 @@ class EdgeTrainer:
         seed: int = 0,
         step: Callable[[torch.Tensor, torch.Tensor], StepResult] | None = None,
         cancelled: Callable[[], bool] | None = None,
-        attempt: int = 1,
+        attempt: int | tuple[int, int] = 1,
         offline: Callable[[], list[str]] | None = None,
     ) -> EdgeRoundReport:
         """``local_epochs`` passes over the local data; raises TimeoutError without credits.
@@ -206,7 +206,10 @@ class EdgeTrainer:
         one that trains this client together with others, see ``simulation.stack``).
         ``cancelled`` is asked while waiting for the servers (true: :class:`RoundAbandoned`),
         ``offline()`` too: the round's servers offline now (any: :class:`PeerOffline`).
-        ``attempt``: the coordinator's try; a retry trains in another batch order."""
+        ``attempt``: the coordinator's try, or the try and the batch order it draws
+        (:func:`wire.flower.order_of`; by default the try's number: a retry trains in
+        another order)."""
+        attempt, order = attempt if isinstance(attempt, tuple) else (attempt, attempt)
         step = step or self.segment.train_step
         self._offline, cancelled = offline, _either(cancelled, offline)
         started, before = time.perf_counter(), self._counters()
@@ -214,7 +217,7 @@ class EdgeTrainer:
         self._attempt, self._sent = attempt, 0
         self.clock.reset()
         self.link.reset()
-        batches = self._batches(shuffle_rng(seed, round_number, attempt))
+        batches = self._batches(shuffle_rng(seed, round_number, order))
         try:
             losses = self._train_all(batches, round_number, step, cancelled)
         except (RoundAbandoned, PeerOffline):

@@ -46,9 +46,9 @@ from wire.flower import (
     FlowerNode,
     TransportGrid,
     array_record,
-    attempt_of,
     node_will,
     numpy_arrays,
+    order_of,
     proximal_mu_of,
     round_of,
 )
@@ -108,7 +108,7 @@ def _client(config: SimConfig, data: Dataset, reset: bool, upload: bool) -> Clie
         if reset:  # the centralized baseline keeps its optimizer state (one client)
             segment.reset_optimizer(proximal_mu_of(message))
         segment.lr_scale = training.lr_scale(round_of(message))
-        order = shuffle_rng(training.seed, round_of(message), attempt_of(message))
+        order = shuffle_rng(training.seed, round_of(message), order_of(message))
         loss = _epochs(segment, data, training, order)
         arrays = segment_state(segment)
         metrics = MetricRecord(

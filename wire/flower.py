@@ -47,6 +47,7 @@ __all__ = [
     "node_will",
     "numpy_array",
     "numpy_arrays",
+    "order_of",
     "proximal_mu_of",
     "round_of",
 ]
@@ -129,6 +130,19 @@ def attempt_of(message: Message) -> int:
     value = message.content.config_records["config"].get("attempt", 1)
     if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 1000:
         raise WireError("config", f"attempt must be an integer in [1, 999], got {value!r}")
+    return value
+
+
+def order_of(message: Message) -> int:
+    """Which batch order a ``train`` message's try draws (``order``: 1 plus the coordinator's
+    failed tries of the round before it; the try's number when absent). A try redone after
+    the coordinator restarted or lost the broker keeps its order, so a resumed run trains as
+    an uninterrupted one; a value that is not an integer in ``[1, 999]`` raises
+    :class:`WireError`."""
+    config = message.content.config_records["config"]
+    value = config.get("order", config.get("attempt", 1))
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 1000:
+        raise WireError("config", f"order must be an integer in [1, 999], got {value!r}")
     return value
 
 

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from coordinator.aggregation import STRATEGIES
-from coordinator.errors import CoordinatorError
+from coordinator.errors import CoordinatorError, RunCancelled
+from coordinator.recorder import RoundObserver
 from simulation.config import parse_sim_config
 from simulation.simulator import simulate
 from storage import open_store
@@ -142,3 +143,35 @@ def test_the_fedavg_baseline_takes_the_configured_strategy_and_sampling(tmp_path
     assert any(not np.array_equal(averaged[k], median[k]) for k in averaged)
     assert fedavg["rounds"][0]["participants"] == 6
     assert half["rounds"][0]["participants"] == 3, half["rounds"]
+
+
+class _StopInRound(RoundObserver):
+    """Interrupts the coordinator (as Ctrl-C does) once ``number``'s first devices answered."""
+
+    def __init__(self, number: int) -> None:
+        self.number, self.current = number, 0
+
+    def round_started(self, number: int, devices: list[str]) -> None:
+        self.current = number
+
+    def device_answered(self, device: str) -> None:
+        if self.current == self.number:
+            raise KeyboardInterrupt
+
+
+def test_a_deterministic_run_resumed_mid_round_gives_the_uninterrupted_weights(
+    tmp_path: Path,
+) -> None:
+    settings: dict[str, Any] = {"seed": 3, "rounds": 3, "workers": 2, "deterministic": True}
+    _, whole = _simulate(tmp_path, "whole", **settings)
+    config = parse_sim_config({"measure_memory": False, **settings})
+    with pytest.raises(RunCancelled):
+        simulate(config, tmp_path / "cut", observer=_StopInRound(2))
+
+    summary = simulate(config, tmp_path / "cut")  # the same command again resumes it
+
+    with open_store(f"sqlite:///{tmp_path / 'cut' / 'runs.db'}") as store:
+        resumed = store.resume(summary["run_id"]).weights["global"]  # type: ignore[union-attr]
+        assert any(e.kind == "resumed" for e in store.events(summary["run_id"]))
+    assert resumed.keys() == whole.keys()
+    assert all(np.array_equal(resumed[k], whole[k]) for k in whole)

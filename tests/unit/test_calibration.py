@@ -23,7 +23,7 @@ def test_the_measured_speed_follows_how_long_the_steps_take(
     step = Segment.train_step
 
     def slow(self: Segment, inputs: object, labels: object) -> StepResult:
-        time.sleep(0.05)
+        time.sleep(0.2)
         return step(self, inputs, labels)  # type: ignore[arg-type]
 
     monkeypatch.setattr(Segment, "train_step", slow)
@@ -32,5 +32,5 @@ def test_the_measured_speed_follows_how_long_the_steps_take(
     model = build_model("cnn", (1, 28, 28), 10, seed=0)
     per_sample = count_flops(model.segment(0, model.num_blocks), torch.rand(32, 1, 28, 28), 32)
     assert math.isfinite(fast) and fast > 1e8
-    # 0.05 s more a step: at most 3 x 32 x the cnn's FLOPs per sample in 0.05 s
-    assert slowed < min(fast / 1.5, 3 * 32 * per_sample / 0.05), (fast, slowed)
+    # each step takes 0.2 s more: at most 3 x 32 x the cnn's FLOPs per sample in 0.2 s
+    assert slowed <= 3 * 32 * per_sample / 0.2, (fast, slowed)
