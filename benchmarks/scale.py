@@ -10,7 +10,11 @@ samples than mnist8k has: they split 12,000 (the 6,000 and the same shifted by o
 is mnist8k's last 2,000 digits. Each run is a fresh ``edgesplit simulate`` process; its peak
 RSS is the kernel's high-water mark of that process (``wait4``).
 
-    python benchmarks/scale.py [--clients 10 100 1000 10000] [--out docs/benchmarks.md]
+With ``--group``, the same jobs with ``group_clients: true``: one agent per device profile
+trains its clients in turn and answers with their examples-weighted mean (simulation.hosts);
+"trained a round" counts the clients the hosts trained.
+
+    python benchmarks/scale.py [--clients 10 100 1000 10000] [--group] [--out docs/benchmarks.md]
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ def _data(work: Path) -> None:
     np.savez(work / "test.npz", x=x[-2000:], y=y[-2000:])
 
 
-def _config(work: Path, clients: int) -> Path:
+def _config(work: Path, clients: int, group: bool) -> Path:
     sampled = clients >= SAMPLED
     lines = [
         "model: cnn",
@@ -61,16 +65,18 @@ def _config(work: Path, clients: int) -> Path:
     ]
     if sampled:
         lines.append("strategy: {name: fedavg, fraction_train: 0.01}")
-    path = work / f"sim-{clients}.yaml"
+    if group:
+        lines.append("group_clients: true")
+    path = work / f"sim-{clients}{'-grouped' if group else ''}.yaml"
     path.write_text("\n".join(lines) + "\n")
     return path
 
 
-def run(work: Path, clients: int) -> dict[str, Any]:
+def run(work: Path, clients: int, group: bool = False) -> dict[str, Any]:
     """One simulation in a fresh process: its summary and peak RSS (bytes)."""
-    out = work / f"out-{clients}"
+    out = work / f"out-{clients}{'-grouped' if group else ''}"
     command = [sys.executable, "-m", "edgesplit", "simulate", "--quiet"]
-    command += ["--config", str(_config(work, clients)), "--out", str(out)]
+    command += ["--config", str(_config(work, clients, group)), "--out", str(out)]
     started = time.perf_counter()
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL)
     _, status, usage = os.wait4(process.pid, 0)
@@ -83,10 +89,19 @@ def run(work: Path, clients: int) -> dict[str, Any]:
     return summary
 
 
-def _row(clients: int, summary: dict[str, Any], base: float | None) -> str:
+def _trained(clients: int, group: bool, summary: dict[str, Any]) -> int:
+    """Clients trained in round 1: the participants, or the grouped clients the hosts drew
+    (half the clients a host, ``fraction_train`` of them, at least one)."""
+    if not group:
+        return int(summary["rounds"][0]["participants"])
+    fraction = 0.01 if clients >= SAMPLED else 1.0
+    return sum(max(1, int(n * fraction)) for n in (clients // 2, clients - clients // 2))
+
+
+def _row(clients: int, summary: dict[str, Any], base: float | None, group: bool) -> str:
     training = summary["training_wall_seconds"]
     ratio = f"{training / base:.2f}x" if base else "-"
-    per_round = [r["participants"] for r in summary["rounds"]]
+    per_round = [_trained(clients, group, summary)]
     return (
         f"| {clients:,} | {per_round[0]:,} | {training:.1f} | {ratio} | "
         f"{summary['process_seconds']:.1f} | {summary['setup_wall_seconds']:.1f} | "
@@ -97,12 +112,14 @@ def _row(clients: int, summary: dict[str, Any], base: float | None) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, nargs="+", default=[10, 100, 1000, 10_000])
+    parser.add_argument("--group", action="store_true", help="group_clients: true")
     parser.add_argument("--out", type=Path, help="append the table to this markdown file")
     args = parser.parse_args()
     if not SHARED.exists():
         sys.exit(f"scale.py: needs {SHARED.relative_to(ROOT.parent)} (mnist8k)")
     report = Report(
-        f"### Clients at scale ({machine()})\n\n```bash\npython benchmarks/scale.py\n```\n\n"
+        f"### Clients at scale{', grouped' if args.group else ''} ({machine()})\n\n```bash\n"
+        f"python benchmarks/scale.py{' --group' if args.group else ''}\n```\n\n"
         "| clients | trained a round | training s | vs 10 | whole run s | setup s | "
         "peak RSS | accuracy |\n|---|---|---|---|---|---|---|---|"
     )
@@ -111,10 +128,10 @@ def main() -> None:
         work = Path(folder)
         _data(work)
         for clients in args.clients:
-            summary = run(work, clients)
+            summary = run(work, clients, args.group)
             if clients == 10:
                 base = summary["training_wall_seconds"]
-            report.row(_row(clients, summary, base))
+            report.row(_row(clients, summary, base, args.group))
     load = os.getloadavg()[0]
     report.finish(f"One run each; load average {load:.1f} at the end.", args.out)
 

@@ -18,6 +18,7 @@ availability: {online: 0.9, offline: {client-003: [2, 3]}}   # optional
 workers: 4                            # clients training at once (default: one per core)
 measure_memory: true                  # each assignment's real peak, in a fresh process
 batched: false                        # vmapped client steps (simulation.stack)
+group_clients: false                  # one agent per profile trains its clients (hosts)
 client_device: cpu                    # cpu | cuda | cuda:N | mps
 method: local-loss                    # local-loss | splitfed | fedavg | centralized
 rounds: 3                             # the run's training section (but mode: from method)
@@ -35,7 +36,8 @@ Like RUN.yaml the file is flat and the object sectioned: ``SimConfig`` embeds th
 configuration's ``ModelConfig``, ``TrainingConfig`` and ``AggregationConfig`` (with the
 simulation's defaults: the digits CNN, 3 rounds, Adam at 0.002), and holds the simulation's own
 keys in ``SimDataConfig`` (data, test_data, test_fraction), ``FleetConfig`` (clients, partition,
-devices, cuts, availability, workers, measure_memory, batched, client_device) and ``GpuConfig``. The
+devices, cuts, availability, workers, measure_memory, batched, client_device, group_clients)
+and ``GpuConfig``. The
 training mode is not a key: ``method`` sets it (splitfed trains by back-propagation); the round
 deadline is the simulation's (600 s). Every default is a dataclass field's; ``to_dict()`` writes
 the flat keys that ``parse_sim_config`` reads back to an equal object.
@@ -72,6 +74,7 @@ from wire.topics import check_name
 
 __all__ = [
     "BASELINES",
+    "GROUPABLE",
     "METHODS",
     "Availability",
     "FleetConfig",
@@ -240,6 +243,7 @@ class FleetConfig:
     measure_memory: bool = True
     batched: bool = False
     client_device: str = setting("cpu", parse=_device)
+    group_clients: bool = False  # one agent per profile trains its clients (simulation.hosts)
 
     @property
     def worker_count(self) -> int:
@@ -259,6 +263,21 @@ class FleetConfig:
             )
             for index, name in enumerate(client_names(self.clients))
         }
+
+    def hosts(self) -> dict[str, tuple[Profile, list[str]]]:
+        """With ``group_clients``: each host's profile and clients, by the host's name."""
+        profiles = self.client_profiles()
+        groups = {
+            f"host-{index}": (profile, [c for c, p in profiles.items() if p is profile])
+            for index, profile in enumerate(self.devices)
+        }
+        return {name: group for name, group in groups.items() if group[1]}
+
+    def device_profiles(self) -> dict[str, Profile]:
+        """The profile of each device the coordinator sees: the hosts, or the clients."""
+        if self.group_clients:
+            return {name: profile for name, (profile, _) in self.hosts().items()}
+        return self.client_profiles()
 
 
 @dataclass(frozen=True)
@@ -310,11 +329,37 @@ def parse_sim_config(data: object, overrides: Mapping[str, Any] | None = None) -
     config = parse_config(SimConfig, fields, "simulation config", SimConfig(), _NOT_KEYS)
     mode = METHODS.get(config.method, "local-loss")
     config = replace(config, training=replace(config.training, mode=mode))
+    if config.fleet.group_clients:
+        _check_grouping(config)
     if (availability := config.fleet.availability) is not None:
         needed = int(config.aggregation.options.get("min_train_nodes", 1))
         fleet, training = config.fleet, config.training
         availability.check(fleet.clients, training.rounds, training.seed, needed)
     return config
+
+
+# the strategies whose mean of the hosts' means is the mean over the clients
+GROUPABLE = ("fedavg", "fedprox", "fedavgm", "fedadam", "fedyogi", "fedadagrad")
+
+
+def _check_grouping(config: SimConfig) -> None:
+    """``group_clients`` trains as an agent per client does only for these settings."""
+    training, strategy = config.training, config.aggregation.name
+    problems = [
+        f"strategy {strategy!r} judges each reply (grouping needs one of {', '.join(GROUPABLE)})"
+        if strategy not in GROUPABLE
+        else "",
+        f"method {config.method!r} (grouping trains local-loss)"
+        if config.method != "local-loss"
+        else "",
+        "norm: local (per-client BatchNorm copies)" if training.norm == "local" else "",
+        "batched: true (stacked steps)" if config.fleet.batched else "",
+        "federated_eval (the host holds no client's share apart)"
+        if training.federated_eval > 0
+        else "",
+    ]
+    if found := [p for p in problems if p]:
+        raise ConfigError("group_clients: true cannot be used with " + "; ".join(found))
 
 
 def _mapping(data: object) -> Mapping[str, Any]:
@@ -363,16 +408,18 @@ def run_config(config: SimConfig, run_id: str, eval_data: str | None = None) -> 
         check_name(run_id, "run_id")
     except ValueError as error:
         raise ConfigError(str(error)) from error
+    fleet, aggregation = config.fleet, config.aggregation
+    if fleet.group_clients:  # every host trains; each samples its clients (simulation.hosts)
+        options = {**aggregation.options, "fraction_train": 1.0}
+        aggregation = replace(aggregation, options=options)
     return RunConfig(
         run_id=run_id,
         model=config.model,
         # simulated devices all run at the host's speed, not their profiles': their measured
         # speeds say nothing of the devices simulated, so the plan stays
         # named: devices of a deployment on the same broker take no part
-        devices=DevicesConfig(
-            tuple(client_names(config.fleet.clients)), (GPU_NAME,), 60.0, None, config.fleet.cuts
-        ),
+        devices=DevicesConfig(tuple(fleet.device_profiles()), (GPU_NAME,), 60.0, None, fleet.cuts),
         training=config.training,
         data=DataConfig(eval_data),
-        aggregation=config.aggregation,
+        aggregation=aggregation,
     )

@@ -35,18 +35,22 @@ def simulated_round_seconds(
     edges: Mapping[str, EdgeAssignment],
     profiles: Mapping[str, Any],
     backprop: bool,
+    largest: Mapping[str, int] | None = None,
 ) -> float:
-    """The round's time on the declared devices (see the module docstring)."""
+    """The round's time on the declared devices (see the module docstring); ``largest``: a
+    host's examples of its largest client (grouped clients train in parallel on their own
+    devices, each as long as its own examples take)."""
     slowest = 0.0
     for result in results:
         edge, profile = edges.get(result.device), profiles.get(result.device)
         if edge is None or profile is None or result.failure:
             continue
-        compute = 3 * result.examples * edge.flops_per_sample / profile.flops
-        upload = result.examples * edge.cut_bytes_per_sample / profile.uplink
+        examples = min(result.examples, (largest or {}).get(result.device, result.examples))
+        compute = 3 * examples * edge.flops_per_sample / profile.flops
+        upload = examples * edge.cut_bytes_per_sample / profile.uplink
         weights = 2 * edge.weight_bytes / profile.uplink  # down and up once a round
         if backprop:
-            download = result.examples * edge.cut_bytes_per_sample / profile.uplink
+            download = examples * edge.cut_bytes_per_sample / profile.uplink
             slowest = max(slowest, compute + upload + download + weights)
         else:
             slowest = max(slowest, max(compute, upload) + weights)
@@ -67,8 +71,10 @@ def round_rows(
     edges: Mapping[str, EdgeAssignment],
     profiles: Mapping[str, Any],
     backprop: bool,
+    largest: Mapping[str, int] | None = None,
 ) -> list[dict[str, Any]]:
-    """One row per committed round; ``edges``: the stored plan's edge assignments by name."""
+    """One row per committed round; ``edges``: the stored plan's edge assignments by name
+    (``largest``: see :func:`simulated_round_seconds`)."""
     rows: list[dict[str, Any]] = []
     for record in store.list_rounds(run_id):
         if record.state != "committed":  # a try cut short (a resume with none left to train)
@@ -90,7 +96,7 @@ def round_rows(
                 "bytes_down": sum(r.bytes_received for r in record.results),
                 "wall_seconds": record.metrics.get("wall_seconds"),
                 "simulated_seconds": simulated_round_seconds(
-                    record.results, edges, profiles, backprop
+                    record.results, edges, profiles, backprop, largest
                 ),
             }
         )

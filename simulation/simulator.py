@@ -39,6 +39,7 @@ from simulation.config import (
     client_names,
     run_config,
 )
+from simulation.hosts import ClientGroup, HostAgent
 from simulation.pool import SegmentPool
 from simulation.report import client_rows, round_rows, write_outputs
 from simulation.resume import cancelled_run, fingerprint, start_run
@@ -101,8 +102,49 @@ class _Fleet(RoundObserver):
         self.coordinator: Coordinator | None = None
         self._agents: dict[str, tuple[EdgeAgent, Transport, Transport]] = {}
         self._generation = 0
+        self._offline: set[str] = set()  # grouped clients the availability takes offline
+        if fleet.group_clients:
+            for index, (name, (profile, clients)) in enumerate(fleet.hosts().items()):
+                self._start_host(index, name, profile, clients)
+            return
         for name in data:
             self._start(name)
+
+    def _start_host(self, index: int, name: str, profile: Profile, clients: list[str]) -> None:
+        """A host agent training ``clients`` (simulation.hosts), online for the whole run."""
+        ends = np.cumsum([len(self.data[c]) for c in clients])
+        rows = tuple(
+            np.arange(end - len(self.data[c]), end) for c, end in zip(clients, ends, strict=True)
+        )
+        group = ClientGroup(tuple(clients), rows)
+        data = Dataset(
+            np.concatenate([self.data[c].x for c in clients]),
+            np.concatenate([self.data[c].y for c in clients]),
+            self.data[clients[0]].num_classes,
+        )
+        control = self.connect(f"{name}-control", node_will(node_id_for(name), name))
+        stream = self.connect(f"{name}-stream")
+        announcement = Announcement(name, "edge", profile.memory, profile.flops, profile.uplink)
+        agent = HostAgent(
+            announcement,
+            data,
+            control,
+            stream,
+            measure_peak=False,
+            models=(self.config.model.name,),
+            group=group,
+            choose=lambda number, names: self._choose(index, number, names),
+        )
+        self._agents[name] = (agent, control, stream)
+
+    def _choose(self, host: int, number: int, names: Sequence[str]) -> list[str]:
+        """The grouped clients of a host that train round ``number``: ``fraction_train`` of
+        those online (at least one), drawn from the run's seed, in name order."""
+        online = [n for n in names if n not in self._offline]
+        fraction = float(self.config.aggregation.options.get("fraction_train", 1.0))
+        count = min(len(online), max(1, int(len(online) * fraction)))
+        rng = np.random.default_rng([self.config.training.seed, number, host])
+        return sorted(rng.choice(online, count, replace=False).tolist()) if online else []
 
     def _start(self, name: str) -> None:
         self._generation += 1
@@ -132,12 +174,15 @@ class _Fleet(RoundObserver):
             return
         names = list(self.data)
         offline = availability.offline_in(number, names, self.config.training.seed)
+        log.info("round %d: %d of %d clients online", number, len(names) - len(offline), len(names))
+        if self.config.fleet.group_clients:  # the hosts stay online, their clients do not
+            self._offline = offline
+            return
         for name in names:
             if name in offline and name in self._agents:
                 self._stop(name)
             elif name not in offline and name not in self._agents:
                 self._start(name)
-        log.info("round %d: %d of %d clients online", number, len(names) - len(offline), len(names))
         deadline = time.monotonic() + 30.0
         while self.coordinator is not None and time.monotonic() < deadline:
             if set(self.coordinator.online("edge")) == set(self._agents):
@@ -290,7 +335,7 @@ def _split_learning(
     the batched slots' counts."""
     require_device(config.fleet.client_device, "client_device")
     require_device(config.gpu.device, "gpu.device")
-    profiles = config.fleet.client_profiles()
+    profiles = config.fleet.device_profiles()
     connect, closer = _transports(*broker)
     fleet = gpu = None
     try:
@@ -314,7 +359,7 @@ def _split_learning(
             edges = {e.name: e for e in plan.edges} if plan is not None else {}
             measured = _measure_peaks(config, edges) if config.fleet.measure_memory else {}
             backprop = config.training.mode == "backprop"
-            rows = round_rows(store, run.run_id, edges, profiles, backprop)
+            rows = round_rows(store, run.run_id, edges, profiles, backprop, _largest(config, data))
             clients = client_rows(store, run.run_id, edges, profiles, measured)
         batched = fleet.pool.stack_counts if config.fleet.batched else None
     finally:
@@ -324,6 +369,17 @@ def _split_learning(
             _leave(gpu.node)
         closer()
     return trained, plan, rows[len(rows) - ran :], rows, clients, batched
+
+
+def _largest(config: SimConfig, data: dict[str, Dataset]) -> dict[str, int]:
+    """Each host's examples a round of its largest client (grouped clients; else none)."""
+    if not config.fleet.group_clients:
+        return {}
+    epochs = config.training.local_epochs
+    return {
+        host: epochs * max(len(data[c]) for c in clients)
+        for host, (_, clients) in config.fleet.hosts().items()
+    }
 
 
 def _start_gpu_host(config: SimConfig, connect: Callable[..., Transport]) -> GpuAgent:

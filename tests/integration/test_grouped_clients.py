@@ -1,0 +1,78 @@
+"""Grouped clients (``group_clients: true``, simulation.hosts): one agent per profile trains
+its clients in turn and answers with their mean; for FedAvg the run trains as one with an
+agent per client (simulations on the bundled digits, in-process)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from simulation.config import parse_sim_config
+from simulation.simulator import simulate
+from split_models.errors import ConfigError
+from storage import open_store
+
+pytestmark = pytest.mark.integration
+pytest.importorskip("sklearn")
+
+
+def _simulate(tmp_path: Path, tag: str, **fields: Any) -> tuple[dict[str, Any], Any, Any]:
+    config = parse_sim_config(
+        {"clients": 6, "rounds": 1, "measure_memory": False, "workers": 1, **fields}
+    )
+    summary = simulate(config, tmp_path / tag)
+    with open_store(f"sqlite:///{tmp_path / tag / 'runs.db'}") as store:
+        weights = store.resume(summary["run_id"]).weights["global"]  # type: ignore[union-attr]
+        rounds = store.list_rounds(summary["run_id"])
+    return summary, weights, rounds
+
+
+def test_grouped_clients_train_the_front_blocks_as_an_agent_each_does(tmp_path: Path) -> None:
+    _, apart, _ = _simulate(tmp_path, "apart")
+    summary, grouped, rounds = _simulate(tmp_path, "grouped", group_clients=True)
+
+    assert sorted(r.device for r in rounds[0].results) == ["gpu-sim", "host-0", "host-1"]
+    assert {c["name"]: tuple(c["blocks"]) for c in summary["clients"]} == {
+        "host-0": (0, 2),
+        "host-1": (0, 5),
+    }, "each profile's host takes the cut its clients took"
+    # blocks 0 and 1 are trained by the edges alone: the mean of the hosts' means is the
+    # mean over the clients (the back, trained on the hosts' streams, differs in batching)
+    front = [k for k in apart if k.startswith(("block0.", "block1."))]
+    assert front and all(np.allclose(apart[k], grouped[k], rtol=1e-4, atol=1e-6) for k in front)
+    assert summary["final_accuracy"] > 0.5
+
+
+def test_each_host_draws_fraction_train_of_its_clients_a_round(tmp_path: Path) -> None:
+    # clients of unequal sizes: a draw of other clients trains another count of examples
+    fields = {"group_clients": True, "rounds": 2, "clients": 8}
+    fields["partition"] = {"kind": "dirichlet", "alpha": 0.5}
+    strategy = {"name": "fedavg", "fraction_train": 0.5}
+    _, _, rounds = _simulate(tmp_path, "half", strategy=strategy, **fields)
+    _, _, whole = _simulate(tmp_path, "all", **fields)
+
+    examples = [{r.device: r.examples for r in record.results} for record in rounds]
+    everyone = {r.device: r.examples for r in whole[0].results}
+    for host in ("host-0", "host-1"):
+        drawn = [e[host] for e in examples]
+        assert all(0 < n < everyone[host] for n in drawn), (drawn, everyone[host])
+    assert examples[0] != examples[1], "another draw each round"
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({"strategy": {"name": "krum"}}, "strategy 'krum' judges each reply"),
+        ({"method": "splitfed"}, "method 'splitfed'"),
+        ({"batched": True}, "batched: true"),
+        ({"federated_eval": 0.2}, "federated_eval"),
+    ],
+)
+def test_settings_grouping_cannot_honour_are_refused_by_name(
+    fields: dict[str, Any], named: str
+) -> None:
+    with pytest.raises(ConfigError, match=f"group_clients: true cannot be used with .*{named}"):
+        parse_sim_config({"group_clients": True, **fields})
