@@ -52,13 +52,16 @@ def simulate_command(args: argparse.Namespace) -> int:
     use_profile_cache(profile_cache(args.profile_cache))
     out = Path(args.out)
     title = f"{config.method}: {config.fleet.clients} clients, {config.model.name}"
+    unit = "hosts" if config.fleet.group_clients else "clients"
+    if config.fleet.group_clients:
+        title += f" in {len(config.fleet.hosts())} hosts"
     with _devices_hint(config):
         if args.quiet or config.method == "centralized":
             summary = simulate(
                 config, out, args.broker, observer=RoundObserver(), password=args.broker_password
             )
         else:
-            with RoundProgress(config.training.rounds, title) as progress:
+            with RoundProgress(config.training.rounds, title, unit=unit) as progress:
                 summary = simulate(
                     config, out, args.broker, observer=progress, password=args.broker_password
                 )
@@ -109,10 +112,11 @@ def _print_summary(summary: dict[str, object], out: object) -> None:
             f"{row['bytes_up'] / 1e6:>8.2f} {row['bytes_down'] / 1e6:>8.2f} "
             f"{row['wall_seconds'] or 0:>7.1f} {row['simulated_seconds'] or 0:>7.2f}"
         )
+    hosts: dict[str, int] = summary.get("hosts") or {}  # type: ignore[assignment]
     if clients:
         print(
-            f"{'client':<12} {'profile':<8} {'blocks':<8} {'budget':>10} {'estimate':>10} "
-            f"{'measured':>10} {'cut MB up':>9} {'examples':>8}"
+            f"{'host' if hosts else 'client':<12} {'profile':<8} {'blocks':<8} {'budget':>10} "
+            f"{'estimate':>10} {'measured':>10} {'cut MB up':>9} {'examples':>8}"
         )
     for client in clients:
         blocks = client["blocks"] or ["-", "-"]
@@ -124,6 +128,7 @@ def _print_summary(summary: dict[str, object], out: object) -> None:
             f"{format_bytes(measured) if measured else '-':>10} "
             f"{client.get('cut_bytes_up', 0) / 1e6:>9.2f} {client['examples']:>8}"
             + ("  does not fit its budget" if client.get("fits") is False else "")
+            + (f"  ({hosts[client['name']]:,} clients)" if client["name"] in hosts else "")
         )
     print(
         f"final accuracy {_accuracy(summary['final_accuracy'])}, "

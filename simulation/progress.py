@@ -21,10 +21,13 @@ __all__ = ["RoundProgress"]
 
 
 class RoundProgress(RoundObserver):
-    """Shows the progress of ``rounds`` rounds on ``console`` (stderr by default)."""
+    """Shows the progress of ``rounds`` rounds on ``console`` (stderr by default); ``unit``:
+    what the edges are (``hosts`` when a simulation groups its clients)."""
 
-    def __init__(self, rounds: int, title: str, console: Console | None = None) -> None:
-        self.rounds, self.title = rounds, title
+    def __init__(
+        self, rounds: int, title: str, console: Console | None = None, unit: str = "clients"
+    ) -> None:
+        self.rounds, self.title, self.unit = rounds, title, unit
         self.console = console or Console(stderr=True)
         self._lock = threading.Lock()
         self._rows: list[tuple[str, ...]] = []
@@ -52,7 +55,7 @@ class RoundProgress(RoundObserver):
 
     def _table(self) -> Table:
         table = Table(title=self.title, title_justify="left")
-        for name in ("round", "accuracy", "loss", "clients trained", "wall s"):
+        for name in ("round", "accuracy", "loss", f"{self.unit} trained", "wall s"):
             table.add_column(name, justify="right")
         for row in self._rows:
             table.add_row(*row)
@@ -103,6 +106,6 @@ class RoundProgress(RoundObserver):
             if self._live is None:
                 self.console.print(
                     f"round {row[0]}/{self.rounds}: accuracy {row[1]}, loss {row[2]}, "
-                    f"{row[3]} clients trained, {row[4]} s"
+                    f"{row[3]} {self.unit} trained, {row[4]} s"
                 )
             self._refresh()

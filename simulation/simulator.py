@@ -297,6 +297,8 @@ def simulate(
         "rounds": rows,
         "clients": clients,
     }
+    if config.fleet.group_clients:  # the devices are hosts: how many clients each holds
+        summary["hosts"] = {host: len(names) for host, (_, names) in config.fleet.hosts().items()}
     write_outputs(out, summary, _plan_text(plan))
     return summary
 
