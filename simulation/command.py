@@ -51,10 +51,7 @@ def simulate_command(args: argparse.Namespace) -> int:
     config = load_sim_config(args.config, overrides)
     use_profile_cache(profile_cache(args.profile_cache))
     out = Path(args.out)
-    title = f"{config.method}: {config.fleet.clients} clients, {config.model.name}"
-    unit = "hosts" if config.fleet.group_clients else "clients"
-    if config.fleet.group_clients:
-        title += f" in {len(config.fleet.hosts())} hosts"
+    title, unit = _title(config)
     with _devices_hint(config):
         if args.quiet or config.method == "centralized":
             summary = simulate(
@@ -95,6 +92,14 @@ def _devices_hint(config: SimConfig) -> Iterator[None]:
             f"{error}. The simulated clients are the profiles of SIM.yaml's devices: ({profiles}); "
             "give them more memory there (--config SIM.yaml with a devices: list)"
         ) from error
+
+
+def _title(config: Any) -> tuple[str, str]:
+    """The live table's title, and what its devices are (clients, or hosts of clients)."""
+    title = f"{config.method}: {config.fleet.clients} clients, {config.model.name}"
+    if not config.fleet.group_clients:
+        return title, "clients"
+    return f"{title} in {len(config.fleet.hosts())} hosts", "hosts"
 
 
 def _print_summary(summary: dict[str, object], out: object) -> None:
