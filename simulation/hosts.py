@@ -78,19 +78,13 @@ class HostTrainer(EdgeTrainer):
     def _batches(self, generator: np.random.Generator) -> list[np.ndarray]:
         """Each client's batches in turn, each client shuffled by a generator in the state
         ``generator`` starts in, so every client draws the order it draws as its own agent."""
-        size, epochs, state = (
-            self.config.batch_size,
-            self.config.local_epochs,
-            generator.bit_generator.state,
-        )
+        size, state = self.config.batch_size, generator.bit_generator.state
         batches = []
         for client in self.chosen:
-            rows, fresh = (
-                self.group.rows[client],
-                np.random.Generator(type(generator.bit_generator)()),
-            )
+            rows = self.group.rows[client]
+            fresh = np.random.Generator(type(generator.bit_generator)())
             fresh.bit_generator.state = state
-            for _ in range(epochs):
+            for _ in range(self.config.local_epochs):
                 order = rows[fresh.permutation(len(rows))]
                 batches += [order[i : i + size] for i in range(0, len(order), size)]
         return batches
