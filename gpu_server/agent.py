@@ -174,6 +174,7 @@ class GpuAgent:
         offline = self._offline(task, peers)
         examples, loss = back.wait_round(task.edges, wait, cancelled, offline, GAP_QUIET_SECONDS)
         _log_batches(back, task.run, (number, options[1]), self.device)
+        back.part()  # left out of the next plan, it must not take a share of this stream
         if cancelled():
             abandoned = RoundAbandoned(number)
             log.warning("%s", abandoned)

@@ -2,7 +2,9 @@
 batch's output and labels on to the next piece's stream, and, once every sender of its round
 is finished, says how many it passed on (its ``done``, like an edge's), so the next piece
 agrees on the end of the round by the same counts. It passes batches on without credits (its
-rate is bounded by its own training of credited input)."""
+rate is bounded by its own training of credited input), but not before the next piece has
+begun the round: the next piece's first credit says it holds the stream (a batch passed on
+to a shared subscription nobody holds yet is dropped by the broker)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import numpy as np
 
 from wire import topics
 from wire.channel import Channel
+from wire.flow import CreditGate
 
 __all__ = ["ChainLink"]
 
@@ -27,6 +30,13 @@ class ChainLink:
         self._lock = threading.Lock()
         self._sent: dict[int, int] = {}  # round -> batches passed on
         self._attempt = 1  # the coordinator's try, which the next piece checks
+        self._next = CreditGate(channel, run, channel.sender)  # the next piece's credits
+
+    def await_next(self, round_number: int, attempt: int, timeout: float) -> bool:
+        """Wait until the next piece has begun try ``attempt`` of the round (its first
+        credit to this piece came); False after ``timeout`` seconds without it."""
+        self._next.start_round(round_number, attempt)
+        return self._next.acquire(timeout)
 
     def begin(self, round_number: int, attempt: int = 1) -> None:
         """Round ``round_number`` begins (again, when the runner retries it under the same

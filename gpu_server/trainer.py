@@ -12,6 +12,7 @@ input gradient to its sender.
 from __future__ import annotations
 
 import collections
+import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +36,9 @@ from wire.flow import CreditGranter
 from wire.stream import StreamServer
 
 __all__ = ["BackStats", "BackTrainer"]
+
+log = logging.getLogger(__name__)
+_NEXT_WAIT = 30.0  # seconds a chain piece waits for the next piece to begin a round
 
 
 @dataclass
@@ -144,7 +148,18 @@ class BackTrainer:
             if self.chain is not None:  # a retried round counts its batches afresh
                 self.chain.begin(round_number, attempt)
 
+        chain = self.chain
+        if chain is not None and not chain.await_next(round_number, attempt, _NEXT_WAIT):
+            log.warning(
+                "round %d: the next piece (stream %s) did not begin the round within %.0f s; "
+                "passing batches on anyway",
+                *(round_number, chain.forward, _NEXT_WAIT),
+            )
         self.stream.begin_round(round_number, devices, peers, setup, attempt)
+
+    def part(self) -> None:
+        """Take no batches until the next round (see :meth:`StreamServer.part`)."""
+        self.stream.part()
 
     def wait_round(
         self,

@@ -11,37 +11,28 @@ handler, the stage's compute. Around that it owns:
 - **parking**: batches of a round this server has not begun yet (a peer began first) wait,
   bounded, until it has the round's weights.
 
-A batch rejected anywhere, by the codec (non-finite values, bad dtype or shape) or by the
-handler (raising :class:`~wire.errors.WireError`), costs one batch: its credit returns and it
-is counted, so the round does not wait out its deadline for it. A rejection trusts only the
-topic for the sender (the broker's ACL binds it to the device) and takes the round, epoch and
-sequence number from what its header still says; without them it is only counted in the
-stats. Rejections are de-duplicated per round (a key parked for a later round survives the
-round's start) and bounded, so a redelivered or forged one cannot count twice or grow the
-server's state. A batch of the current round from a device that is not one of the round's
-senders is rejected (``sender``) without a credit or a count: it is neither trained nor able to
-move the end of the round.
+A batch rejected anywhere (codec or handler, :class:`~wire.errors.WireError`) costs one batch:
+its credit returns and it is counted, so the round does not wait out its deadline for it. A
+rejection trusts only the topic for the sender (the broker's ACL binds it) and takes round,
+epoch and sequence number from its header; rejections are de-duplicated per round and
+bounded. A batch from a device that is not one of the round's senders is rejected
+(``sender``) without a credit or a count. Between its rounds a server takes no batches
+(:meth:`StreamServer.part`; the next round joins the stream again before its credits).
 
-**A sender that goes offline** (its last will; the owner passes who is offline to
-:meth:`StreamServer.wait_round`, or calls :meth:`StreamServer.leave`) leaves the round: the
-server stops waiting for its count. Its batches are **all in**: every batch of it that reached
-this server before the will is trained (ordered: also those waiting for their turn); one of the
-round arriving after is refused (``gone``, its credit returned) and counted nowhere.
+**A sender that goes offline** (its will, passed to :meth:`StreamServer.wait_round`, or
+:meth:`StreamServer.leave`) leaves the round: nobody waits for its count, every batch of it
+that came before the will is trained (**all in**), one after is refused (``gone``).
 
-**Ordered** (``ordered=True``, the run's ``deterministic: true``, one server on the stream): the
-batches of a round are handled sender by sender, in the order of the senders' names, each
-sender's in the order they came; a batch that is not its sender's turn waits, and its credit
-returns only when it is handled, so a waiting sender holds at most its credit window. The
-back then trains on the same sequence of batches in every run, whatever order threads or the
-network delivered them in; senders take turns, so a round takes longer.
+**Ordered** (``ordered=True``, ``deterministic: true``, one server on the stream): a round's
+batches are handled sender by sender in name order, each sender's as they came; a batch not
+in its turn waits, its credit returning when handled. The back trains on the same sequence
+in every run, whatever order the network delivered; senders take turns, so rounds are longer.
 
-**Gaps** (a broker that restarted and lost messages it had acknowledged): a sender that said
-what it sent (``done``) but whose batches do not add up, with no progress for a quiet period
-after that, is **missing** batches (:meth:`StreamServer.missing`); the server stops waiting for
-it and its owner reports it, so the round is redone, never committed short. **Tries**: each
-batch and ``done`` carries the coordinator's try of the round (``attempt``, 1 when absent); one
-of an earlier try of the current round is refused (``stale_attempt``) without a credit or a
-count, so a retried round never trains the batches of the try it replaced.
+**Gaps** (a broker that lost acknowledged messages): a sender whose ``done`` and batches do
+not add up, with no progress for a quiet period, is **missing** batches
+(:meth:`StreamServer.missing`); its owner reports it and the round is redone, never committed
+short. **Tries**: a batch or ``done`` of an earlier try (``attempt``) of the current round is
+refused (``stale_attempt``) without a credit or a count.
 """
 
 from __future__ import annotations
@@ -66,8 +57,7 @@ from wire.logs import warn
 __all__ = ["StreamServer", "StreamStats"]
 
 log = logging.getLogger(__name__)
-# Bounds on what the server keeps for rounds it has not begun or batches it rejected, per
-# sender (the topic's device: one account cannot fill what the others need) and in all.
+# Bounds on what is kept for rounds not begun or batches rejected, per sender and in all.
 _MAX_PARKED, _PARKED_PER_SENDER = 1024, 32  # batches of a round this server has not begun yet
 _MAX_EARLY, _EARLY_PER_SENDER = 4096, 8  # done / processed messages of rounds not begun yet
 _MAX_REJECTIONS, _REJECTIONS_PER_SENDER = 65536, 1024  # rejections counted per round
@@ -76,8 +66,7 @@ _POLL = 0.1
 
 @dataclass
 class StreamStats:
-    """Batches handled per sender (over all rounds), rejections by reason, and the rounds
-    each sender left by going offline."""
+    """Batches handled per sender, rejections by reason, rounds each sender left offline."""
 
     handled: collections.Counter[str] = field(default_factory=collections.Counter)
     rejected: collections.Counter[str] = field(default_factory=collections.Counter)
@@ -144,17 +133,27 @@ class StreamServer:
         )
         channel.listen(self._filters[0], self._on_done, kinds=control)
         channel.listen(self._filters[1], self._on_counts, kinds=control)
-        channel.listen(
-            self._filters[2],
-            self._on_batch,
-            kinds=frozenset({"activations"}),
-            on_reject=self._on_reject,
-        )
+        self._joined = False
+        self.join()
 
     def close(self) -> None:
         """Leave the stream: a replaced server must not keep taking a share of it."""
         for topic_filter in self._filters:
             self.channel.transport.unsubscribe(topic_filter)
+
+    def join(self) -> None:
+        """Take a share of the stream's batches (again: each round it serves begins so)."""
+        if not self._joined:
+            kinds = frozenset({"activations"})
+            self.channel.listen(self._filters[2], self._on_batch, None, kinds, self._on_reject)
+            self._joined = True
+
+    def part(self) -> None:
+        """Take no batches until the next round: a server the next plan leaves out must not
+        keep taking a share of its old piece's stream."""
+        if self._joined:
+            self.channel.transport.unsubscribe(self._filters[2])
+            self._joined = False
 
     # ---------------------------------------------------------------- rounds
     def begin_round(
@@ -168,6 +167,7 @@ class StreamServer:
         """Serve round ``number`` for ``senders`` (with ``peers`` sharing the stream): run
         ``setup`` (load the round's weights) before any batch of the round is handled, train
         what was parked for it, then open every sender's credit window."""
+        self.join()
         with self._lock:
             if setup is not None:
                 setup()

@@ -322,8 +322,13 @@ def test_two_gpu_servers_share_the_streams_and_both_train(
         hub.close()
 
 
+@pytest.mark.parametrize("transport", ["in-process", "mqtt"])
 def test_a_back_too_big_for_one_server_is_chained_over_two(
-    tmp_path: Path, store: RunStore, profile: ModelProfile
+    tmp_path: Path,
+    store: RunStore,
+    profile: ModelProfile,
+    transport: str,
+    request: pytest.FixtureRequest,
 ) -> None:
     problem = Problem.build(profile, PartitionConfig(batch_size=16, optimizer="adam"))
     last = profile.num_blocks
@@ -331,7 +336,9 @@ def test_a_back_too_big_for_one_server_is_chained_over_two(
     middle = min(range(2, last), key=lambda m: max(problem.memory[1][m], problem.memory[m][last]))
     room = int(max(problem.memory[1][middle], problem.memory[middle][last])) + 1024
     assert room < problem.memory[1][last]
-    hub = InProcessHub()
+    hub = (
+        InProcessHub() if transport == "in-process" else MqttHub(request.getfixturevalue("broker"))
+    )
     edge_room = dict.fromkeys(EDGES, int(problem.edge_memory[1]) + 1024)
     run = config(tmp_path, devices={"edges": list(EDGES), "gpu_servers": 2, "wait": "30s"})
     start_fleet(hub, tmp_path, edge_room, {}, ("gpu-a", "gpu-b"), server_memory=room)
@@ -356,6 +363,8 @@ def test_a_back_too_big_for_one_server_is_chained_over_two(
     back = gpus[first]._backs["svc-1"][1]
     assert back.end == pieces[0][1] and back.stats.rejected == {}
     assert rounds[-1].evaluation["accuracy"] > 0.5, [r.evaluation for r in rounds]
+    if isinstance(hub, MqttHub):
+        hub.close()
 
 
 class _KillAfterRound(RoundObserver):

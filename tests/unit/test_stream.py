@@ -264,3 +264,41 @@ def test_one_device_cannot_fill_what_the_server_keeps_for_rounds_not_begun() -> 
     server.begin_round(2, [EDGE])
     assert server.wait_round(5.0), "pi-01's parked batch and done count were kept"
     assert [e.sender for e in handled] == [EDGE]
+
+
+def test_a_server_between_rounds_takes_no_share_of_the_stream() -> None:
+    # two servers share a stream; one parts after its round: every batch goes to the other,
+    # until the parted one begins a round again
+    server, _gate, handled, hub = _server()
+    other: list[Envelope] = []
+    peer = StreamServer(Channel(hub.connect("gpu-b"), "gpu-b"), RUN, "seg-0", other.append)
+    peer.begin_round(1, [EDGE])
+    raw = hub.connect("raw")
+    topic = topics.activations(RUN, "seg-0", EDGE)
+    server.part()
+
+    for seq in range(6):
+        raw.publish(topic, _raw(seq, 1, np.ones((2, 4), np.float32)))
+
+    assert _until(lambda: len(other) == 6), "the parted server took a share"
+    assert handled == []
+    server.begin_round(2, [EDGE])  # joins the stream again before its credits
+    for seq in range(6, 40):
+        raw.publish(topic, _raw(seq, 2, np.ones((2, 4), np.float32)))
+    assert _until(lambda: len(handled) > 0), "back in the stream, it takes its share"
+
+
+def test_a_chain_piece_passes_batches_on_once_the_next_piece_began_the_round() -> None:
+    from gpu_server.chain import ChainLink
+
+    hub = InProcessHub()
+    link = ChainLink(Channel(hub.connect("gpu-a"), "gpu-a"), RUN, "seg-1", cut=3)
+    assert not link.await_next(1, 1, timeout=0.2), "nobody serves the next piece yet"
+    passed: list[Envelope] = []
+    nxt = StreamServer(Channel(hub.connect("gpu-b"), "gpu-b"), RUN, "seg-1", passed.append)
+    nxt.begin_round(1, ["gpu-a"])
+
+    assert link.await_next(1, 1, timeout=5.0), "the next piece's first credit"
+    link.pass_on({"x": np.ones((2, 4), np.float32)}, np.zeros(2, np.int64), 1)
+    assert _until(lambda: len(passed) == 1)
+    assert not link.await_next(1, 2, timeout=0.2), "a retry waits for the retry's credits"
