@@ -3,7 +3,6 @@ assignment refusals and re-planning, backprop mode, and clear failures."""
 
 from __future__ import annotations
 
-import itertools
 import logging
 import uuid
 from pathlib import Path
@@ -14,7 +13,6 @@ from flwr.app import Message
 
 from coordinator.config import RunConfig
 from coordinator.partitioner import PartitionConfig, Problem
-from coordinator.recorder import RoundObserver
 from coordinator.service import Coordinator, CoordinatorError
 from edge_client.agent import EdgeAgent
 from gpu_server.agent import GpuAgent
@@ -365,62 +363,6 @@ def test_a_back_too_big_for_one_server_is_chained_over_two(
     assert rounds[-1].evaluation["accuracy"] > 0.5, [r.evaluation for r in rounds]
     if isinstance(hub, MqttHub):
         hub.close()
-
-
-class _KillAfterRound(RoundObserver):
-    """Kills the GPU server holding the chain's last piece once round ``after`` commits."""
-
-    def __init__(self, store: RunStore, transports: dict[str, tuple[Transport, Transport]]):
-        self.store, self.transports, self.killed = store, transports, ""
-
-    def round_committed(self, number: int, *_args: object, **_kwargs: object) -> None:
-        if number == 1:
-            plan = self.store.get_run("svc-1").plan
-            assert plan is not None
-            self.killed = max(plan["servers"], key=lambda s: s["blocks"][0])["name"]
-            control, stream = self.transports[self.killed]
-            control.kill()  # its will says it left, as a crashed server's does
-            stream.close()
-
-
-def test_a_chain_that_loses_a_server_moves_its_back_onto_the_servers_left(
-    tmp_path: Path, store: RunStore, profile: ModelProfile
-) -> None:
-    problem = Problem.build(profile, PartitionConfig(batch_size=16, optimizer="adam"))
-    last = profile.num_blocks
-    middle = min(range(2, last), key=lambda m: max(problem.memory[1][m], problem.memory[m][last]))
-    room = int(max(problem.memory[1][middle], problem.memory[middle][last])) + 1024
-    hub = InProcessHub()
-    names = ("gpu-a", "gpu-b", "gpu-c")
-    transports = {
-        n: (hub.connect(f"{n}-control", node_will(node_id_for(n), n)), hub.connect(f"{n}-stream"))
-        for n in names
-    }
-    for name, (control, stream) in transports.items():
-        GpuAgent(Announcement(name, "gpu", room, 1e9), control, stream)
-    devices = {"edges": list(EDGES), "gpu_servers": 3, "wait": "30s"}
-    run = config(tmp_path, rounds=3, devices=devices)  # writes the edges' data
-    start_fleet(hub, tmp_path, dict.fromkeys(EDGES, int(problem.edge_memory[1]) + 1024), {}, ())
-    killer = _KillAfterRound(store, transports)
-    coordinator = Coordinator(
-        run, store, hub.connect("coordinator"), profile=lambda _: profile, observer=killer
-    )
-
-    assert coordinator.run() == 3
-
-    rounds = store.list_rounds("svc-1")
-    assert [r.state for r in rounds] == ["committed"] * 3
-    plan = store.get_run("svc-1").plan
-    assert plan is not None
-    pieces = sorted((tuple(s["blocks"]), s["name"]) for s in plan["servers"])
-    assert killer.killed and killer.killed not in {name for _, name in pieces}, pieces
-    assert pieces[0][0][0] == 1 and pieces[-1][0][1] == last, pieces
-    assert all(a[0][1] == b[0][0] for a, b in itertools.pairwise(pieces)), pieces
-    moved = [e for e in store.events("svc-1") if e.kind == "replanned"]
-    assert len(moved) == 1 and killer.killed in moved[0].detail, moved
-    results = {r.device: r for r in rounds[-1].results}
-    edge_examples = sum(results[e].examples for e in EDGES)
-    assert all(results[name].examples == edge_examples for _, name in pieces), results
 
 
 def test_the_strategy_config_reaches_every_device_in_its_train_message(
