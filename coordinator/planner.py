@@ -175,8 +175,10 @@ class Planner:
         profile, start = self.profile(), min(a.end for a in placement.edges)
         try:
             pieces = place_back(profile, device_specs([], servers), self.partition(), start)
-        except InfeasiblePlanError:
-            pieces = ()  # unless one server holds it all, _servers names the shortfall
+        except InfeasiblePlanError:  # not even in pieces: the shortfall in all
+            if self.config.training.mode != "backprop":
+                raise
+            pieces = ()  # one server must hold it all: _servers names the largest
         backs = self._servers(profile, servers, start, pieces)
         memory = {s.device: s.memory for s in servers}
         return Placement(_with_servers(placement.plan, backs, memory), placement.edges, backs)

@@ -329,7 +329,7 @@ class Coordinator:
         work.require_server = True
         missing = sorted({span(b) for b in placement.servers} - {span(b) for b in servers})
         if missing:
-            pieces = ", ".join(map(str, missing))
+            pieces = ", ".join(f"[{a}, {b})" for a, b in missing)
             work.problem = f"no GPU server holding blocks {pieces} is online"
         elif len(selected) < self.min_edges:
             work.problem = f"{len(selected)} edge(s) online, {self.min_edges} needed"

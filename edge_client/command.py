@@ -8,6 +8,7 @@ import logging
 from edge_client.agent import EdgeAgent
 from split_models.calibration import measure_flops
 from split_models.data import load_dataset
+from split_models.errors import ConfigError
 from split_models.measure import release_freed_memory
 from split_models.runtime import configure_logging, wait_for_stop
 from split_models.units import parse_bandwidth, parse_flops, parse_memory
@@ -28,7 +29,7 @@ def edge_command(args: argparse.Namespace) -> int:
         device=args.id,
         role="edge",
         memory=parse_memory(args.memory, "--memory"),
-        flops=_measured_flops() if measured else parse_flops(args.flops, "--flops"),
+        flops=_measured_flops() if measured else _declared_flops(args.flops),
         uplink=parse_bandwidth(args.uplink, "--uplink"),
     )
     data = load_dataset(args.data)
@@ -52,6 +53,17 @@ def edge_command(args: argparse.Namespace) -> int:
         stream.close()
 
     return wait_for_stop(stop)
+
+
+def _declared_flops(value: str) -> float:
+    """``--flops`` as a number of FLOP/s; a clear error naming ``auto`` otherwise."""
+    try:
+        return parse_flops(value, "--flops")
+    except ConfigError:
+        raise ConfigError(
+            f"--flops: expected auto (measured at start, the default) or a sustained number "
+            f"of FLOP/s such as 2e9, got {value!r}"
+        ) from None
 
 
 def _measured_flops() -> float:

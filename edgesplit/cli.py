@@ -262,7 +262,7 @@ def _role_parsers(commands: argparse._SubParsersAction) -> None:  # type: ignore
     edge.add_argument(
         "--memory", default="512MiB", help="memory for training (default: %(default)s)"
     )
-    edge.add_argument("--flops", default="auto", help="sustained FLOP/s; auto: measured")
+    edge.add_argument("--flops", default="auto", help="FLOP/s, or auto: measured (default)")
     edge.add_argument("--uplink", default="20Mbit", help="uplink bandwidth (default: %(default)s)")
     _allowed_models(edge)
     edge.add_argument("-v", "--verbose", action="store_true")

@@ -53,6 +53,7 @@ def round_summary(record: RoundRecord, servers: Collection[str] = ()) -> dict[st
 def run_status(store: RunStore, run_id: str) -> dict[str, Any]:
     """A run with all its rounds."""
     run = store.get_run(run_id)
+    servers = _servers(run, store)
     return {
         "run_id": run.run_id,
         "status": run.status,
@@ -62,7 +63,7 @@ def run_status(store: RunStore, run_id: str) -> dict[str, Any]:
         "plan": run.plan,
         "created_at": run.created_at.isoformat(),
         "updated_at": run.updated_at.isoformat(),
-        "rounds": [round_summary(r, _servers(run)) for r in store.list_rounds(run_id)],
+        "rounds": [round_summary(r, servers) for r in store.list_rounds(run_id)],
         "checkpoint": _latest_problem(store, run, deep=True),
         "coordinator": _driver(store, run_id),
     }
@@ -90,10 +91,12 @@ def _latest_problem(store: RunStore, run: RunRecord, deep: bool) -> str | None:
     return store.round_problem(run.run_id, run.current_round, deep=deep)
 
 
-def _servers(run: RunRecord) -> set[str]:
-    """The GPU servers of the run's stored plan (none when it has no plan yet)."""
+def _servers(run: RunRecord, store: RunStore) -> set[str]:
+    """The run's GPU servers: those of its stored plan and every device registered as one
+    (a round under an earlier plan may name a server the current plan left out)."""
     servers = (run.plan or {}).get("servers", [])
-    return {s["name"] for s in servers if isinstance(s, dict) and "name" in s}
+    planned = {s["name"] for s in servers if isinstance(s, dict) and "name" in s}
+    return planned | {d.name for d in store.list_devices() if d.kind == "gpu"}
 
 
 def _rounds_planned(run: RunRecord) -> int | None:

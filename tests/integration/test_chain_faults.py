@@ -14,6 +14,7 @@ from coordinator.service import Coordinator
 from gpu_server.agent import GpuAgent
 from split_models.profiler import ModelProfile
 from storage.base import RunStore
+from storage.report import run_status
 from tests.integration.test_coordinator_service import EDGES, config, start_fleet
 from wire.flower import node_will
 from wire.roles import Announcement, node_id_for
@@ -76,3 +77,8 @@ def test_a_chain_that_loses_a_server_moves_its_back_onto_the_servers_left(
     results = {r.device: r for r in rounds[-1].results}
     edge_examples = sum(results[e].examples for e in EDGES)
     assert all(results[name].examples == edge_examples for _, name in pieces), results
+    # status counts each round's servers apart, the one the current plan left out included
+    status = run_status(store, "svc-1")
+    for summary in status["rounds"]:
+        assert sorted(summary["participants"]) == sorted(EDGES), summary
+    assert killer.killed in status["rounds"][0]["servers"]

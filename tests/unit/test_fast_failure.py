@@ -151,7 +151,7 @@ def test_tries_that_cannot_run_back_off_and_cost_an_attempt_per_deadline_waited(
         attempts=2,
         sleep=slept.append,
     )
-    work = RoundWork([], problem="no GPU server holding blocks (1, 4) is online")
+    work = RoundWork([], problem="no GPU server holding blocks [1, 4) is online")
     with pytest.raises(CoordinatorError, match="failed 2 times"):
         runner.run(2, lambda _number: work)
     # 1 + 2 + 4 + 8 + 10 + 10 = 35 s >= the 30 s deadline: one attempt, twice
