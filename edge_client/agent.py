@@ -274,9 +274,10 @@ class EdgeAgent:
         """A few training steps of the offered blocks on this device's data, timed as a
         round's are (:class:`~split_models.timing.StepClock`): the coordinator plans with
         the speed they measure, not the announced one. Backprop mode is timed in rounds."""
-        if job.training.mode == "backprop":
+        data, _ = self._datasets(job.training)
+        if job.training.mode == "backprop" or not len(data):
             return {}
-        segment, (data, _) = self._build_segment(job), self._datasets(job.training)
+        segment = self._build_segment(job)
         clock = StepClock(share=process_cpu_share(torch.get_num_threads()))
         batch = min(job.training.batch_size, len(data))
         started = time.perf_counter()
