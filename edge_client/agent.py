@@ -229,21 +229,26 @@ class EdgeAgent:
         # one trainer per task up to the estimate (a new session gets a fresh one)
         key = dataclasses.replace(task, estimated_peak_bytes=0).to_json()
         if self._built is None or self._built.key != key:
-            config = EdgeTrainerConfig(
-                task.run,
-                self.device,
-                task.segment,
-                batch_size=training.batch_size,
-                local_epochs=training.local_epochs,
-                encoding=training.compression,
-                credit_timeout=training.round_deadline_seconds,
-                mode=training.mode,
-            )
+            config = self.trainer_config(job)
             train, _ = self._datasets(training)
             trainer = EdgeTrainer(self.channel, self._gate(task.run), segment, train, config)
             self._built = _Built(key, trainer)
         self._built.trainer.segment = segment
         return self._built.trainer
+
+    def trainer_config(self, job: _Job) -> EdgeTrainerConfig:
+        """The trainer settings ``job``'s task and training section give this device."""
+        task, training = job.task, job.training
+        return EdgeTrainerConfig(
+            task.run,
+            self.device,
+            task.segment,
+            batch_size=training.batch_size,
+            local_epochs=training.local_epochs,
+            encoding=training.compression,
+            credit_timeout=training.round_deadline_seconds,
+            mode=training.mode,
+        )
 
     # ---------------------------------------------------------------- Flower
     def client_app(self) -> ClientApp:

@@ -31,7 +31,7 @@ import torch
 from flwr.app import Message, RecordDict
 
 from edge_client.agent import EdgeAgent, _Job
-from edge_client.trainer import EdgeTrainer, EdgeTrainerConfig
+from edge_client.trainer import EdgeTrainer
 from split_models.segment import Segment, StepResult
 from split_models.weights import load_segment_state, segment_state
 from wire.flower import array_record, numpy_arrays, round_of
@@ -152,20 +152,10 @@ class HostAgent(EdgeAgent):
 
     def _host_trainer(self, job: _Job) -> HostTrainer:
         """One segment and trainer per task (a new plan or session builds them anew)."""
-        task, training = job.task, job.training
+        task = job.task
         key = dataclasses.replace(task, estimated_peak_bytes=0).to_json()
         if self._host is None or self._host[0] != key:
-            segment = self._build_segment(job)
-            config = EdgeTrainerConfig(
-                task.run,
-                self.device,
-                task.segment,
-                batch_size=training.batch_size,
-                local_epochs=training.local_epochs,
-                encoding=training.compression,
-                credit_timeout=training.round_deadline_seconds,
-                mode=training.mode,
-            )
+            segment, config = self._build_segment(job), self.trainer_config(job)
             gate = self._gate(task.run)
             trainer = HostTrainer(self.channel, gate, segment, self.data, config, group=self.group)
             self._host = (key, trainer, segment)
