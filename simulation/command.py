@@ -133,7 +133,7 @@ def _print_summary(summary: dict[str, object], out: object) -> None:
             f"{format_bytes(measured) if measured else '-':>10} "
             f"{client.get('cut_bytes_up', 0) / 1e6:>9.2f} {client['examples']:>8}"
             + ("  does not fit its budget" if client.get("fits") is False else "")
-            + (f"  ({hosts[client['name']]:,} clients)" if client["name"] in hosts else "")
+            + (_held(hosts[client["name"]]) if client["name"] in hosts else "")
         )
     print(
         f"final accuracy {_accuracy(summary['final_accuracy'])}, "
@@ -141,6 +141,10 @@ def _print_summary(summary: dict[str, object], out: object) -> None:
         f"(training {summary.get('training_wall_seconds', 0.0):.1f} s), "
         f"simulated {summary['total_simulated_seconds']:.1f} s on the declared devices"
     )
+
+
+def _held(count: int) -> str:
+    return f"  ({count:,} client{'s' if count != 1 else ''})"
 
 
 def _accuracy(value: object) -> str:

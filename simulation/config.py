@@ -346,7 +346,8 @@ def _check_grouping(config: SimConfig) -> None:
     """``group_clients`` trains as an agent per client does only for these settings."""
     training, strategy = config.training, config.aggregation.name
     problems = [
-        f"strategy {strategy!r} judges each reply (grouping needs one of {', '.join(GROUPABLE)})"
+        f"strategy {strategy!r}, which judges each reply (grouping needs one of "
+        f"{', '.join(GROUPABLE)})"
         if strategy not in GROUPABLE
         else "",
         f"method {config.method!r} (grouping trains local-loss)"
@@ -359,7 +360,11 @@ def _check_grouping(config: SimConfig) -> None:
         else "",
     ]
     if found := [p for p in problems if p]:
-        raise ConfigError("group_clients: true cannot be used with " + "; ".join(found))
+        raise ConfigError(
+            "group_clients: true cannot be used with "
+            + "; ".join(found)
+            + "; change those or set group_clients: false"
+        )
 
 
 def _mapping(data: object) -> Mapping[str, Any]:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from flwr.app import Message, RecordDict
+from flwr.app import Error, Message, RecordDict
 
 from edge_client.agent import EdgeAgent, _Job
 from edge_client.trainer import EdgeTrainer
@@ -169,6 +169,10 @@ class HostAgent(EdgeAgent):
         trainer = self._host_trainer(job)
         trainer.segment.lr_scale = job.training.lr_scale(number)
         names = self.choose(number, self.group.names)
+        if not names:  # counted as not trained this round, not as trained on nothing
+            self._nothing_sent(task, number, job.attempt)
+            why = f"none of {self.device}'s clients is online this round"
+            return Message(Error(code=2, reason=why), reply_to=message)
         chosen = [self.group.names.index(n) for n in names]
         trainer.begin(weights, job.proximal_mu, chosen)
         handed[0] = True

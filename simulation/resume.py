@@ -11,6 +11,7 @@ import json
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -77,6 +78,13 @@ def _recorded(store: RunStore, run_id: str) -> dict[str, str] | None:
     return None  # a run from before the digests were recorded: not checked
 
 
+def _grouped(stored: Mapping[str, Any]) -> bool:
+    """Whether a stored run's edges were hosts of grouped clients (simulation.hosts)."""
+    devices = stored.get("devices")
+    edges = devices.get("edges", []) if isinstance(devices, Mapping) else []
+    return any(str(e).startswith("host-") for e in edges)
+
+
 def cancelled_run(
     config: SimConfig, out: Path, test_data: str, prints: Mapping[str, str]
 ) -> str | None:
@@ -99,6 +107,8 @@ def cancelled_run(
                 _check_rounds(run.run_id, run.current_round or 0, config.training.rounds)
                 return run.run_id
             reasons = [describe_changes(changed), ", ".join(f"other {k}" for k in other)]
+            if (was := _grouped(run.config)) != config.fleet.group_clients:  # its devices
+                reasons = [f"group_clients {str(was).lower()} -> {str(not was).lower()}"]
             passed = passed or (run.run_id, "; ".join(filter(None, reasons)))
     if passed is not None:
         latest, reason = passed

@@ -65,7 +65,7 @@ def test_each_host_draws_fraction_train_of_its_clients_a_round(tmp_path: Path) -
 @pytest.mark.parametrize(
     ("fields", "named"),
     [
-        ({"strategy": {"name": "krum"}}, "strategy 'krum' judges each reply"),
+        ({"strategy": {"name": "krum"}}, "strategy 'krum', which judges each reply"),
         ({"method": "splitfed"}, "method 'splitfed'"),
         ({"batched": True}, "batched: true"),
         ({"federated_eval": 0.2}, "federated_eval"),
@@ -76,3 +76,15 @@ def test_settings_grouping_cannot_honour_are_refused_by_name(
 ) -> None:
     with pytest.raises(ConfigError, match=f"group_clients: true cannot be used with .*{named}"):
         parse_sim_config({"group_clients": True, **fields})
+
+
+def test_a_host_whose_clients_are_all_offline_sits_the_round_out_by_name(tmp_path: Path) -> None:
+    away = {"client-000": [2], "client-001": [2]}  # host-0's two clients, in round 2
+    summary, _, rounds = _simulate(
+        tmp_path, "away", group_clients=True, clients=4, rounds=2, availability={"offline": away}
+    )
+
+    results = {r.device: r for r in rounds[1].results}
+    assert "none of host-0's clients is online" in (results["host-0"].failure or "")
+    assert results["host-1"].failure is None and results["host-1"].examples > 0
+    assert [r["participants"] for r in summary["rounds"]] == [2, 1]
