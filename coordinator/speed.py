@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from coordinator.assignments import span
 from coordinator.errors import CoordinatorError
 from coordinator.partitioner import TRAIN_FLOPS_FACTOR, Problem, plan_split, step_seconds
 from coordinator.planner import MEASURED_KEY, Placement, Planner, device_specs
@@ -317,8 +318,8 @@ class Replanner:
         plan version; None when nothing is lost or they cannot hold it (the round waits for
         the lost server as before)."""
         held = {b.device for b in servers}
-        spans_held = {(b.start, b.end) for b in placement.servers if b.device in held}
-        lost = sorted({b.device for b in placement.servers if (b.start, b.end) not in spans_held})
+        spans_held = {span(b) for b in placement.servers if b.device in held}
+        lost = sorted({b.device for b in placement.servers if span(b) not in spans_held})
         if not lost or not servers:
             return None
         try:

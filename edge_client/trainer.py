@@ -282,12 +282,18 @@ class EdgeTrainer:
 
     def _batches(self, generator: np.random.Generator) -> list[np.ndarray]:
         """The round's mini-batches: a permutation per local epoch, in order."""
+        return self.batches_of(np.arange(len(self.data)), generator)
+
+    def batches_of(self, rows: np.ndarray, generator: np.random.Generator) -> list[np.ndarray]:
+        """Mini-batches of ``rows`` of the data: a permutation of them per local epoch, in
+        order (of all rows, the permutation ``generator`` draws is the batch order itself)."""
+        size = self.config.batch_size
         return [
-            order[begin : begin + self.config.batch_size]
+            order[begin : begin + size]
             for order in (
-                generator.permutation(len(self.data)) for _ in range(self.config.local_epochs)
+                rows[generator.permutation(len(rows))] for _ in range(self.config.local_epochs)
             )
-            for begin in range(0, len(order), self.config.batch_size)
+            for begin in range(0, len(order), size)
         ]
 
     def _counters(self) -> tuple[float, ...]:

@@ -78,15 +78,11 @@ class HostTrainer(EdgeTrainer):
     def _batches(self, generator: np.random.Generator) -> list[np.ndarray]:
         """Each client's batches in turn, each client shuffled by a generator in the state
         ``generator`` starts in, so every client draws the order it draws as its own agent."""
-        size, state = self.config.batch_size, generator.bit_generator.state
-        batches = []
+        state, batches = generator.bit_generator.state, []
         for client in self.chosen:
-            rows = self.group.rows[client]
             fresh = np.random.Generator(type(generator.bit_generator)())
             fresh.bit_generator.state = state
-            for _ in range(self.config.local_epochs):
-                order = rows[fresh.permutation(len(rows))]
-                batches += [order[i : i + size] for i in range(0, len(order), size)]
+            batches += self.batches_of(self.group.rows[client], fresh)
         return batches
 
     def _batch(
@@ -126,7 +122,7 @@ class HostTrainer(EdgeTrainer):
         """The clients' weights averaged by examples (the round's weights when none trained)."""
         if not self._examples:
             return {k: self._start[k] for k in segment_state(self.segment)}
-        dtypes = {k: a.dtype for k, a in segment_state(self.segment).items()}
+        dtypes = {k: self._start[k].dtype for k in self._sum}  # the segment was loaded from these
         return {
             k: (v / self._examples).astype(dtypes[k])
             if np.issubdtype(dtypes[k], np.floating)
