@@ -60,18 +60,21 @@ class RoundObserver:
         evaluation: dict[str, float],
         results: list[DeviceResult],
         servers: Sequence[str] = (),
+        clients: int | None = None,
     ) -> None:
         """Round ``number`` is committed to the store; ``results`` are every device's, those
-        of the GPU servers (named in ``servers``) among them."""
+        of the GPU servers (named in ``servers``) among them; ``clients``: the clients the
+        edges trained where they are simulation hosts of several (``group_clients``)."""
 
 
 @dataclass
 class Outcome:
-    """One attempt's replies: each device's result, who trained, and cut-layer bytes."""
+    """One attempt's replies: each device's result, who trained, and what else each reported
+    per device (cut-layer bytes; a simulation host's clients trained), stored as metrics."""
 
     results: list[DeviceResult]
     ok: list[str]
-    traffic: dict[str, dict[str, float]] = field(default_factory=dict)
+    reported: dict[str, dict[str, float]] = field(default_factory=dict)
     started: float = 0.0
 
 
@@ -249,14 +252,8 @@ class RoundRecorder:
         store, self._before = self.store, None
         store.record_results(self.run_id, number, outcome.results)
         trained = [r for r in outcome.results if not r.failure]
-        edges = [r for r in trained if r.device not in servers]
-        metrics = {
-            "wall_seconds": self._clock() - outcome.started,
-            "participants_ok": float(len(edges)),  # edges; the servers' work apart
-            "examples": float(sum(r.examples for r in edges)),
-            "servers_ok": float(len(trained) - len(edges)),
-            "server_examples": float(sum(r.examples for r in trained if r.device in servers)),
-        }
+        metrics = _round_metrics(outcome, trained, servers)
+        metrics["wall_seconds"] = self._clock() - outcome.started
         points = _points(number, outcome, trained)
         if points:
             store.add_metrics(self.run_id, points)
@@ -275,7 +272,8 @@ class RoundRecorder:
         if self.local_keys:
             self.local = self._pending
         store.collect_garbage()  # files a crash left before its commit's transaction
-        self.observer.round_committed(number, evaluation, outcome.results, servers)
+        clients = int(metrics["clients"]) if "clients" in metrics else None
+        self.observer.round_committed(number, evaluation, outcome.results, servers, clients)
         failed = ", ".join(f"{r.device} ({r.failure})" for r in outcome.results if r.failure)
         log.info(
             "round %d/%d committed: %s, %d edge(s) and %d GPU server(s) trained%s, %.1f s",
@@ -288,6 +286,24 @@ class RoundRecorder:
         )
 
 
+def _round_metrics(
+    outcome: Outcome, trained: list[DeviceResult], servers: Sequence[str]
+) -> dict[str, float]:
+    """Edges and their examples, the GPU servers' apart; where the edges are simulation
+    hosts (``group_clients``), also the clients they trained."""
+    edges = [r for r in trained if r.device not in servers]
+    metrics = {
+        "participants_ok": float(len(edges)),
+        "examples": float(sum(r.examples for r in edges)),
+        "servers_ok": float(len(trained) - len(edges)),
+        "server_examples": float(sum(r.examples for r in trained if r.device in servers)),
+    }
+    clients = [outcome.reported.get(r.device, {}).get("clients") for r in edges]
+    if any(c is not None for c in clients):
+        metrics["clients"] = float(sum(c or 0.0 for c in clients))
+    return metrics
+
+
 def _points(number: int, outcome: Outcome, trained: list[DeviceResult]) -> list[MetricPoint]:
     """Per-device metrics: measured peak memory and cut-layer bytes."""
     points = [
@@ -298,5 +314,5 @@ def _points(number: int, outcome: Outcome, trained: list[DeviceResult]) -> list[
     return points + [
         MetricPoint(name, value, number, r.device)
         for r in trained
-        for name, value in outcome.traffic.get(r.device, {}).items()
+        for name, value in outcome.reported.get(r.device, {}).items()
     ]

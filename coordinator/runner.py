@@ -56,6 +56,8 @@ log = logging.getLogger(__name__)
 _POLL = 0.1
 _OUTAGE = object()  # a try the broker's going away cut short: redone, not counted
 _UNREADY = object()  # a try that could not run (devices offline): counted per deadline waited
+_REPLY_NUMBERS = ["loss", "wall-seconds", "bytes-sent", "bytes-received", "peak-memory"]
+_REPLY_NUMBERS += ["cut-bytes-sent", "cut-bytes-received", "clients"]  # stored per device
 Sampled = dict[int, dict[str, Any]]
 """The nodes the strategy chose, each with the config entries of its train message."""
 
@@ -405,11 +407,11 @@ def _outcome(
 
 def _result(device: str, reply: Message, seconds: float, outcome: Outcome) -> DeviceResult:
     metrics = reply.content.metric_records["metrics"]
-    outcome.traffic[device] = {
-        name.replace("-", "_"): float(metrics[name])  # type: ignore[arg-type]
-        for name in ("cut-bytes-sent", "cut-bytes-received")
-        if name in metrics
+    reported = {  # counts: _malformed checked they are numbers; a negative one is dropped
+        name.replace("-", "_"): float(metrics.get(name, -1))  # type: ignore[arg-type]
+        for name in ("cut-bytes-sent", "cut-bytes-received", "clients")
     }
+    outcome.reported[device] = {k: v for k, v in reported.items() if 0 <= v < math.inf}
     peak = int(metrics.get("peak-memory", -1))  # type: ignore[arg-type]
     loss = float(metrics.get("loss", math.nan))  # type: ignore[arg-type]
     return DeviceResult(
@@ -490,7 +492,7 @@ def _malformed(reply: Message) -> str | None:
         or not 0 <= examples < math.inf
     ):
         return f"sent num-examples {examples!r}, expected a count >= 0"
-    for name in ("loss", "wall-seconds", "bytes-sent", "bytes-received", "peak-memory"):
+    for name in _REPLY_NUMBERS:
         value = metrics.get(name, 0)
         if isinstance(value, bool) or not isinstance(value, int | float):
             return f"sent metric {name} {value!r}, expected a number"

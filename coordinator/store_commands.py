@@ -40,7 +40,7 @@ def _cell(value: Any) -> str:
 
 
 def _table(rows: list[dict[str, Any]], columns: list[str]) -> str:
-    cells = [[_cell(row[c]) for c in columns] for row in rows]
+    cells = [[_cell(row.get(c)) for c in columns] for row in rows]
     widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip()]
     lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in cells]
@@ -109,7 +109,8 @@ def status_command(args: argparse.Namespace) -> int:
             "the last of them"
         )
     if status["rounds"]:
-        print(_table(status["rounds"], _ROUND_COLUMNS))
+        grouped = any("clients" in r for r in status["rounds"])  # simulation hosts' clients
+        print(_table(status["rounds"], _ROUND_COLUMNS + ["clients"] * grouped))
     if status["events"]:
         counts = ", ".join(f"{kind} {n}" for kind, n in status["events"].items())
         print(f"events: {counts} (edgesplit runs events {args.run})")

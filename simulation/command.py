@@ -106,15 +106,18 @@ def _print_summary(summary: dict[str, object], out: object) -> None:
     rounds: list[dict[str, Any]] = summary["rounds"]  # type: ignore[assignment]
     clients: list[dict[str, Any]] = summary["clients"]  # type: ignore[assignment]
     print(f"\nsimulation {summary['run_id']} ({summary['method']}), outputs in {out}/")
+    grouped = any("clients" in row for row in rounds)  # the hosts' clients, beside the hosts
     print(
-        f"{'round':>5} {'accuracy':>9} {'loss':>8} {'trained':>7} {'MB up':>8} {'MB down':>8} "
-        f"{'wall s':>7} {'sim s':>7}"
+        f"{'round':>5} {'accuracy':>9} {'loss':>8} {'trained':>7} "
+        + (f"{'clients':>7} " if grouped else "")
+        + f"{'MB up':>8} {'MB down':>8} {'wall s':>7} {'sim s':>7}"
     )
     for row in rounds:
         print(
             f"{row['round']:>5} {row['accuracy'] or 0:>9.4f} {row['loss'] or 0:>8.4f} "
             f"{row.get('participants', 0):>7} "
-            f"{row['bytes_up'] / 1e6:>8.2f} {row['bytes_down'] / 1e6:>8.2f} "
+            + (f"{row.get('clients', 0):>7} " if grouped else "")
+            + f"{row['bytes_up'] / 1e6:>8.2f} {row['bytes_down'] / 1e6:>8.2f} "
             f"{row['wall_seconds'] or 0:>7.1f} {row['simulated_seconds'] or 0:>7.2f}"
         )
     hosts: dict[str, int] = summary.get("hosts") or {}  # type: ignore[assignment]

@@ -91,14 +91,16 @@ class RoundProgress(RoundObserver):
         evaluation: dict[str, float],
         results: Any,
         servers: Sequence[str] = (),
+        clients: int | None = None,
     ) -> None:
         edges = [r for r in results if r.device not in servers]  # the servers' work apart
         trained = sum(1 for r in edges if not r.failure)
+        of_clients = "" if clients is None else f" ({clients} client{'s' * (clients != 1)})"
         row = (
             str(number),
             f"{evaluation.get('accuracy', float('nan')):.4f}",
             f"{evaluation.get('loss', float('nan')):.4f}",
-            f"{trained}/{len(edges)}",
+            f"{trained}/{len(edges)}{of_clients}",
             f"{time.monotonic() - self._started:.1f}",
         )
         with self._lock:
@@ -106,6 +108,6 @@ class RoundProgress(RoundObserver):
             if self._live is None:
                 self.console.print(
                     f"round {row[0]}/{self.rounds}: accuracy {row[1]}, loss {row[2]}, "
-                    f"{row[3]} {self.unit} trained, {row[4]} s"
+                    f"{trained}/{len(edges)} {self.unit} trained{of_clients}, {row[4]} s"
                 )
             self._refresh()

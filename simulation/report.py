@@ -92,6 +92,11 @@ def round_rows(
                 "loss": record.evaluation.get("loss"),
                 **federated,
                 "participants": len(trained),
+                **(
+                    {"clients": int(record.metrics["clients"])}
+                    if "clients" in record.metrics
+                    else {}
+                ),
                 "bytes_up": sum(r.bytes_sent for r in record.results),
                 "bytes_down": sum(r.bytes_received for r in record.results),
                 "wall_seconds": record.metrics.get("wall_seconds"),

@@ -224,9 +224,10 @@ class _Observers(RoundObserver):
         evaluation: dict[str, float],
         results: Any,
         servers: Sequence[str] = (),
+        clients: int | None = None,
     ) -> None:
         for observer in self.observers:
-            observer.round_committed(number, evaluation, results, servers)
+            observer.round_committed(number, evaluation, results, servers, clients)
 
 
 def _measure_peaks(

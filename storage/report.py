@@ -17,7 +17,8 @@ def round_summary(record: RoundRecord, servers: Collection[str] = ()) -> dict[st
     """One round: state, evaluation, participants and traffic. ``participants`` and
     ``examples`` count the edges (the clients, as a simulation's table does); the GPU
     servers in ``servers``, which train the same examples again on the back, are shown apart
-    (``servers``, ``server_examples``)."""
+    (``servers``, ``server_examples``). Where the edges are simulation hosts
+    (``group_clients``), ``clients`` counts the clients they trained."""
     loss = record.evaluation.get("loss", record.metrics.get("loss"))
     edges = [r for r in record.results if r.device not in servers]
     backs = [r for r in record.results if r.device in servers]
@@ -30,6 +31,7 @@ def round_summary(record: RoundRecord, servers: Collection[str] = ()) -> dict[st
         "servers": [d for d in record.participants if d in servers],
         "failed": sorted(r.device for r in record.results if r.failure),
         "examples": sum(r.examples for r in edges if not r.failure),
+        **({"clients": int(record.metrics["clients"])} if "clients" in record.metrics else {}),
         "server_examples": sum(r.examples for r in backs if not r.failure),
         "bytes_up": sum(r.bytes_sent for r in record.results),
         "bytes_down": sum(r.bytes_received for r in record.results),

@@ -4,16 +4,20 @@ agent per client (simulations on the bundled digits, in-process)."""
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from rich.console import Console
 
 from simulation.config import parse_sim_config
+from simulation.progress import RoundProgress
 from simulation.simulator import simulate
 from split_models.errors import ConfigError
-from storage import open_store
+from storage import DeviceResult, open_store
+from storage.report import run_status
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("sklearn")
@@ -88,3 +92,20 @@ def test_a_host_whose_clients_are_all_offline_sits_the_round_out_by_name(tmp_pat
     assert "none of host-0's clients is online" in (results["host-0"].failure or "")
     assert results["host-1"].failure is None and results["host-1"].examples > 0
     assert [r["participants"] for r in summary["rounds"]] == [2, 1]
+    # the hosts' clients are counted too: in summary.json, in status, in the live table
+    assert [r["clients"] for r in summary["rounds"]] == [4, 2]
+    with open_store(f"sqlite:///{tmp_path / 'away' / 'runs.db'}") as store:
+        status = run_status(store, summary["run_id"])
+    assert [r["clients"] for r in status["rounds"]] == [4, 2]
+
+
+def test_the_live_table_counts_the_hosts_clients() -> None:
+    console = Console(file=io.StringIO(), width=100)
+    progress = RoundProgress(1, "grouped", console=console, unit="hosts")
+    results = [DeviceResult("host-0", examples=30), DeviceResult("host-1", failure="gone")]
+    progress.round_committed(1, {"accuracy": 0.5, "loss": 1.0}, results, clients=3)
+    progress.round_committed(2, {"accuracy": 0.5, "loss": 1.0}, results[:1], clients=1)
+
+    printed = console.file.getvalue()  # type: ignore[attr-defined]
+    assert "1/2 hosts trained (3 clients)" in printed
+    assert "1/1 hosts trained (1 client)" in printed

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from flwr.app import MetricRecord, RecordDict
 
-from coordinator.runner import _malformed, _malformed_evaluation
+from coordinator.recorder import Outcome
+from coordinator.runner import _malformed, _malformed_evaluation, _result
 from wire.flower import array_record
 
 pytestmark = pytest.mark.unit
@@ -33,6 +34,8 @@ def _reply(metrics: dict[str, object] | None, records: int = 1) -> object:
         (_reply({"num-examples": float("nan")}), "num-examples nan"),
         (_reply({"num-examples": 4}, records=2), "2 weight records"),
         (_reply({"num-examples": 4}, records=0), "0 weight records"),
+        (_reply({"num-examples": 4, "clients": [3, 4]}), "metric clients [3, 4]"),
+        (_reply({"num-examples": 4, "cut-bytes-sent": [1]}), "metric cut-bytes-sent"),
     ],
 )
 def test_an_unusable_train_reply_names_what_is_wrong(reply: object, why: str) -> None:
@@ -47,6 +50,16 @@ def test_a_good_reply_passes_and_evaluation_replies_are_checked_too() -> None:
     lying = _reply({"num-examples": 4, "accuracy": 7.0, "loss": 1.0})
     assert "out of range" in str(_malformed_evaluation(lying))  # type: ignore[arg-type]
     assert "no metrics" in str(_malformed_evaluation(_reply(None)))  # type: ignore[arg-type]
+
+
+def test_counts_a_reply_reports_are_kept_only_when_they_are_counts() -> None:
+    outcome = Outcome(results=[], ok=[])
+    honest = _reply({"num-examples": 4, "clients": 3, "cut-bytes-sent": 100})
+    lying = _reply({"num-examples": 4, "clients": -3, "cut-bytes-sent": float("inf")})
+    _result("host-0", honest, 1.0, outcome)  # type: ignore[arg-type]
+    _result("host-1", lying, 1.0, outcome)  # type: ignore[arg-type]
+
+    assert outcome.reported == {"host-0": {"clients": 3.0, "cut_bytes_sent": 100.0}, "host-1": {}}
 
 
 def test_finite_activations_large_enough_to_overflow_the_back_are_refused() -> None:
