@@ -267,11 +267,9 @@ class FleetConfig:
     def hosts(self) -> dict[str, tuple[Profile, list[str]]]:
         """With ``group_clients``: each host's profile and clients, by the host's name."""
         profiles = self.client_profiles()
-        groups = {
-            f"host-{index}": (profile, [c for c, p in profiles.items() if p is profile])
-            for index, profile in enumerate(self.devices)
-        }
-        return {name: group for name, group in groups.items() if group[1]}
+        groups = [(p, [c for c, q in profiles.items() if q is p]) for p in self.devices]
+        held = [group for group in groups if group[1]]  # a profile no client drew has no host
+        return {f"host-{index}": group for index, group in enumerate(held)}
 
     def device_profiles(self) -> dict[str, Profile]:
         """The profile of each device the coordinator sees: the hosts, or the clients."""

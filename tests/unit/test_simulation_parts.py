@@ -105,6 +105,18 @@ def test_clients_take_the_device_profiles_by_share_in_order() -> None:
     assert {p.name for p in FleetConfig(clients=1).client_profiles().values()} == {"large"}
 
 
+def test_grouped_hosts_are_numbered_without_gaps_when_a_profile_draws_no_client() -> None:
+    tiny, small, large = (Profile(n, s, 1, 1.0) for n, s in [("a", 0.4), ("b", 0.1), ("c", 0.5)])
+    fleet = FleetConfig(clients=2, devices=(tiny, small, large), group_clients=True)
+    hosts = fleet.hosts()
+
+    assert {name: (p.name, clients) for name, (p, clients) in hosts.items()} == {
+        "host-0": ("a", ["client-000"]),
+        "host-1": ("c", ["client-001"]),
+    }
+    assert list(fleet.device_profiles()) == ["host-0", "host-1"]
+
+
 @dataclass
 class _Result:
     device: str
