@@ -303,8 +303,13 @@ class EdgeAgent:
             work = (round_of(message), job.attempt)
             follow = self.sessions.follow(task.run, task.session, work)
             return self._train(message, job, follow, handed)
-        except (RoundAbandoned, PeerOffline) as abandoned:  # a host of many simulated
-            warn(log, "abandoned", "%s: %s", self.device, abandoned)  # clients: a few lines
+        except (RoundAbandoned, PeerOffline) as abandoned:
+            if self.node.leaving:  # stopped (SIGTERM, Ctrl-C): its leaving ended the try
+                why = f"round {round_of(message)} left unfinished: {self.device} is stopping"
+                log.info("%s", why)
+                return Message(Error(code=2, reason=why), reply_to=message)
+            # a host of many simulated clients: a few lines
+            warn(log, "abandoned", "%s: %s", self.device, abandoned)
             return Message(Error(code=2, reason=str(abandoned)), reply_to=message)
         except Exception:
             if not handed[0]:  # the trainer's own give-up covers a failure mid-round

@@ -176,9 +176,7 @@ class GpuAgent:
         _log_batches(back, task.run, (number, options[1]), self.device)
         back.part()  # left out of the next plan, it must not take a share of this stream
         if cancelled():
-            abandoned = RoundAbandoned(number)
-            log.warning("%s", abandoned)
-            return Message(Error(code=2, reason=str(abandoned)), reply_to=message)
+            return _abandoned(message, number, self.device, self.node.leaving)
         arrays = back.state()
         trained: dict[str, Any] = back.round_senders()
         metrics = MetricRecord(
@@ -201,6 +199,18 @@ class GpuAgent:
             }
         )
         return Message(content, reply_to=message)
+
+
+def _abandoned(message: Message, number: int, device: str, leaving: bool) -> Message:
+    """The error reply of a round cut short: by this server stopping (SIGTERM, Ctrl-C: its
+    leaving made the coordinator move on), or by the coordinator replacing the try."""
+    if leaving:
+        reason = f"round {number} left unfinished: GPU server {device} is stopping"
+        log.info("%s", reason)
+    else:
+        reason = str(RoundAbandoned(number))
+        log.warning("%s", reason)
+    return Message(Error(code=2, reason=reason), reply_to=message)
 
 
 def _log_batches(back: BackTrainer, run: str, work: tuple[int, int], server: str) -> None:

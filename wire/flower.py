@@ -452,6 +452,7 @@ class FlowerNode:
             run_config={},
         )
         self.handled = 0
+        self.leaving = False  # :meth:`leave` was called: work cut short now is this node's doing
         self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._seen_lock = threading.Lock()
         TaskIdentity.run_id = run_id
@@ -497,4 +498,5 @@ class FlowerNode:
 
     def leave(self) -> None:
         """Announce a clean departure (retained ``offline``)."""
+        self.leaving = True
         self.transport.publish(f"{_NODES}/{self.name}", b"offline", retain=True)
