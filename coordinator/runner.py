@@ -12,7 +12,6 @@ strategy's ``configure_evaluate`` / ``aggregate_evaluate``.
 from __future__ import annotations
 
 import logging
-import math
 import random
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -25,10 +24,10 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
 from coordinator.aggregation import WEIGHT_KEY, flower_quiet
-from coordinator.bounds import EXAMPLES_BOUND, cap_examples, foreign_tensors, server_counts
+from coordinator.bounds import EXAMPLES_BOUND, cap_examples, server_counts
 from coordinator.devices import GracefulNodes
 from coordinator.errors import CoordinatorError
-from coordinator.guard import divergence, non_finite_tensors
+from coordinator.guard import divergence
 from coordinator.outage import (
     RETRY_CAP_SECONDS,
     LinkWatch,
@@ -37,8 +36,9 @@ from coordinator.outage import (
     wait_for_more,
 )
 from coordinator.recorder import Outcome, RoundRecorder
-from storage.records import DeviceResult, RoundRecord
-from wire.flower import TRAINED_RECORD, TransportGrid, array_record, numpy_arrays
+from coordinator.replies import malformed_evaluation, outcome_of
+from storage.records import RoundRecord
+from wire.flower import TRAINED_RECORD, TransportGrid, array_record
 from wire.presence import WillGrace
 
 __all__ = [
@@ -56,8 +56,6 @@ log = logging.getLogger(__name__)
 _POLL = 0.1
 _OUTAGE = object()  # a try the broker's going away cut short: redone, not counted
 _UNREADY = object()  # a try that could not run (devices offline): counted per deadline waited
-_REPLY_NUMBERS = ["loss", "wall-seconds", "bytes-sent", "bytes-received", "peak-memory"]
-_REPLY_NUMBERS += ["cut-bytes-sent", "cut-bytes-received", "clients"]  # stored per device
 Sampled = dict[int, dict[str, Any]]
 """The nodes the strategy chose, each with the config entries of its train message."""
 
@@ -193,6 +191,7 @@ class RoundRunner:
             if isinstance(result, dict):
                 return result
             if result is _UNREADY:  # waiting for devices costs an attempt per deadline
+                attempt -= 1  # nothing was announced: the next try that runs takes its number
                 unready, waited = unready + 1, waited + retry_delay(unready + 1)
                 if waited >= self.deadline:
                     counted, unready, waited = counted + 1, 0, 0.0
@@ -227,7 +226,8 @@ class RoundRunner:
         work = prepare(number)
         self.recorder.open(number, work.participants)
         if work.problem is not None:
-            self.recorder.failed(number, counted, self.attempts, work.problem)
+            if unready == 1:  # once per counted attempt: the back-off's waits are no failures
+                self.recorder.failed(number, counted, self.attempts, work.problem)
             wait_for_more(self.grid.get_node_ids, retry_delay(unready), self._sleep)
             return _UNREADY
         for message in work.messages.values():  # devices tell a retry's credits apart
@@ -241,7 +241,7 @@ class RoundRunner:
             self._outage(number, attempt, work)
             return _OUTAGE
         online = set(self.grid.get_node_ids())
-        outcome = _outcome(work.messages, replies, started, online, self._clock())
+        outcome = outcome_of(work.messages, replies, started, online, self._clock())
         why = shortfall(
             work.messages, work.servers, work.require_server, outcome, self.min_edges
         ) or missing_batches([d for d in work.servers if d in outcome.ok], replies)
@@ -359,7 +359,7 @@ class RoundRunner:
         for device, reply in sorted(replies.items()):
             if reply.has_error():
                 log.warning("federated evaluation on %s failed: %s", device, reply.error.reason)
-            elif (problem := _malformed_evaluation(reply)) is not None:
+            elif (problem := malformed_evaluation(reply)) is not None:
                 log.warning("federated evaluation on %s left out: %s", device, problem)
             elif _examples(reply) > 0:
                 counted.append(reply)
@@ -373,56 +373,6 @@ class RoundRunner:
             "federated_loss": float(metrics["loss"]),  # type: ignore[arg-type]
             "federated_examples": examples,
         }
-
-
-def _outcome(
-    messages: dict[str, Message],
-    replies: dict[str, Message],
-    started: float,
-    online: set[int],
-    now: float,
-) -> Outcome:
-    """Each device's result, the devices that trained, and their cut-layer bytes (``online``:
-    the nodes online now)."""
-    outcome = Outcome([], [], {}, started)
-    for device, message in messages.items():
-        reply = replies.get(device)
-        if reply is None:
-            here = message.metadata.dst_node_id in online
-            why = "no reply before the deadline" if here else "offline"
-            outcome.results.append(DeviceResult(device, failure=why))
-        elif reply.has_error():
-            why = (reply.error.reason or "failed")[:500]
-            outcome.results.append(DeviceResult(device, failure=why))
-        elif problem := _malformed(reply) or foreign_tensors(*map(_tensors, (message, reply))):
-            outcome.results.append(DeviceResult(device, failure=problem))
-        elif bad := non_finite_tensors(numpy_arrays(reply, key=None)):
-            why = f"sent weights holding NaN or infinity ({', '.join(bad[:3])})"
-            outcome.results.append(DeviceResult(device, failure=why))
-        else:
-            outcome.results.append(_result(device, reply, now - started, outcome))
-            outcome.ok.append(device)
-    return outcome
-
-
-def _result(device: str, reply: Message, seconds: float, outcome: Outcome) -> DeviceResult:
-    metrics = reply.content.metric_records["metrics"]
-    reported = {  # counts: _malformed checked they are numbers; a negative one is dropped
-        name.replace("-", "_"): float(metrics.get(name, -1))  # type: ignore[arg-type]
-        for name in ("cut-bytes-sent", "cut-bytes-received", "clients")
-    }
-    outcome.reported[device] = {k: v for k, v in reported.items() if 0 <= v < math.inf}
-    peak = int(metrics.get("peak-memory", -1))  # type: ignore[arg-type]
-    loss = float(metrics.get("loss", math.nan))  # type: ignore[arg-type]
-    return DeviceResult(
-        device,
-        examples=int(metrics["num-examples"]),  # type: ignore[arg-type]
-        loss=loss if math.isfinite(loss) else None,
-        bytes_sent=int(metrics.get("bytes-sent", 0)),  # type: ignore[arg-type]
-        bytes_received=int(metrics.get("bytes-received", 0)),  # type: ignore[arg-type]
-        wall_seconds=float(metrics.get("wall-seconds", seconds)),  # type: ignore[arg-type]
-        peak_memory_bytes=peak if peak >= 0 else None,
-    )
 
 
 def _bound_examples(
@@ -456,44 +406,5 @@ def _bound_examples(
     ]
 
 
-def _malformed_evaluation(reply: Message) -> str | None:
-    metrics = reply.content.metric_records.get("metrics")
-    if metrics is None:
-        return "sent no metrics record"
-    for name in ("num-examples", "accuracy", "loss"):
-        value = metrics.get(name)
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            return f"sent metric {name} {value!r}, expected a number"
-        if not math.isfinite(value) or value < 0 or (name == "accuracy" and value > 1):
-            return f"sent metric {name} {value!r}, out of range"
-    return None
-
-
 def _examples(reply: Message) -> float:
     return float(reply.content.metric_records["metrics"]["num-examples"])  # type: ignore[arg-type]
-
-
-def _tensors(message: Message) -> dict[str, Any]:
-    """A message's tensors by name, undecoded (Flower's arrays: name, dtype, shape, bytes)."""
-    return {k: a for record in message.content.array_records.values() for k, a in record.items()}
-
-
-def _malformed(reply: Message) -> str | None:
-    """Why a reply that is no error cannot be used (a device may send anything), or None."""
-    if len(reply.content.array_records) != 1:
-        return f"sent {len(reply.content.array_records)} weight records, expected 1"
-    metrics = reply.content.metric_records.get("metrics")
-    if metrics is None:
-        return "sent no metrics record"
-    examples = metrics.get("num-examples")
-    if (
-        isinstance(examples, bool)
-        or not isinstance(examples, int | float)
-        or not 0 <= examples < math.inf
-    ):
-        return f"sent num-examples {examples!r}, expected a count >= 0"
-    for name in _REPLY_NUMBERS:
-        value = metrics.get(name, 0)
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            return f"sent metric {name} {value!r}, expected a number"
-    return None

@@ -421,10 +421,8 @@ _SEEN_MESSAGES = 4096  # message ids a node remembers, to drop repeats
 
 
 class FlowerNode:
-    """A device's side: runs a Flower ``ClientApp`` on every message addressed to it.
-
-    Create its transport with ``will=node_will(node_id, name)`` so the grid sees a crash.
-    """
+    """A device's side: runs a Flower ``ClientApp`` on every message addressed to it. Create
+    its transport with ``will=node_will(node_id, name)`` so the grid sees a crash."""
 
     def __init__(
         self,

@@ -10,7 +10,7 @@ import pytest
 from flwr.app import MetricRecord, RecordDict
 
 from coordinator.recorder import Outcome
-from coordinator.runner import _malformed, _malformed_evaluation, _result
+from coordinator.replies import _result, malformed, malformed_evaluation
 from wire.flower import array_record
 
 pytestmark = pytest.mark.unit
@@ -39,17 +39,17 @@ def _reply(metrics: dict[str, object] | None, records: int = 1) -> object:
     ],
 )
 def test_an_unusable_train_reply_names_what_is_wrong(reply: object, why: str) -> None:
-    problem = _malformed(reply)  # type: ignore[arg-type]
+    problem = malformed(reply)  # type: ignore[arg-type]
     assert problem is not None and why in problem
 
 
 def test_a_good_reply_passes_and_evaluation_replies_are_checked_too() -> None:
-    assert _malformed(_reply({"num-examples": 4, "loss": 0.5})) is None  # type: ignore[arg-type]
+    assert malformed(_reply({"num-examples": 4, "loss": 0.5})) is None  # type: ignore[arg-type]
     good = _reply({"num-examples": 4, "accuracy": 0.5, "loss": 1.0})
-    assert _malformed_evaluation(good) is None  # type: ignore[arg-type]
+    assert malformed_evaluation(good) is None  # type: ignore[arg-type]
     lying = _reply({"num-examples": 4, "accuracy": 7.0, "loss": 1.0})
-    assert "out of range" in str(_malformed_evaluation(lying))  # type: ignore[arg-type]
-    assert "no metrics" in str(_malformed_evaluation(_reply(None)))  # type: ignore[arg-type]
+    assert "out of range" in str(malformed_evaluation(lying))  # type: ignore[arg-type]
+    assert "no metrics" in str(malformed_evaluation(_reply(None)))  # type: ignore[arg-type]
 
 
 def test_counts_a_reply_reports_are_kept_only_when_they_are_counts() -> None:

@@ -1,0 +1,110 @@
+"""What a device's reply to a round may hold, and what the round makes of it: a device may
+send anything, so a reply that is no error is checked (one weight record, numbers where
+numbers belong, only the tensors it was sent, all finite) before its result counts."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from flwr.app import Message
+
+from coordinator.bounds import foreign_tensors
+from coordinator.guard import non_finite_tensors
+from coordinator.recorder import Outcome
+from storage.records import DeviceResult
+from wire.flower import numpy_arrays
+
+__all__ = ["malformed", "malformed_evaluation", "outcome_of"]
+
+_REPLY_NUMBERS = ["loss", "wall-seconds", "bytes-sent", "bytes-received", "peak-memory"]
+_REPLY_NUMBERS += ["cut-bytes-sent", "cut-bytes-received", "clients"]  # stored per device
+
+
+def outcome_of(
+    messages: dict[str, Message],
+    replies: dict[str, Message],
+    started: float,
+    online: set[int],
+    now: float,
+) -> Outcome:
+    """Each device's result, the devices that trained, and their cut-layer bytes (``online``:
+    the nodes online now)."""
+    outcome = Outcome([], [], {}, started)
+    for device, message in messages.items():
+        reply = replies.get(device)
+        if reply is None:
+            here = message.metadata.dst_node_id in online
+            why = "no reply before the deadline" if here else "offline"
+            outcome.results.append(DeviceResult(device, failure=why))
+        elif reply.has_error():
+            why = (reply.error.reason or "failed")[:500]
+            outcome.results.append(DeviceResult(device, failure=why))
+        elif problem := malformed(reply) or foreign_tensors(*map(_tensors, (message, reply))):
+            outcome.results.append(DeviceResult(device, failure=problem))
+        elif bad := non_finite_tensors(numpy_arrays(reply, key=None)):
+            why = f"sent weights holding NaN or infinity ({', '.join(bad[:3])})"
+            outcome.results.append(DeviceResult(device, failure=why))
+        else:
+            outcome.results.append(_result(device, reply, now - started, outcome))
+            outcome.ok.append(device)
+    return outcome
+
+
+def _result(device: str, reply: Message, seconds: float, outcome: Outcome) -> DeviceResult:
+    metrics = reply.content.metric_records["metrics"]
+    reported = {  # counts: _malformed checked they are numbers; a negative one is dropped
+        name.replace("-", "_"): float(metrics.get(name, -1))  # type: ignore[arg-type]
+        for name in ("cut-bytes-sent", "cut-bytes-received", "clients")
+    }
+    outcome.reported[device] = {k: v for k, v in reported.items() if 0 <= v < math.inf}
+    peak = int(metrics.get("peak-memory", -1))  # type: ignore[arg-type]
+    loss = float(metrics.get("loss", math.nan))  # type: ignore[arg-type]
+    return DeviceResult(
+        device,
+        examples=int(metrics["num-examples"]),  # type: ignore[arg-type]
+        loss=loss if math.isfinite(loss) else None,
+        bytes_sent=int(metrics.get("bytes-sent", 0)),  # type: ignore[arg-type]
+        bytes_received=int(metrics.get("bytes-received", 0)),  # type: ignore[arg-type]
+        wall_seconds=float(metrics.get("wall-seconds", seconds)),  # type: ignore[arg-type]
+        peak_memory_bytes=peak if peak >= 0 else None,
+    )
+
+
+def malformed_evaluation(reply: Message) -> str | None:
+    metrics = reply.content.metric_records.get("metrics")
+    if metrics is None:
+        return "sent no metrics record"
+    for name in ("num-examples", "accuracy", "loss"):
+        value = metrics.get(name)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return f"sent metric {name} {value!r}, expected a number"
+        if not math.isfinite(value) or value < 0 or (name == "accuracy" and value > 1):
+            return f"sent metric {name} {value!r}, out of range"
+    return None
+
+
+def _tensors(message: Message) -> dict[str, Any]:
+    """A message's tensors by name, undecoded (Flower's arrays: name, dtype, shape, bytes)."""
+    return {k: a for record in message.content.array_records.values() for k, a in record.items()}
+
+
+def malformed(reply: Message) -> str | None:
+    """Why a reply that is no error cannot be used (a device may send anything), or None."""
+    if len(reply.content.array_records) != 1:
+        return f"sent {len(reply.content.array_records)} weight records, expected 1"
+    metrics = reply.content.metric_records.get("metrics")
+    if metrics is None:
+        return "sent no metrics record"
+    examples = metrics.get("num-examples")
+    if (
+        isinstance(examples, bool)
+        or not isinstance(examples, int | float)
+        or not 0 <= examples < math.inf
+    ):
+        return f"sent num-examples {examples!r}, expected a count >= 0"
+    for name in _REPLY_NUMBERS:
+        value = metrics.get(name, 0)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return f"sent metric {name} {value!r}, expected a number"
+    return None
