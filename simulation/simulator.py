@@ -113,15 +113,15 @@ class _Fleet(RoundObserver):
     def _start_host(self, index: int, name: str, profile: Profile, clients: list[str]) -> None:
         """A host agent training ``clients`` (simulation.hosts), online for the whole run."""
         ends = np.cumsum([len(self.data[c]) for c in clients])
-        rows = tuple(
-            np.arange(end - len(self.data[c]), end) for c, end in zip(clients, ends, strict=True)
-        )
-        group = ClientGroup(tuple(clients), rows)
+        spans = [(end - len(self.data[c]), end) for c, end in zip(clients, ends, strict=True)]
+        group = ClientGroup(tuple(clients), tuple(np.arange(*span) for span in spans))
         data = Dataset(
             np.concatenate([self.data[c].x for c in clients]),
             np.concatenate([self.data[c].y for c in clients]),
             self.data[clients[0]].num_classes,
         )
+        for client, (start, end) in zip(clients, spans, strict=True):  # views: one copy held
+            self.data[client] = Dataset(data.x[start:end], data.y[start:end], data.num_classes)
         control = self.connect(f"{name}-control", node_will(node_id_for(name), name))
         stream = self.connect(f"{name}-stream")
         announcement = Announcement(name, "edge", profile.memory, profile.flops, profile.uplink)
@@ -281,6 +281,7 @@ def simulate(
         return summary
     names = client_names(config.fleet.clients)
     data = {name: train.subset(rows) for name, rows in zip(names, parts, strict=True)}
+    del train  # the clients' rows are all that is held from here: the data once, not twice
     trained, plan, now, rows, clients, batched = _split_learning(
         config, (run, prints), data, out, (broker, password), observer
     )

@@ -14,10 +14,12 @@ from rich.console import Console
 
 from simulation.config import parse_sim_config
 from simulation.progress import RoundProgress
-from simulation.simulator import simulate
+from simulation.simulator import _Fleet, simulate
+from split_models.data import Dataset
 from split_models.errors import ConfigError
 from storage import DeviceResult, open_store
 from storage.report import run_status
+from wire.transport import InProcessHub
 
 pytestmark = pytest.mark.integration
 pytest.importorskip("sklearn")
@@ -109,3 +111,22 @@ def test_the_live_table_counts_the_hosts_clients() -> None:
     printed = console.file.getvalue()  # type: ignore[attr-defined]
     assert "1/2 hosts trained (3 clients)" in printed
     assert "1/1 hosts trained (1 client)" in printed
+
+
+def test_a_host_and_its_clients_hold_their_data_once() -> None:
+    config = parse_sim_config({"clients": 4, "group_clients": True})
+    rng = np.random.default_rng(0)
+    data = {
+        name: Dataset(rng.random((5, 1, 8, 8), dtype=np.float32), np.arange(5) % 10, 10)
+        for name in config.fleet.client_profiles()
+    }
+    before = {name: d.x.copy() for name, d in data.items()}
+    fleet = _Fleet(config, data, config.fleet.client_profiles(), InProcessHub().connect)
+    try:
+        for host, (_, clients) in config.fleet.hosts().items():
+            agent = fleet._agents[host][0]
+            for client in clients:  # views of the host's rows, the same values
+                assert np.shares_memory(data[client].x, agent.data.x), (host, client)
+                assert np.array_equal(data[client].x, before[client])
+    finally:
+        fleet.close()
