@@ -53,11 +53,14 @@ def outcome_of(
 
 def _result(device: str, reply: Message, seconds: float, outcome: Outcome) -> DeviceResult:
     metrics = reply.content.metric_records["metrics"]
-    reported = {  # counts: _malformed checked they are numbers; a negative one is dropped
+    reported = {  # counts: malformed() checked they are numbers; a negative one is dropped,
         name.replace("-", "_"): float(metrics.get(name, -1))  # type: ignore[arg-type]
         for name in ("cut-bytes-sent", "cut-bytes-received", "clients")
+    }  # and so are more clients than examples (each client trained one at least)
+    most = float(metrics["num-examples"])  # type: ignore[arg-type]
+    outcome.reported[device] = {
+        k: v for k, v in reported.items() if 0 <= v < math.inf and (k != "clients" or v <= most)
     }
-    outcome.reported[device] = {k: v for k, v in reported.items() if 0 <= v < math.inf}
     peak = int(metrics.get("peak-memory", -1))  # type: ignore[arg-type]
     loss = float(metrics.get("loss", math.nan))  # type: ignore[arg-type]
     return DeviceResult(

@@ -56,10 +56,15 @@ def test_counts_a_reply_reports_are_kept_only_when_they_are_counts() -> None:
     outcome = Outcome(results=[], ok=[])
     honest = _reply({"num-examples": 4, "clients": 3, "cut-bytes-sent": 100})
     lying = _reply({"num-examples": 4, "clients": -3, "cut-bytes-sent": float("inf")})
-    _result("host-0", honest, 1.0, outcome)  # type: ignore[arg-type]
-    _result("host-1", lying, 1.0, outcome)  # type: ignore[arg-type]
+    boasting = _reply({"num-examples": 4, "clients": 5})  # more clients than examples
+    for device, reply in [("host-0", honest), ("host-1", lying), ("host-2", boasting)]:
+        _result(device, reply, 1.0, outcome)  # type: ignore[arg-type]
 
-    assert outcome.reported == {"host-0": {"clients": 3.0, "cut_bytes_sent": 100.0}, "host-1": {}}
+    assert outcome.reported == {
+        "host-0": {"clients": 3.0, "cut_bytes_sent": 100.0},
+        "host-1": {},
+        "host-2": {},
+    }
 
 
 def test_finite_activations_large_enough_to_overflow_the_back_are_refused() -> None:
