@@ -103,6 +103,7 @@ class RoundRecorder:
         self._pending: dict[str, dict[str, np.ndarray]] = {}
         # the strategy's server-side state before the aggregation of a try not yet committed
         self._before: dict[str, Any] | None = None
+        self.last_failure = ""  # why the last try failed, or waited (named when a round gives up)
         self._said: dict[tuple[str, str], int] = {}  # events logged as warnings: first round
 
     def keep_local(
@@ -234,6 +235,16 @@ class RoundRecorder:
             self._before = None
         log.warning("round %d attempt %d/%d failed: %s", number, attempt, attempts, reason)
         self.store.add_event(self.run_id, Event("round-failed", reason, round=number))
+        self.last_failure = reason
+
+    def waiting(self, number: int, attempt: int, attempts: int, reason: str) -> None:
+        """Attempt ``attempt`` of round ``number`` cannot start (``reason``: devices it needs
+        are offline) and waits for them, up to a round deadline: logged and stored once."""
+        log.warning(
+            "round %d attempt %d/%d waits for its devices: %s", number, attempt, attempts, reason
+        )
+        self.store.add_event(self.run_id, Event("round-waiting", reason, round=number))
+        self.last_failure = reason
 
     def record(self, number: int, outcome: Outcome) -> None:
         """The results of an attempt that does not commit."""

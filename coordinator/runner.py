@@ -203,8 +203,8 @@ class RoundRunner:
                     f"`edgesplit status --run {self.recorder.run_id}` and the run's events"
                 )
         raise CoordinatorError(
-            f"round {number} failed {self.attempts} times; see `edgesplit status --run "
-            f"{self.recorder.run_id}` and the run's events"
+            f"round {number} failed {self.attempts} times (last: {self.recorder.last_failure}); "
+            f"see `edgesplit status --run {self.recorder.run_id}` and the run's events"
         )
 
     def _try(
@@ -227,7 +227,7 @@ class RoundRunner:
         self.recorder.open(number, work.participants)
         if work.problem is not None:
             if unready == 1:  # once per counted attempt: the back-off's waits are no failures
-                self.recorder.failed(number, counted, self.attempts, work.problem)
+                self.recorder.waiting(number, counted, self.attempts, work.problem)
             wait_for_more(self.grid.get_node_ids, retry_delay(unready), self._sleep)
             return _UNREADY
         for message in work.messages.values():  # devices tell a retry's credits apart

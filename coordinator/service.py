@@ -255,8 +255,8 @@ class Coordinator:
                 weights, placement = self._round(number, weights, placement)
                 if number < config.training.rounds:
                     placement, weights = self._replan(number, placement, weights)
-        except CoordinatorError:
-            store.set_run_status(config.run_id, "failed")  # refused once the run is another's
+        except CoordinatorError as error:
+            _failed(store, config.run_id, str(error))  # refused once the run is another's
             _say_ended(guard)
             raise
         store.set_run_status(config.run_id, "finished")
@@ -381,6 +381,12 @@ def _checks(watch: StopWatch, lease: RunLease) -> None:
     """Raise when the run was asked to stop or another coordinator took it over."""
     watch.check()
     lease.check()
+
+
+def _failed(store: RunStore, run_id: str, why: str) -> None:
+    """The run failed (a round gave up): its status, and an event that says why."""
+    store.set_run_status(run_id, "failed")
+    store.add_event(run_id, Event("run-failed", why))
 
 
 def _say_ended(guard: SessionGuard | None) -> None:

@@ -301,11 +301,11 @@ class EdgeAgent:
         try:
             self.check(task, job.model)
             work = (round_of(message), job.attempt)
-            follow = self.sessions.follow(task.run, task.session, work)
-            return self._train(message, job, follow, handed)
+            replaced = self.sessions.follow(task.run, task.session, work)
+            return self._train(message, job, lambda: self.node.leaving or replaced(), handed)
         except (RoundAbandoned, PeerOffline) as abandoned:
             if self.node.leaving:  # stopped (SIGTERM, Ctrl-C): its leaving ended the try
-                why = f"round {round_of(message)} left unfinished: {self.device} is stopping"
+                why = f"round {round_of(message)} left unfinished: edge {self.device} is stopping"
                 log.info("%s", why)
                 return Message(Error(code=2, reason=why), reply_to=message)
             # a host of many simulated clients: a few lines

@@ -119,6 +119,15 @@ class GpuAgent:
             self._backs[task.run] = (key, trainer)
         return self._backs[task.run][1]
 
+    def stop(self) -> None:
+        """Leave for good (SIGTERM, Ctrl-C): a round in progress ends now, and the server
+        takes no share of any stream before it says it is offline, so the try the coordinator
+        starts on hearing it goes whole to the servers left."""
+        self.node.leaving = True  # the rounds' waits ask it
+        for _, back in list(self._backs.values()):
+            back.part()
+        self.node.leave()
+
     def trainer(self, run: str) -> BackTrainer | None:
         """The trainer serving ``run`` now, if a round of it was sent to this server."""
         known = self._backs.get(run)
@@ -167,7 +176,11 @@ class GpuAgent:
         weights = numpy_arrays(message)
         number = round_of(message)
         peers = [s for s in task.servers if s != self.device]
-        cancelled = self.sessions.follow(task.run, task.session, (number, options[1]))
+        follow = self.sessions.follow(task.run, task.session, (number, options[1]))
+
+        def cancelled() -> bool:  # the try was replaced, or this server is stopping
+            return self.node.leaving or follow()
+
         scale = sections[1].lr_scale(number)
         back.begin_round(number, task.edges, weights, peers, *options, lr_scale=scale)
         wait = server_wait_seconds(sections[1].round_deadline_seconds)

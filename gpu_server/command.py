@@ -47,7 +47,7 @@ def gpu_server_command(args: argparse.Namespace) -> int:
     )
 
     def stop() -> None:
-        agent.node.leave()
+        agent.stop()
         control.close()
         stream.close()
 

@@ -235,7 +235,7 @@ class StreamServer:
             handled = self._drain()  # ordered: its waiting batches, then the next sender's
             completed = not was and self._ledger.complete
             self._changed.notify_all()
-        log.warning("round %d: %s went offline; its part of the round ends", number, sender)
+        log.warning("round %d: %s's part ends: it or a peer server went offline", number, sender)
         self._credit(handled, number)
         if completed and self.on_complete is not None:
             self.on_complete(number)

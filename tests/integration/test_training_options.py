@@ -93,9 +93,12 @@ def test_a_first_round_that_blows_up_is_not_committed(tmp_path: Path) -> None:
         simulate(config, tmp_path / "run", run_id="blown")
     with open_store(f"sqlite:///{tmp_path / 'run' / 'runs.db'}") as store:
         reasons = [e.detail for e in store.events("blown") if e.kind == "round-failed"]
+        ended = [e.detail for e in store.events("blown") if e.kind == "run-failed"]
         assert store.resume("blown") is None, "nothing committed"
     assert len(reasons) == 3, reasons  # judged against the initial weights' loss (about 3)
     assert all(re.search(r"evaluation loss jumped from [23]\.\d+ to \d{2,}", r) for r in reasons)
+    # the run's end is an event too, naming the last try's reason
+    assert len(ended) == 1 and f"(last: {reasons[-1]})" in ended[0], ended
 
 
 @pytest.mark.parametrize("method", ["local-loss", "fedavg"])

@@ -120,12 +120,17 @@ class _Recorder:
     def __init__(self) -> None:
         self.observer = self
         self.failures: list[int] = []
+        self.waits: list[int] = []
 
     def __getattr__(self, _name: str) -> Any:
         return lambda *_args, **_kwargs: None  # committed, baseline, open, round_starting
 
     def failed(self, _number: int, attempt: int, _attempts: int, _why: str) -> None:
         self.failures.append(attempt)
+
+    def waiting(self, _number: int, attempt: int, _attempts: int, why: str) -> None:
+        self.waits.append(attempt)
+        self.last_failure = why
 
 
 class _Grid:
@@ -152,10 +157,11 @@ def test_tries_that_cannot_run_back_off_and_cost_an_attempt_per_deadline_waited(
         sleep=slept.append,
     )
     work = RoundWork([], problem="no GPU server holding blocks [1, 4) is online")
-    with pytest.raises(CoordinatorError, match="failed 2 times"):
+    with pytest.raises(CoordinatorError, match=r"failed 2 times \(last: no GPU server holding"):
         runner.run(2, lambda _number: work)
     # 1 + 2 + 4 + 8 + 10 + 10 = 35 s >= the 30 s deadline: one attempt, twice
-    assert recorder.failures == [1, 2], "logged once per counted attempt, not per back-off"
+    assert recorder.waits == [1, 2], "logged once per counted attempt, not per back-off"
+    assert recorder.failures == [], "a wait for devices is no failed try"
     assert sum(slept) == pytest.approx(2 * 35.0)  # not deadline / 10 (3 s) each time
     assert max(slept) <= 0.2 + 1e-9  # in short naps, looking for a device coming back
 
