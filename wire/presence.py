@@ -65,14 +65,15 @@ def incarnation_of(payload: bytes) -> str:
 
 
 class PeerOffline(RuntimeError):
-    """A device this one waited on in a round went offline (its last will arrived)."""
+    """A device this one waited on in a round went offline (it said so as it stopped, or the
+    broker published its last will)."""
 
     def __init__(self, round_number: int, devices: Iterable[str], role: str = "GPU server") -> None:
         self.round_number, self.devices = round_number, sorted(devices)
         names = ", ".join(self.devices)
         super().__init__(
-            f"round {round_number} given up: {role} {names} went offline (last will) while "
-            "this device waited on it"
+            f"round {round_number} given up: {role} {names} went offline (stopped, or its "
+            "link lost) while this device waited on it"
         )
 
 
