@@ -103,7 +103,8 @@ class DeviceRegistry:
                 if name not in online
             ]
         if len(online) < wanted:
-            return [f"{wanted - len(online)} more {kind}; online: {', '.join(online) or 'none'}"]
+            have = ", ".join(online) or "none"
+            return [f"{wanted - len(online)} more {kind}; {kind} online: {have}"]
         return []
 
     def wait(self, declared: DevicesConfig) -> tuple[list[Announcement], list[Announcement]]:

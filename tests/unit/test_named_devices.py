@@ -57,7 +57,7 @@ def test_waiting_for_devices_is_said_after_their_announcements_had_time_to_arriv
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Said at once, it named online devices 'missing' before their retained announcements
-    arrived ("1 more GPU server(s); online: none")."""
+    arrived ("1 more GPU server(s); GPU server(s) online: none")."""
     hub = InProcessHub()
     coordinator = hub.connect("coordinator")
     now = [0.0]
@@ -82,4 +82,4 @@ def test_waiting_for_devices_is_said_after_their_announcements_had_time_to_arriv
         pytest.raises(CoordinatorError, match="waited 5 s"),
     ):
         registry.wait(DevicesConfig(1, 2, 5.0))  # one server never comes
-    assert "waiting for devices: 1 more GPU server(s); online: gpu-a" in caplog.text
+    assert "waiting for devices: 1 more GPU server(s); GPU server(s) online: gpu-a" in caplog.text
