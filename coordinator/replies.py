@@ -28,8 +28,8 @@ def outcome_of(
     online: set[int],
     now: float,
 ) -> Outcome:
-    """Each device's result, the devices that trained, and their cut-layer bytes (``online``:
-    the nodes online now)."""
+    """Each device's result, the devices that trained, and the counts each reported (cut-layer
+    bytes, a simulation host's clients); ``online``: the nodes online now."""
     outcome = Outcome([], [], {}, started)
     for device, message in messages.items():
         reply = replies.get(device)
