@@ -17,8 +17,8 @@ from wire.flower import numpy_arrays
 
 __all__ = ["malformed", "malformed_evaluation", "outcome_of"]
 
-_REPLY_NUMBERS = ["loss", "wall-seconds", "bytes-sent", "bytes-received", "peak-memory"]
-_REPLY_NUMBERS += ["cut-bytes-sent", "cut-bytes-received", "clients"]  # stored per device
+_COUNTS = ("cut-bytes-sent", "cut-bytes-received", "clients")  # stored per device, as metrics
+_REPLY_NUMBERS = ("loss", "wall-seconds", "bytes-sent", "bytes-received", "peak-memory", *_COUNTS)
 
 
 def outcome_of(
@@ -53,19 +53,19 @@ def outcome_of(
 
 def _result(device: str, reply: Message, seconds: float, outcome: Outcome) -> DeviceResult:
     metrics = reply.content.metric_records["metrics"]
+    examples = int(metrics["num-examples"])  # type: ignore[arg-type]
     reported = {  # counts: malformed() checked they are numbers; a negative one is dropped,
         name.replace("-", "_"): float(metrics.get(name, -1))  # type: ignore[arg-type]
-        for name in ("cut-bytes-sent", "cut-bytes-received", "clients")
+        for name in _COUNTS
     }  # and so are more clients than examples (each client trained one at least)
-    most = float(metrics["num-examples"])  # type: ignore[arg-type]
     outcome.reported[device] = {
-        k: v for k, v in reported.items() if 0 <= v < math.inf and (k != "clients" or v <= most)
+        k: v for k, v in reported.items() if 0 <= v < math.inf and (k != "clients" or v <= examples)
     }
     peak = int(metrics.get("peak-memory", -1))  # type: ignore[arg-type]
     loss = float(metrics.get("loss", math.nan))  # type: ignore[arg-type]
     return DeviceResult(
         device,
-        examples=int(metrics["num-examples"]),  # type: ignore[arg-type]
+        examples=examples,
         loss=loss if math.isfinite(loss) else None,
         bytes_sent=int(metrics.get("bytes-sent", 0)),  # type: ignore[arg-type]
         bytes_received=int(metrics.get("bytes-received", 0)),  # type: ignore[arg-type]

@@ -60,7 +60,7 @@ from wire.flower import (
 from wire.logs import warn
 from wire.presence import PeerOffline, PresenceWatch
 from wire.roles import Announcement, Task, go_online
-from wire.session import RoundAbandoned, SessionWatch
+from wire.session import RoundAbandoned, SessionWatch, left_unfinished
 from wire.transport import Transport
 
 __all__ = ["AssignmentRefused", "EdgeAgent"]
@@ -305,7 +305,7 @@ class EdgeAgent:
             return self._train(message, job, lambda: self.node.leaving or replaced(), handed)
         except (RoundAbandoned, PeerOffline) as abandoned:
             if self.node.leaving:  # stopped (SIGTERM, Ctrl-C): its leaving ended the try
-                why = f"round {round_of(message)} left unfinished: edge {self.device} is stopping"
+                why = left_unfinished(round_of(message), f"edge {self.device}")
                 log.info("%s", why)
                 return Message(Error(code=2, reason=why), reply_to=message)
             # a host of many simulated clients: a few lines

@@ -41,7 +41,7 @@ from wire.flower import (
 )
 from wire.presence import PresenceWatch
 from wire.roles import Announcement, Task, go_online
-from wire.session import RoundAbandoned, SessionWatch
+from wire.session import RoundAbandoned, SessionWatch, left_unfinished
 from wire.transport import Transport
 
 __all__ = ["GAP_QUIET_SECONDS", "GpuAgent", "server_wait_seconds"]
@@ -218,7 +218,7 @@ def _abandoned(message: Message, number: int, device: str, leaving: bool) -> Mes
     """The error reply of a round cut short: by this server stopping (SIGTERM, Ctrl-C: its
     leaving made the coordinator move on), or by the coordinator replacing the try."""
     if leaving:
-        reason = f"round {number} left unfinished: GPU server {device} is stopping"
+        reason = left_unfinished(number, f"GPU server {device}")
         log.info("%s", reason)
     else:
         reason = str(RoundAbandoned(number))

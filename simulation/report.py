@@ -24,6 +24,7 @@ from typing import Any
 
 from split_models.plan import EdgeAssignment
 from storage.base import RunStore
+from storage.report import clients_of
 
 __all__ = ["client_rows", "round_rows", "simulated_round_seconds", "write_outputs"]
 
@@ -92,11 +93,7 @@ def round_rows(
                 "loss": record.evaluation.get("loss"),
                 **federated,
                 "participants": len(trained),
-                **(
-                    {"clients": int(record.metrics["clients"])}
-                    if "clients" in record.metrics
-                    else {}
-                ),
+                **clients_of(record),
                 "bytes_up": sum(r.bytes_sent for r in record.results),
                 "bytes_down": sum(r.bytes_received for r in record.results),
                 "wall_seconds": record.metrics.get("wall_seconds"),

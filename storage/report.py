@@ -10,7 +10,7 @@ from split_models.errors import ConfigError
 from storage.base import RunStore
 from storage.records import RoundRecord, RunRecord
 
-__all__ = ["check_run", "round_summary", "run_status", "runs_overview", "spans"]
+__all__ = ["check_run", "clients_of", "round_summary", "run_status", "runs_overview", "spans"]
 
 
 def round_summary(record: RoundRecord, servers: Collection[str] = ()) -> dict[str, Any]:
@@ -31,7 +31,7 @@ def round_summary(record: RoundRecord, servers: Collection[str] = ()) -> dict[st
         "servers": [d for d in record.participants if d in servers],
         "failed": sorted(r.device for r in record.results if r.failure),
         "examples": sum(r.examples for r in edges if not r.failure),
-        **({"clients": int(record.metrics["clients"])} if "clients" in record.metrics else {}),
+        **clients_of(record),
         "server_examples": sum(r.examples for r in backs if not r.failure),
         "bytes_up": sum(r.bytes_sent for r in record.results),
         "bytes_down": sum(r.bytes_received for r in record.results),
@@ -50,6 +50,12 @@ def round_summary(record: RoundRecord, servers: Collection[str] = ()) -> dict[st
             for r in record.results
         ],
     }
+
+
+def clients_of(record: RoundRecord) -> dict[str, int]:
+    """``{"clients": n}``: the clients a round's edges trained where they are simulation hosts
+    of several (``group_clients``); empty otherwise."""
+    return {"clients": int(record.metrics["clients"])} if "clients" in record.metrics else {}
 
 
 def run_status(store: RunStore, run_id: str) -> dict[str, Any]:

@@ -32,6 +32,7 @@ __all__ = [
     "RoundAbandoned",
     "SessionGuard",
     "SessionWatch",
+    "left_unfinished",
     "new_session",
     "parse_announcement",
 ]
@@ -53,6 +54,12 @@ class RoundAbandoned(RuntimeError):
             f"round {round_number} abandoned: the coordinator that asked for it stopped or "
             "was replaced"
         )
+
+
+def left_unfinished(round_number: int, device: str) -> str:
+    """Why a device stopped by its operator (SIGTERM, Ctrl-C) ends its round: its own doing,
+    not the coordinator's (``device``: its role and name, "edge pi-01")."""
+    return f"round {round_number} left unfinished: {device} is stopping"
 
 
 def new_session(clock: Callable[[], int] = time.time_ns) -> str:
