@@ -9,16 +9,18 @@ the starting point and only the remaining rounds run, numbered on from where the
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 import numpy as np
-from flwr.app import ArrayRecord
+from flwr.app import ArrayRecord, Message
 from flwr.serverapp.strategy import FedAvg
 
 from coordinator.assignments import build_message
 from coordinator.errors import CoordinatorError
 from coordinator.recorder import WEIGHTS_SEGMENT, Evaluate, RoundObserver, RoundRecorder
 from coordinator.runner import RoundRunner, RoundWork
+from coordinator.statistics import Recalibration
 from storage.base import RunStore
 from wire.flower import TransportGrid, array_record
 
@@ -37,21 +39,21 @@ def run_federated(
     deadline: float = 3600.0,
     seed: int = 0,
     local_keys: frozenset[str] = frozenset(),
+    recalibrate: bool = False,
 ) -> int:
-    """Train until the run has ``rounds`` committed rounds over ``devices`` (name -> Flower
-    node id); return how many ran now. Each round waits up to ``deadline`` seconds.
-    ``local_keys``: tensors each device keeps as its own (FedBN)."""
+    """Train until the run has ``rounds`` committed rounds over ``devices`` (name -> node id),
+    each waiting up to ``deadline`` s; return how many ran now. ``local_keys``: tensors each
+    device keeps (FedBN); ``recalibrate``: devices measure each aggregate's BatchNorm statistics."""
     state = store.resume(run_id)
     done = 0 if state is None else state.round.number
     weights = dict(initial) if state is None else dict(state.weights[WEIGHTS_SEGMENT])
     if done >= rounds:
-        store.set_run_status(run_id, "finished")
-        return 0
+        return _finished(store, run_id, 0)
     store.set_run_status(run_id, "training")
     recorder = RoundRecorder(store, run_id, strategy, RoundObserver(), evaluate, rounds)
     recorder.keep_local(local_keys, None if state is None else state.weights)
     recorder.take_up(state, weights)
-    runner = RoundRunner(grid, strategy, recorder, seed, deadline)
+    runner = _runner(grid, strategy, recorder, (seed, deadline), devices if recalibrate else None)
     names = {node: name for name, node in devices.items()}
 
     def prepare(number: int) -> RoundWork:
@@ -72,8 +74,37 @@ def run_federated(
     except CoordinatorError:
         store.set_run_status(run_id, "failed")
         raise
+    return _finished(store, run_id, rounds - done)
+
+
+def _finished(store: RunStore, run_id: str, ran: int) -> int:
+    """Mark the run finished; ``ran``: the rounds run now."""
     store.set_run_status(run_id, "finished")
-    return rounds - done
+    return ran
+
+
+def _runner(
+    grid: TransportGrid,
+    strategy: FedAvg,
+    recorder: RoundRecorder,
+    timing: tuple[int, float],
+    recalibrate: Mapping[str, int] | None,
+) -> RoundRunner:
+    """The round engine (``timing``: seed and deadline); with ``recalibrate`` (name -> node),
+    those devices measure each aggregate's BatchNorm statistics (they train the whole model,
+    so they measure all of it)."""
+    seed, deadline = timing
+    runner = RoundRunner(grid, strategy, recorder, seed, deadline)
+    if recalibrate is None:
+        return runner
+    nodes = dict(recalibrate)
+
+    def address(number: int, device: str, arrays: ArrayRecord, config: dict[str, int]) -> Message:
+        return build_message(grid, nodes[device], arrays, "evaluate", number, options=config)
+
+    collect = functools.partial(runner.collect, observed=False)
+    runner.settle = Recalibration(address, collect, deadline / 2, seed, lambda _d, _b: 1 << 30)
+    return runner
 
 
 def _arrays(

@@ -47,6 +47,7 @@ __all__ = [
     "RoundRunner",
     "RoundWork",
     "Sampled",
+    "Settle",
     "retry_delay",
     "shortfall",
     "wait_for_more",
@@ -58,6 +59,8 @@ _OUTAGE = object()  # a try the broker's going away cut short: redone, not count
 _UNREADY = object()  # a try that could not run (devices offline): counted per deadline waited
 Sampled = dict[int, dict[str, Any]]
 """The nodes the strategy chose, each with the config entries of its train message."""
+Settle = Callable[[int, dict[str, np.ndarray], list[str]], dict[str, np.ndarray]]
+"""Round, its aggregate and the edges that trained -> the aggregate to evaluate and commit."""
 
 
 @dataclass
@@ -152,6 +155,7 @@ class RoundRunner:
         self._nodes = GracefulNodes(grid, transport, WillGrace(clock=clock))
         self.reported: dict[str, dict[str, Any]] = {}  # the last committed round's metrics
         self.stop_check: Callable[[], None] = lambda: None  # raises to stop the run (tries, waits)
+        self.settle: Settle = lambda _number, merged, _edges: merged  # before it is evaluated
 
     def sample(
         self, number: int, nodes: Sequence[int], weights: Mapping[str, np.ndarray]
@@ -278,20 +282,16 @@ class RoundRunner:
         it did not commit. ``judge``: the federated evaluation (or None) and the round the
         new one is judged against."""
         evaluate, previous = judge
-        self.strategy.node_names = {  # type: ignore[attr-defined]
-            m.metadata.dst_node_id: d for d, m in work.messages.items()
-        }
-        self.strategy.trusted_nodes = frozenset(  # type: ignore[attr-defined]
-            work.messages[d].metadata.dst_node_id for d in work.servers if d in work.messages
-        )
+        _name_nodes(self.strategy, work)
         ok = sorted(outcome.ok)
         _bound_examples(self.recorder, self.strategy, number, (work, replies, outcome))
         merged = self.recorder.aggregate(number, [replies[d] for d in ok], ok)
         if merged is None:
             return None, "the strategy aggregated nothing"
+        trained = [d for d in ok if d not in work.servers]  # e.g. BatchNorm statistics anew:
+        merged = self.settle(number, merged, trained)
         evaluation = self.recorder.central_evaluation(merged)
         if evaluate is not None:
-            trained = [d for d in outcome.ok if d not in work.servers]
             evaluation |= evaluate(number, merged, trained)
         diverged = divergence(merged, evaluation, outcome.results, previous)
         if diverged is not None:
@@ -373,6 +373,17 @@ class RoundRunner:
             "federated_loss": float(metrics["loss"]),  # type: ignore[arg-type]
             "federated_examples": examples,
         }
+
+
+def _name_nodes(strategy: FedAvg, work: RoundWork) -> None:
+    """Tell the strategy each node's device name and which nodes are GPU servers (trusted:
+    a robust rule never clips them)."""
+    strategy.node_names = {  # type: ignore[attr-defined]
+        m.metadata.dst_node_id: d for d, m in work.messages.items()
+    }
+    strategy.trusted_nodes = frozenset(  # type: ignore[attr-defined]
+        work.messages[d].metadata.dst_node_id for d in work.servers if d in work.messages
+    )
 
 
 def _bound_examples(

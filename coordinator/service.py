@@ -41,8 +41,9 @@ from coordinator.lease import RunLease
 from coordinator.planner import Placement, Planner
 from coordinator.recorder import WEIGHTS_SEGMENT, Evaluate, RoundObserver, RoundRecorder
 from coordinator.resumption import create_or_check, first_try, record_take_over, resume_state
-from coordinator.runner import RoundRunner, RoundWork
+from coordinator.runner import RoundRunner, RoundWork, Settle
 from coordinator.speed import Replanner
+from coordinator.statistics import Recalibration
 from coordinator.stopping import StopWatch, mark_cancelled
 from split_models.data import Dataset, load_dataset, model_data_problem
 from split_models.errors import ConfigError, SplitError
@@ -312,9 +313,10 @@ class Coordinator:
         def evaluate(
             number: int, merged: dict[str, np.ndarray], edges: list[str]
         ) -> dict[str, float]:
-            return self._federated(number, merged, now[0], edges)
+            return _federated(self, number, merged, now[0], edges)
 
         federated = evaluate if self.config.training.federated_eval > 0 else None
+        self.runner.settle = _recalibration(self, lambda: now[0])
         return self.runner.run(number, prepare, federated, start=weights), now[0]
 
     def _work(self, number: int, weights: dict[str, np.ndarray], placement: Placement) -> RoundWork:
@@ -357,24 +359,53 @@ class Coordinator:
             )
         return work
 
-    def _federated(
-        self, number: int, weights: dict[str, np.ndarray], placement: Placement, edges: list[str]
-    ) -> dict[str, float]:
-        """The assembled model evaluated by the ``edges`` that trained, on what they hold out."""
-        assigned = {a.device: a for a in placement.edges if a.device in edges}
 
-        def message(device: str, configured: Message) -> Message:
-            a = assigned[device]
-            options = dict(configured.content.config_records[self.strategy.configrecord_key])
-            arrays = configured.content.array_records["arrays"]
-            recorder = self.runner.recorder
-            if recorder.local_keys:  # evaluated with the BatchNorm layers it just trained
-                arrays = array_record(recorder.own(device, numpy_arrays(configured), True))
-            task = build_task(self.config, a, self.session)
-            return build_message(self.grid, a.node, arrays, "evaluate", number, task, options)
+def _federated(
+    coordinator: Coordinator,
+    number: int,
+    weights: dict[str, np.ndarray],
+    placement: Placement,
+    edges: list[str],
+) -> dict[str, float]:
+    """The assembled model evaluated by the ``edges`` that trained, on what they hold out."""
+    assigned = {a.device: a for a in placement.edges if a.device in edges}
 
-        nodes = {device: a.node for device, a in assigned.items()}
-        return self.runner.federated(number, weights, nodes, message)
+    def message(device: str, configured: Message) -> Message:
+        a = assigned[device]
+        options = dict(configured.content.config_records[coordinator.strategy.configrecord_key])
+        arrays = configured.content.array_records["arrays"]
+        recorder = coordinator.runner.recorder
+        if recorder.local_keys:  # evaluated with the BatchNorm layers it just trained
+            arrays = array_record(recorder.own(device, numpy_arrays(configured), True))
+        task = build_task(coordinator.config, a, coordinator.session)
+        return build_message(coordinator.grid, a.node, arrays, "evaluate", number, task, options)
+
+    nodes = {device: a.node for device, a in assigned.items()}
+    return coordinator.runner.federated(number, weights, nodes, message)
+
+
+def _recalibration(coordinator: Coordinator, placement: Callable[[], Placement]) -> Settle:
+    """The BatchNorm statistics of each aggregate, measured by edges of the round's
+    ``placement`` that trained (``norm: recalibrate``; else the aggregate as it is): the
+    whole model's where its weights fit the edge's budget beside its training peak, else
+    its own blocks'."""
+    runner = coordinator.runner
+    if coordinator.config.training.norm != "recalibrate":
+        return lambda _number, merged, _edges: merged
+
+    def address(number: int, device: str, arrays: ArrayRecord, config: dict[str, int]) -> Message:
+        edge = next(a for a in placement().edges if a.device == device)
+        task = build_task(coordinator.config, edge, coordinator.session)
+        return build_message(coordinator.grid, edge.node, arrays, "evaluate", number, task, config)
+
+    def reach(device: str, model_bytes: int) -> int:
+        plan = placement().plan
+        edge = next(e for e in plan.edges if e.name == device)
+        fits = model_bytes + edge.estimated_peak_bytes <= edge.budget_bytes
+        return plan.num_blocks if fits else edge.blocks[1]
+
+    collect = functools.partial(runner.collect, observed=False)
+    return Recalibration(address, collect, runner.deadline / 2, runner.seed, reach)
 
 
 def _checks(watch: StopWatch, lease: RunLease) -> None:

@@ -38,7 +38,13 @@ from split_models.config import ModelConfig, TrainingConfig
 from split_models.cpu import process_cpu_share
 from split_models.data import Dataset, model_data_problem
 from split_models.errors import ConfigError
-from split_models.evaluation import evaluate_weights
+from split_models.evaluation import (
+    MAX_STATISTIC_SAMPLES,
+    STATISTIC_BLOCKS,
+    STATISTICS,
+    batch_statistics,
+    evaluate_weights,
+)
 from split_models.measure import PeakMeter, peak_supported
 from split_models.sections import task_sections
 from split_models.segment import Segment
@@ -328,7 +334,12 @@ class EdgeAgent:
         send_done_after_failure(self.channel, task.run, self.device, number, attempt)
 
     def _evaluate(self, message: Message, job: _Job) -> Message:
-        """The assembled model's accuracy on the held-out share (none: zero examples)."""
+        """The assembled model's accuracy on the held-out share (none: zero examples); asked
+        for its BatchNorm statistics instead (``norm: recalibrate``), those on the training
+        share."""
+        samples = message.content.config_records["config"].get(STATISTICS)
+        if samples is not None:
+            return self._statistics(message, job, samples)
         _, held_out = self._datasets(job.training)
         if held_out is None:
             result, count = {"accuracy": 0.0, "loss": 0.0}, 0
@@ -340,6 +351,26 @@ class EdgeAgent:
             count = len(held_out)
         metrics = MetricRecord({"num-examples": count, **result})
         return Message(RecordDict({"metrics": metrics}), reply_to=message)
+
+    def _statistics(self, message: Message, job: _Job, samples: object) -> Message:
+        """The assembled model's BatchNorm statistics on up to ``samples`` training rows."""
+        if not isinstance(samples, int) or not 1 < samples <= MAX_STATISTIC_SAMPLES:
+            raise ConfigError(
+                f"asked for BatchNorm statistics over {samples!r} samples; expected 2 to "
+                f"{MAX_STATISTIC_SAMPLES}"
+            )
+        train, _ = self._datasets(job.training)
+        seed = job.training.seed * 100_003 + round_of(message)
+        end = message.content.config_records["config"].get(STATISTIC_BLOCKS)
+        if not isinstance(end, int):
+            raise ConfigError(f"asked for BatchNorm statistics of blocks [0, {end!r})")
+        with self.source.slot():
+            weights = numpy_arrays(message)
+            stats, count = batch_statistics(job.model, weights, train, samples, seed, end)
+        metrics = MetricRecord({"num-examples": count})
+        return Message(
+            RecordDict({"arrays": array_record(stats), "metrics": metrics}), reply_to=message
+        )
 
     def _train(
         self, message: Message, job: _Job, cancelled: Callable[[], bool], handed: list[bool]

@@ -35,7 +35,12 @@ from simulation.config import BASELINES, Profile, SimConfig
 from split_models.config import ModelConfig, TrainingConfig
 from split_models.data import Dataset, shuffle_rng
 from split_models.errors import ConfigError
-from split_models.evaluation import evaluate_weights
+from split_models.evaluation import (
+    STATISTIC_BLOCKS,
+    STATISTICS,
+    batch_statistics,
+    evaluate_weights,
+)
 from split_models.isolated import profile_in_fresh_process
 from split_models.memory import estimate_segment_memory
 from split_models.profiler import ModelProfile
@@ -123,7 +128,25 @@ def _client(config: SimConfig, data: Dataset, reset: bool, upload: bool) -> Clie
         content = RecordDict({"arrays": array_record(arrays), "metrics": metrics})
         return Message(content, reply_to=message)
 
+    app.evaluate()(_statistics(config, data))
     return app
+
+
+def _statistics(config: SimConfig, data: Dataset) -> Callable[[Message, Context], Message]:
+    """A client's answer to ``norm: recalibrate``: the aggregate's BatchNorm statistics on
+    its ``data`` (the coordinator asks for them with an evaluate message)."""
+
+    def statistics(message: Message, _context: Context) -> Message:
+        asked = message.content.config_records["config"]
+        samples, end = int(asked[STATISTICS]), int(asked[STATISTIC_BLOCKS])  # type: ignore[arg-type]
+        seed = config.training.seed * 100_003 + round_of(message)
+        weights = numpy_arrays(message)
+        stats, count = batch_statistics(config.model, weights, data, samples, seed, end)
+        metrics = MetricRecord({"num-examples": count})
+        content = RecordDict({"arrays": array_record(stats), "metrics": metrics})
+        return Message(content, reply_to=message)
+
+    return statistics
 
 
 def _train(
@@ -164,6 +187,7 @@ def _train(
         evaluate,
         seed=training.seed,
         local_keys=local,
+        recalibrate=training.norm == "recalibrate" and config.method == "fedavg",
     )
 
 

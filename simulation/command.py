@@ -63,18 +63,33 @@ def simulate_command(args: argparse.Namespace) -> int:
                     config, out, args.broker, observer=progress, password=args.broker_password
                 )
     _print_summary(summary, out)
-    _say_if_at_chance(summary["final_accuracy"], config.model.num_classes)
+    _say_if_at_chance(summary["final_accuracy"], config.model.num_classes, _norm_hint(config))
     return 0
 
 
-def _say_if_at_chance(accuracy: object, classes: int) -> None:
+def _norm_hint(config: SimConfig) -> str:
+    """For a model with BatchNorm layers averaged as they are: what to try first."""
+    from torch import nn
+
+    if config.training.norm != "average" or config.method == "centralized":
+        return ""
+    model = config.model.build(seed=0)
+    if not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.full().modules()):
+        return ""
+    return (
+        " The model has BatchNorm layers, whose averaged running statistics fit none of the "
+        'clients\' models: try `norm: recalibrate` (README, "BatchNorm").'
+    )
+
+
+def _say_if_at_chance(accuracy: object, classes: int, hint: str = "") -> None:
     """A run that ends no better than guessing did not learn: said, not left to be noticed
     in the last line (a learning rate too high for the model is the usual cause)."""
     if isinstance(accuracy, float) and accuracy <= 1 / classes + 0.05:
         print(
             f"warning: the final accuracy {accuracy:.4f} is at chance level for {classes} "
             "classes: the run did not learn (a learning rate too high for this model and "
-            "optimizer is the usual cause; curves.png and rounds.csv show when it went)"
+            "optimizer is the usual cause; curves.png and rounds.csv show when it went)." + hint
         )
 
 

@@ -61,9 +61,10 @@ __all__ = [
 ]
 
 MODES = ("local-loss", "backprop")
-# How BatchNorm layers aggregate: averaged like every other tensor (FedAvg), or kept by each
-# device as its own (FedBN: every device trains and evaluates with its own normalization).
-NORMS = ("average", "local")
+# How BatchNorm layers aggregate: averaged like every other tensor (FedAvg), kept by each
+# device as its own (FedBN: every device trains and evaluates with its own normalization), or
+# averaged and their running statistics then measured anew by the edges on the aggregate.
+NORMS = ("average", "local", "recalibrate")
 # Bounds on what a config (or a task from the network) may ask for: a device must be able to
 # refuse an absurd request by name instead of waiting, allocating or looping for ever (and
 # split_models.units.MAX_DURATION_SECONDS).
@@ -460,7 +461,9 @@ class TrainingConfig:
     deterministic: bool = False
     # BatchNorm layers (weight, bias, running statistics): "average" aggregates them with the
     # strategy; "local" keeps each device's own between rounds (FedBN; the global model holds
-    # their average, for central evaluation and export)
+    # their average, for central evaluation and export); "recalibrate" averages them, then
+    # edges that trained measure the aggregate's running statistics on their data
+    # (coordinator.statistics)
     norm: str = setting("average", choices=NORMS)
     # GPU servers bound each step of the back (optimizer.max_step: its gradient is clipped
     # at the norm server_max_step / lr): without a bound SGD momentum 0.9 at lr 0.05

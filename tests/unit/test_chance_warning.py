@@ -24,3 +24,17 @@ def test_an_accuracy_at_chance_is_a_warning(
 def test_no_evaluated_round_is_no_warning(capsys: pytest.CaptureFixture[str]) -> None:
     _say_if_at_chance(None, 10)
     assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize(
+    ("model", "norm", "hinted"),
+    [("resnet8", "average", True), ("resnet8", "recalibrate", False), ("cnn", "average", False)],
+)
+def test_a_batchnorm_model_averaged_as_it_is_gets_a_hint(
+    model: str, norm: str, hinted: bool
+) -> None:
+    from simulation.command import _norm_hint
+    from simulation.config import parse_sim_config
+
+    config = {"model": model, "input_shape": [1, 28, 28], "num_classes": 10, "norm": norm}
+    assert ("norm: recalibrate" in _norm_hint(parse_sim_config(config))) is hinted
