@@ -61,6 +61,7 @@ __all__ = [
     "check_strategy",
     "configured_strategy",
     "flower_quiet",
+    "is_robust",
     "key_groups",
     "split_weighted_mean",
 ]
@@ -324,6 +325,11 @@ def _median_if_too_few(
         k: np.median(np.stack([g[k] for g in group]), axis=0).astype(group[0][k].dtype)
         for k in group[0]
     }
+
+
+def is_robust(strategy: FedAvg) -> bool:
+    """Whether ``strategy`` is one of the robust rules (it judges each reply)."""
+    return isinstance(strategy, tuple(_PER_GROUP.values()))
 
 
 def _group_minimum(strategy: FedAvg) -> int:

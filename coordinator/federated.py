@@ -16,6 +16,7 @@ import numpy as np
 from flwr.app import ArrayRecord, Message
 from flwr.serverapp.strategy import FedAvg
 
+from coordinator.aggregation import is_robust
 from coordinator.assignments import build_message
 from coordinator.errors import CoordinatorError
 from coordinator.recorder import WEIGHTS_SEGMENT, Evaluate, RoundObserver, RoundRecorder
@@ -103,7 +104,8 @@ def _runner(
         return build_message(grid, nodes[device], arrays, "evaluate", number, options=config)
 
     collect = functools.partial(runner.collect, observed=False)
-    runner.settle = Recalibration(address, collect, deadline / 2, seed, lambda _d, _b: 1 << 30)
+    whole = lambda _device, _bytes: 1 << 30  # noqa: E731
+    runner.settle = Recalibration(address, collect, deadline / 2, seed, whole, is_robust(strategy))
     return runner
 
 

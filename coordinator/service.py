@@ -32,7 +32,7 @@ import torch
 from flwr.app import ArrayRecord, Message
 from flwr.serverapp.strategy import FedAvg
 
-from coordinator.aggregation import configured_strategy
+from coordinator.aggregation import configured_strategy, is_robust
 from coordinator.assignments import build_message, build_task, keys_for, route, span
 from coordinator.config import RunConfig
 from coordinator.devices import DeviceRegistry, record_devices
@@ -405,7 +405,8 @@ def _recalibration(coordinator: Coordinator, placement: Callable[[], Placement])
         return plan.num_blocks if fits else edge.blocks[1]
 
     collect = functools.partial(runner.collect, observed=False)
-    return Recalibration(address, collect, runner.deadline / 2, runner.seed, reach)
+    robust = is_robust(coordinator.strategy)
+    return Recalibration(address, collect, runner.deadline / 2, runner.seed, reach, robust)
 
 
 def _checks(watch: StopWatch, lease: RunLease) -> None:

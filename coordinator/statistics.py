@@ -15,7 +15,8 @@ then) keeps its average.
 
 A reply is checked like any other: the layers asked for, their shapes, finite values, no
 negative variance, a count within what was asked; one that fails is left out by name. With no
-usable reply the averaged statistics stay, and the log says so.
+usable reply the averaged statistics stay, and the log says so. A device may still lie within
+those checks; with a robust strategy (fedmedian, krum...) the statistics pool by medians.
 """
 
 from __future__ import annotations
@@ -80,23 +81,33 @@ def _count(reply: Message) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def pool_statistics(measured: list[tuple[int, dict[str, np.ndarray]]]) -> dict[str, np.ndarray]:
+def pool_statistics(
+    measured: list[tuple[int, dict[str, np.ndarray]]], robust: bool = False
+) -> dict[str, np.ndarray]:
     """Each layer's mean and variance over the union of the samples of the devices that
     measured it, by count: the mean of their means, and the mean of their second moments
-    less the square of that mean."""
+    less the square of that mean. ``robust`` (the run's strategy is a robust rule): a layer
+    three devices or more measured takes the coordinate-wise medians instead, so one device
+    that lies cannot move it far."""
     pooled: dict[str, np.ndarray] = {}
     layers = sorted({k[: -len(_MEAN)] for _, s in measured for k in s if k.endswith(_MEAN)})
     for layer in layers:
         held = [
-            (c, s[layer + _MEAN].astype(np.float64), s[layer + _VAR])
+            (c, s[layer + _MEAN].astype(np.float64), s[layer + _VAR].astype(np.float64))
             for c, s in measured
             if layer + _MEAN in s
         ]
-        total = sum(c for c, _, _ in held)
-        mean = sum((c * m for c, m, _ in held), np.zeros_like(held[0][1])) / total
-        second = sum((c * (v + m**2) for c, m, v in held), np.zeros_like(mean)) / total
-        pooled[layer + _MEAN] = mean.astype(np.float32)
-        pooled[layer + _VAR] = np.maximum(second - mean**2, 0.0).astype(np.float32)
+        counts = np.array([c for c, _, _ in held], np.float64)[:, None]
+        means = np.stack([m.reshape(-1) for _, m, _ in held])
+        seconds = np.stack([(v + m**2).reshape(-1) for _, m, v in held])
+        if robust and len(held) >= 3:
+            mean, second = np.median(means, axis=0), np.median(seconds, axis=0)
+        else:
+            mean = (counts * means).sum(0) / counts.sum()
+            second = (counts * seconds).sum(0) / counts.sum()
+        shape = held[0][1].shape
+        pooled[layer + _MEAN] = mean.reshape(shape).astype(np.float32)
+        pooled[layer + _VAR] = np.maximum(second - mean**2, 0.0).reshape(shape).astype(np.float32)
     return pooled
 
 
@@ -119,10 +130,16 @@ class Recalibration:
     device trains, else its own blocks)."""
 
     def __init__(
-        self, address: Address, collect: Collect, deadline: float, seed: int, reach: Reach
+        self,
+        address: Address,
+        collect: Collect,
+        deadline: float,
+        seed: int,
+        reach: Reach,
+        robust: bool = False,
     ) -> None:
         self.address, self.collect, self.deadline, self.seed = address, collect, deadline, seed
-        self.reach = reach
+        self.reach, self.robust = reach, robust
 
     def __call__(
         self, number: int, merged: dict[str, np.ndarray], trained: list[str]
@@ -162,4 +179,4 @@ class Recalibration:
                 len(messages),
             )
             return merged
-        return merged | pool_statistics(measured)
+        return merged | pool_statistics(measured, self.robust)

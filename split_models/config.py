@@ -461,10 +461,10 @@ class TrainingConfig:
     deterministic: bool = False
     # BatchNorm layers (weight, bias, running statistics): "average" aggregates them with the
     # strategy; "local" keeps each device's own between rounds (FedBN; the global model holds
-    # their average, for central evaluation and export); "recalibrate" averages them, then
-    # edges that trained measure the aggregate's running statistics on their data
-    # (coordinator.statistics)
-    norm: str = setting("average", choices=NORMS)
+    # their average, for central evaluation and export); "recalibrate" (the default) averages
+    # them, then edges that trained measure the aggregate's running statistics on their data
+    # (coordinator.statistics; a model without BatchNorm is not affected)
+    norm: str = setting("recalibrate", choices=NORMS)
     # GPU servers bound each step of the back (optimizer.max_step: its gradient is clipped
     # at the norm server_max_step / lr): without a bound SGD momentum 0.9 at lr 0.05
     # diverged; a fixed clip of the gradient's norm at 1.0 held lr 0.05-0.1 but slowed lr

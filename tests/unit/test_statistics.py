@@ -200,3 +200,17 @@ def test_dropout_stays_off_while_measuring() -> None:
     weights = segment_state(Segment.from_model(model, 0, 1))
     stats, _ = batch_statistics(Spec(), weights, Dataset(x, np.zeros(128, np.int64), 4), 128, 0)  # type: ignore[arg-type]
     np.testing.assert_allclose(stats[M], x.mean(0), rtol=1e-5)
+
+
+def test_with_a_robust_strategy_one_liar_moves_the_statistics_little() -> None:
+    honest = [
+        (64, {M: np.full(4, m, np.float32), V: np.full(4, 1.0, np.float32)}) for m in (0, 0.1, -0.1)
+    ]
+    liar = (64, {M: np.full(4, 1e6, np.float32), V: np.full(4, 1e-12, np.float32)})
+    by_count = pool_statistics([*honest, liar])
+    robust = pool_statistics([*honest, liar], robust=True)
+    assert (by_count[M] > 1e5).all()  # the mean follows the liar
+    assert (np.abs(robust[M]) <= 0.1).all() and (np.abs(robust[V] - 1) < 0.1).all()
+    # fewer than three devices: nothing to take a median of, so by count
+    pair = pool_statistics(honest[:2], robust=True)
+    np.testing.assert_allclose(pair[M], 0.05, rtol=1e-6)
