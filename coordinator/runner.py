@@ -281,19 +281,14 @@ class RoundRunner:
         """Aggregate, evaluate and commit a sufficient attempt: its weights, or None and why
         it did not commit. ``judge``: the federated evaluation (or None) and the round the
         new one is judged against."""
-        evaluate, previous = judge
         _name_nodes(self.strategy, work)
         ok = sorted(outcome.ok)
         _bound_examples(self.recorder, self.strategy, number, (work, replies, outcome))
         merged = self.recorder.aggregate(number, [replies[d] for d in ok], ok)
         if merged is None:
             return None, "the strategy aggregated nothing"
-        trained = [d for d in ok if d not in work.servers]  # e.g. BatchNorm statistics anew:
-        merged = self.settle(number, merged, trained)
-        evaluation = self.recorder.central_evaluation(merged)
-        if evaluate is not None:
-            evaluation |= evaluate(number, merged, trained)
-        diverged = divergence(merged, evaluation, outcome.results, previous)
+        trained = [d for d in ok if d not in work.servers]
+        merged, evaluation, diverged = _judged(self, number, merged, trained, (outcome, judge))
         if diverged is not None:
             return None, f"not committed: {diverged}"
         self.recorder.commit(number, merged, outcome, evaluation, list(work.servers))
@@ -373,6 +368,41 @@ class RoundRunner:
             "federated_loss": float(metrics["loss"]),  # type: ignore[arg-type]
             "federated_examples": examples,
         }
+
+
+def _judged(
+    runner: RoundRunner,
+    number: int,
+    merged: dict[str, np.ndarray],
+    trained: list[str],
+    context: tuple[Outcome, tuple[Any, RoundRecord | None]],
+) -> tuple[dict[str, np.ndarray], dict[str, float], str | None]:
+    """The aggregate as settled (e.g. BatchNorm statistics measured anew by the ``trained``
+    edges), its evaluation, and why the divergence guard refuses it (None: it does not).
+    Settled weights the guard refuses while the aggregate as it was passes are dropped for
+    it, with an event: what edges measured must not cost the round (an edge may lie)."""
+    outcome, (evaluate, previous) = context
+
+    def judge(weights: dict[str, np.ndarray]) -> tuple[dict[str, float], str | None]:
+        evaluation = runner.recorder.central_evaluation(weights)
+        if evaluate is not None:
+            evaluation |= evaluate(number, weights, trained)
+        return evaluation, divergence(weights, evaluation, outcome.results, previous)
+
+    settled = runner.settle(number, merged, trained)
+    evaluation, diverged = judge(settled)
+    if diverged is None or settled is merged:
+        return settled, evaluation, diverged
+    plain, why = judge(merged)
+    if why is not None:
+        return settled, evaluation, diverged
+    runner.recorder.event(
+        number,
+        "statistics-dropped",
+        f"with the BatchNorm statistics the edges measured the round was refused ({diverged}); "
+        "it keeps the averaged ones",
+    )
+    return merged, plain, None
 
 
 def _name_nodes(strategy: FedAvg, work: RoundWork) -> None:

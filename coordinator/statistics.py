@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
 from flwr.app import ArrayRecord, Message
@@ -33,11 +33,15 @@ from wire.flower import array_record, numpy_arrays
 
 __all__ = [
     "DEVICES",
+    "MEAN_SPREAD",
     "SAMPLES",
+    "VAR_RATIO",
+    "WAIT",
     "Address",
     "Reach",
     "Recalibration",
     "blocks_of",
+    "outliers",
     "pool_statistics",
     "statistics_of",
 ]
@@ -45,7 +49,11 @@ __all__ = [
 log = logging.getLogger(__name__)
 DEVICES = 8  # edges asked per round (a sample when more trained)
 SAMPLES = 256  # samples each one forwards (0.77 from 160 in the measurement above)
+WAIT = 60.0  # seconds the round waits for them at most (a frozen edge holds it that long)
+MEAN_SPREAD, VAR_RATIO = 10.0, 100.0  # how far one edge may stray from the others' medians
 _MEAN, _VAR = ".running_mean", ".running_var"
+_EPS = 1e-5  # BatchNorm's own
+_LARGEST = 1e8  # a mean above this is an activation the GPU servers refuse (max_activation)
 Collect = Callable[[dict[str, Message], float], dict[str, Message]]
 Address = Callable[[int, str, ArrayRecord, dict[str, int]], Message]
 Reach = Callable[[str, int], int]
@@ -68,11 +76,42 @@ def statistics_of(
         unknown = sorted(set(arrays) ^ set(expected))[:3]
         return f"other layers than asked ({', '.join(unknown)})"
     for key, array in arrays.items():
-        if array.shape != expected[key].shape or array.dtype.kind != "f":
-            return f"{key} is {array.dtype} {list(array.shape)}, not {list(expected[key].shape)}"
-        if not np.isfinite(array).all() or (key.endswith(_VAR) and (array < 0).any()):
-            return f"{key} holds non-finite values or a negative variance"
+        if array.shape != expected[key].shape:
+            return f"{key} has shape {list(array.shape)}, not {list(expected[key].shape)}"
+        if array.dtype.kind != "f":
+            return f"{key} holds {array.dtype} values, not floating point"
+        if not np.isfinite(array).all():
+            return f"{key} holds NaN or infinity"
+        if key.endswith(_VAR) and (array < 0).any():
+            return f"{key} holds a negative variance"
+        bound = _LARGEST**2 if key.endswith(_VAR) else _LARGEST
+        if (np.abs(array) > bound).any():
+            return f"{key} holds values above {bound:.0e} (activations that large are refused)"
     return count, arrays
+
+
+def outliers(measured: Mapping[str, tuple[int, dict[str, np.ndarray]]]) -> dict[str, str]:
+    """Devices whose statistics for a layer that three devices or more measured stray far
+    from those devices' medians (a mean more than :data:`MEAN_SPREAD` standard deviations
+    off, or a variance off by more than :data:`VAR_RATIO` times), with why: an honest
+    device's features differ from the others' in degree, not by orders of magnitude."""
+    found: dict[str, str] = {}
+    layers = sorted(
+        {k[: -len(_MEAN)] for _, s in measured.values() for k in s if k.endswith(_MEAN)}
+    )
+    for layer in layers:
+        held = {d: s for d, (_, s) in measured.items() if layer + _MEAN in s}
+        if len(held) < 3:
+            continue
+        mean = np.median(np.stack([s[layer + _MEAN] for s in held.values()]), axis=0)
+        var = np.median(np.stack([s[layer + _VAR] for s in held.values()]), axis=0) + _EPS
+        for device, s in held.items():
+            ratio = (s[layer + _VAR] + _EPS) / var
+            if (np.abs(s[layer + _MEAN] - mean) > MEAN_SPREAD * np.sqrt(var)).any():
+                found.setdefault(device, f"{layer}'s means stray from the other edges'")
+            elif ((ratio > VAR_RATIO) | (ratio < 1 / VAR_RATIO)).any():
+                found.setdefault(device, f"{layer}'s variances stray from the other edges'")
+    return found
 
 
 def _count(reply: Message) -> int | None:
@@ -90,7 +129,7 @@ def pool_statistics(
     three devices or more measured takes the coordinate-wise medians instead, so one device
     that lies cannot move it far."""
     pooled: dict[str, np.ndarray] = {}
-    layers = sorted({k[: -len(_MEAN)] for _, s in measured for k in s if k.endswith(_MEAN)})
+    layers = _layers(s for _, s in measured)
     for layer in layers:
         held = [
             (c, s[layer + _MEAN].astype(np.float64), s[layer + _VAR].astype(np.float64))
@@ -111,6 +150,11 @@ def pool_statistics(
     return pooled
 
 
+def _layers(statistics: Iterable[Mapping[str, np.ndarray]]) -> list[str]:
+    """The BatchNorm layers (names without ``.running_mean``) in any of ``statistics``."""
+    return sorted({k[: -len(_MEAN)] for s in statistics for k in s if k.endswith(_MEAN)})
+
+
 def blocks_of(weights: Mapping[str, np.ndarray], end: int) -> dict[str, np.ndarray]:
     """The tensors of blocks ``[0, end)`` among ``weights`` (no local heads)."""
     return {k: v for k, v in weights.items() if (i := _block(k)) is not None and i < end}
@@ -125,9 +169,9 @@ def _block(key: str) -> int | None:
 class Recalibration:
     """Re-estimates the statistics of an aggregate: ``address`` makes a device's message
     (round, device, the tensors it measures with, config entries), ``collect`` sends and
-    gathers them until ``deadline`` seconds; ``reach(device, model_bytes)``: the blocks
-    ``[0, end)`` it measures (the whole model where its ``model_bytes`` fit beside what the
-    device trains, else its own blocks)."""
+    gathers them until ``deadline`` seconds (at most :data:`WAIT`);
+    ``reach(device, model_bytes)``: the blocks ``[0, end)`` it measures (the whole model
+    where its ``model_bytes`` fit beside what the device trains, else its own blocks)."""
 
     def __init__(
         self,
@@ -138,7 +182,8 @@ class Recalibration:
         reach: Reach,
         robust: bool = False,
     ) -> None:
-        self.address, self.collect, self.deadline, self.seed = address, collect, deadline, seed
+        self.address, self.collect, self.seed = address, collect, seed
+        self.deadline = min(deadline, WAIT)
         self.reach, self.robust = reach, robust
 
     def __call__(
@@ -162,15 +207,7 @@ class Recalibration:
                 config = {STATISTICS: SAMPLES, STATISTIC_BLOCKS: end}
                 messages[device] = self.address(number, device, array_record(tensors), config)
         replies = self.collect(messages, self.deadline) if messages else {}
-        measured = []
-        for device, reply in sorted(replies.items()):
-            result = statistics_of(reply, expected[device], SAMPLES)
-            if isinstance(result, str):
-                log.warning(
-                    "round %d: %s's BatchNorm statistics left out: %s", number, device, result
-                )
-                continue
-            measured.append(result)
+        measured = self._usable(number, replies, expected)
         if not measured:
             log.warning(
                 "round %d: no edge measured the BatchNorm statistics (%d asked); the averaged "
@@ -179,4 +216,32 @@ class Recalibration:
                 len(messages),
             )
             return merged
-        return merged | pool_statistics(measured, self.robust)
+        log.info(
+            "round %d: BatchNorm statistics measured by %s (%d samples)",
+            number,
+            ", ".join(measured),
+            sum(count for count, _ in measured.values()),
+        )
+        return merged | pool_statistics(list(measured.values()), self.robust)
+
+    def _usable(
+        self,
+        number: int,
+        replies: dict[str, Message],
+        expected: dict[str, dict[str, np.ndarray]],
+    ) -> dict[str, tuple[int, dict[str, np.ndarray]]]:
+        """The replies that pass the checks and do not stray from the others; each one left
+        out, and each edge that did not answer, is named in a warning."""
+        measured: dict[str, tuple[int, dict[str, np.ndarray]]] = {}
+        problems = {d: "no answer in time" for d in expected if d not in replies}
+        for device, reply in sorted(replies.items()):
+            result = statistics_of(reply, expected[device], SAMPLES)
+            if isinstance(result, str):
+                problems[device] = result
+            else:
+                measured[device] = result
+        problems |= outliers(measured)
+        for device, why in sorted(problems.items()):
+            measured.pop(device, None)
+            log.warning("round %d: %s's BatchNorm statistics left out: %s", number, device, why)
+        return measured

@@ -13,7 +13,14 @@ import torch
 from flwr.app import Message, MetricRecord, RecordDict
 from torch import nn
 
-from coordinator.statistics import DEVICES, SAMPLES, Recalibration, pool_statistics, statistics_of
+from coordinator.statistics import (
+    DEVICES,
+    SAMPLES,
+    Recalibration,
+    outliers,
+    pool_statistics,
+    statistics_of,
+)
 from split_models.config import ModelConfig
 from split_models.data import Dataset
 from split_models.evaluation import STATISTIC_BLOCKS, STATISTICS, batch_statistics, statistic_keys
@@ -90,10 +97,12 @@ GOOD = {
         (GOOD, 2.5, "sample count"),
         ({M: GOOD[M]}, 10, "other layers"),
         (GOOD | {"block1.bn.running_mean": np.zeros(4, np.float32)}, 10, "other layers"),
-        (GOOD | {V: np.ones(5, np.float32)}, 10, r"\[5\], not \[4\]"),
-        (GOOD | {V: np.ones(4, np.int32)}, 10, "int32"),
-        (GOOD | {M: np.full(4, np.nan, np.float32)}, 10, "non-finite"),
+        (GOOD | {V: np.ones(5, np.float32)}, 10, r"shape \[5\], not \[4\]"),
+        (GOOD | {V: np.ones(4, np.int32)}, 10, "int32 values, not floating point"),
+        (GOOD | {M: np.full(4, np.nan, np.float32)}, 10, "NaN or infinity"),
         (GOOD | {V: -np.ones(4, np.float32)}, 10, "negative variance"),
+        (GOOD | {M: np.full(4, 1e30, np.float32)}, 10, "above 1e[+]08"),
+        (GOOD | {V: np.full(4, 1e30, np.float32)}, 10, "above 1e[+]16"),
     ],
 )
 def test_a_lying_reply_is_named_and_left_out(
@@ -150,7 +159,8 @@ def test_the_aggregate_takes_the_pooled_statistics_of_the_edges_that_answered_we
     np.testing.assert_allclose(result[V], 1 + (30 * 4 + 10 * 16) / 40 - 6.25)
     assert result["w"] is merged["w"]
     assert (
-        "c's BatchNorm statistics left out: block0.bn.running_var holds non-finite" in caplog.text
+        "c's BatchNorm statistics left out: block0.bn.running_var holds NaN or infinity"
+        in caplog.text
     )
     assert "d's BatchNorm statistics left out: failed: out of memory" in caplog.text
 
@@ -214,3 +224,57 @@ def test_with_a_robust_strategy_one_liar_moves_the_statistics_little() -> None:
     # fewer than three devices: nothing to take a median of, so by count
     pair = pool_statistics(honest[:2], robust=True)
     np.testing.assert_allclose(pair[M], 0.05, rtol=1e-6)
+
+
+def test_an_edge_far_from_the_others_is_left_out_by_name_and_a_silent_one_named(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    merged = {"w": np.ones(2, np.float32)} | GOOD
+    rng = np.random.default_rng(0)
+
+    def honest() -> Message:
+        stats = {M: rng.normal(0, 0.3, 4).astype(np.float32), V: np.full(4, 1.0, np.float32)}
+        return _reply(stats, 64)
+
+    liar = {M: np.full(4, 50.0, np.float32), V: np.full(4, 1e-4, np.float32)}  # plausible
+    fleet = _Fleet({"a": honest(), "b": honest(), "c": honest(), "liar": _reply(liar, 64)})
+    recalibration = Recalibration(fleet.address, fleet.collect, 1.0, 0, lambda _d, _b: 1)  # type: ignore[arg-type]
+    with caplog.at_level(logging.INFO):
+        result = recalibration(3, merged, ["a", "b", "c", "liar", "silent"])
+    assert (np.abs(result[M]) < 1).all() and (np.abs(result[V] - 1) < 0.2).all()
+    assert "liar's BatchNorm statistics left out: block0.bn's means stray" in caplog.text
+    assert "silent's BatchNorm statistics left out: no answer in time" in caplog.text
+    assert "measured by a, b, c (192 samples)" in caplog.text
+    # a variance far off alone is enough
+    variances = {"a": 1.0, "b": 1.0, "c": 1.0, "d": 1e4}
+    stray = outliers({d: (64, {M: np.zeros(4), V: np.full(4, v)}) for d, v in variances.items()})
+    assert list(stray) == ["d"] and "variances stray" in stray["d"]
+    # two edges cannot tell which one strays: both count
+    assert (
+        outliers({d: (64, {M: np.full(4, m), V: np.ones(4)}) for d, m in (("a", 0), ("b", 99))})
+        == {}
+    )
+
+
+@pytest.mark.parametrize("plain_loss", [0.5, float("nan")])
+def test_statistics_that_make_the_round_diverge_are_dropped_not_the_round(
+    plain_loss: float,
+) -> None:
+    from coordinator.recorder import Outcome
+    from coordinator.runner import _judged
+
+    merged = {"w": np.ones(2, np.float32)} | GOOD
+    settled = merged | {V: np.full(4, 1e-12, np.float32)}
+    events: list[tuple[int, str, str]] = []
+    recorder = SimpleNamespace(
+        central_evaluation=lambda w: {"loss": float("nan") if w is settled else plain_loss},
+        event=lambda number, kind, detail: events.append((number, kind, detail)),
+    )
+    runner = SimpleNamespace(recorder=recorder, settle=lambda _n, _m, _t: settled)
+    outcome = Outcome([], [], {}, 0.0)
+    weights, evaluation, why = _judged(runner, 4, merged, ["a"], (outcome, (None, None)))  # type: ignore[arg-type]
+    if plain_loss == plain_loss:  # the averaged statistics pass: they are committed
+        assert weights is merged and why is None and evaluation == {"loss": 0.5}
+        assert [(n, k) for n, k, _ in events] == [(4, "statistics-dropped")]
+    else:  # both fail: the round is refused as it would be without the statistics
+        assert weights is settled and why == "the evaluation loss is nan" and events == []
