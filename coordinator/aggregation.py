@@ -53,7 +53,7 @@ from flwr.serverapp.strategy import (
 from coordinator.bounds import EXAMPLES_BOUND, NORM_BOUND, clip_update, norm_limit, update_norm
 from coordinator.strategy_options import check_options
 from split_models.errors import ConfigError
-from wire.flower import array_record, numpy_arrays
+from wire.flower import array_numpy, array_record, numpy_arrays
 
 __all__ = [
     "STRATEGIES",
@@ -171,7 +171,7 @@ def _split_aware(base: type[FedAvg], mode: str) -> type[FedAvg]:
                 return fallback
             messages = [_reply_like(m, g) for m, g in zip(replies, group, strict=True)]
             arrays, _ = super().aggregate_train(server_round, messages)
-            return {} if arrays is None else {k: v.numpy() for k, v in arrays.items()}
+            return {} if arrays is None else {k: array_numpy(v) for k, v in arrays.items()}
 
         def configure_train(
             self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -219,7 +219,7 @@ def _settled(
     current = strategy._current
     settled = {}
     for key, array in arrays.items():
-        value = mean[key] if key.rsplit(".", 1)[-1] in _STATISTICS else array.numpy()
+        value = mean[key] if key.rsplit(".", 1)[-1] in _STATISTICS else array_numpy(array)
         settled[key] = np.asarray(value).astype(current[key].dtype, copy=False)
     record = array_record(settled)
     if isinstance(getattr(strategy, "current_arrays", None), ArrayRecord):
@@ -266,7 +266,10 @@ def _rekey(strategy: Any, arrays: ArrayRecord) -> dict[str, np.ndarray]:
             setattr(
                 strategy,
                 name,
-                {k: state[k] if k in state else np.zeros_like(arrays[k].numpy()) for k in keys},
+                {
+                    k: state[k] if k in state else np.zeros_like(array_numpy(arrays[k]))
+                    for k in keys
+                },
             )
     current = getattr(strategy, "current_arrays", None)
     if isinstance(current, ArrayRecord) and list(current.keys()) != keys:
@@ -278,7 +281,7 @@ def _rekey(strategy: Any, arrays: ArrayRecord) -> dict[str, np.ndarray]:
                 by_key = dict(zip(current.keys(), momentum, strict=True))
                 strategy.momentum_vector = [by_key[k] for k in keys]
             strategy.current_arrays = ArrayRecord({k: current[k] for k in keys})
-    return {key: value.numpy() for key, value in arrays.items()}
+    return {key: array_numpy(value) for key, value in arrays.items()}
 
 
 def _train_metrics(strategy: Any, replies: list[Message]) -> MetricRecord:

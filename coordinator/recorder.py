@@ -23,7 +23,7 @@ from coordinator.server_state import (
 from storage.base import RunStore
 from storage.errors import NotFoundError
 from storage.records import DeviceResult, Event, MetricPoint, ResumeState, RoundRecord
-from wire.flower import numpy_arrays
+from wire.flower import array_numpy, numpy_arrays
 
 __all__ = [
     "LOCAL_PREFIX",
@@ -178,7 +178,7 @@ class RoundRecorder:
             return None
         if self.local_keys:
             self._pending = self._trained_local(replies, devices)
-        return {k: v.numpy() for k, v in arrays.items()}
+        return {k: array_numpy(v) for k, v in arrays.items()}  # no header parse (thread-safe)
 
     def event(self, number: int, kind: str, detail: str, device: str | None = None) -> None:
         """Something round ``number``'s aggregation did that the operator should know of (a

@@ -19,7 +19,7 @@ from coordinator.aggregation import (
     split_weighted_mean,
 )
 from split_models.errors import ConfigError
-from wire.flower import FlowerNode, TransportGrid, array_record, node_will
+from wire.flower import FlowerNode, TransportGrid, array_record, node_will, numpy_arrays
 from wire.transport import InProcessHub
 
 pytestmark = pytest.mark.unit
@@ -66,7 +66,7 @@ app = ClientApp()
 
 @app.train()
 def train(message: Message, context: Context) -> Message:
-    current = {k: v.numpy() for k, v in message.content["arrays"].items()}
+    current = numpy_arrays(message)  # not Array.numpy(): see wire.flower.array_numpy
     node = context.node_id
     mine = {k: trained(node, k, current[k]) for k in HOLDINGS[node]}
     metrics = MetricRecord({"num-examples": EXAMPLES[node]})
