@@ -98,14 +98,12 @@ def _runner(
     runner = RoundRunner(grid, strategy, recorder, seed, deadline)
     if recalibrate is None:
         return runner
-    nodes = dict(recalibrate)
 
     def address(number: int, device: str, arrays: ArrayRecord, config: dict[str, int]) -> Message:
-        return build_message(grid, nodes[device], arrays, "evaluate", number, options=config)
+        return build_message(grid, recalibrate[device], arrays, "evaluate", number, options=config)
 
     collect = functools.partial(runner.collect, observed=False)
-    whole = lambda _device, _bytes: 1 << 30  # noqa: E731
-    runner.settle = Recalibration(address, collect, deadline / 2, seed, whole, is_robust(strategy))
+    runner.settle = Recalibration(address, collect, deadline / 2, seed, None, is_robust(strategy))
     return runner
 
 

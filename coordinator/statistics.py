@@ -28,7 +28,13 @@ from collections.abc import Callable, Iterable, Mapping
 import numpy as np
 from flwr.app import ArrayRecord, Message
 
-from split_models.evaluation import STATISTIC_BLOCKS, STATISTICS, statistic_keys
+from split_models.evaluation import (
+    STATISTIC_BLOCKS,
+    STATISTIC_SUFFIXES,
+    STATISTICS,
+    statistic_keys,
+    statistic_layers,
+)
 from wire.flower import array_record, numpy_arrays
 
 __all__ = [
@@ -51,7 +57,7 @@ DEVICES = 8  # edges asked per round (a sample when more trained)
 SAMPLES = 256  # samples each one forwards (0.77 from 160 in the measurement above)
 WAIT = 60.0  # seconds the round waits for them at most (a frozen edge holds it that long)
 MEAN_SPREAD, VAR_RATIO = 10.0, 100.0  # how far one edge may stray from the others' medians
-_MEAN, _VAR = ".running_mean", ".running_var"
+_MEAN, _VAR = STATISTIC_SUFFIXES
 _EPS = 1e-5  # BatchNorm's own
 _LARGEST = 1e8  # a mean above this is an activation the GPU servers refuse (max_activation)
 Collect = Callable[[dict[str, Message], float], dict[str, Message]]
@@ -96,10 +102,7 @@ def outliers(measured: Mapping[str, tuple[int, dict[str, np.ndarray]]]) -> dict[
     off, or a variance off by more than :data:`VAR_RATIO` times), with why: an honest
     device's features differ from the others' in degree, not by orders of magnitude."""
     found: dict[str, str] = {}
-    layers = sorted(
-        {k[: -len(_MEAN)] for _, s in measured.values() for k in s if k.endswith(_MEAN)}
-    )
-    for layer in layers:
+    for layer in _layers(s for _, s in measured.values()):
         held = {d: s for d, (_, s) in measured.items() if layer + _MEAN in s}
         if len(held) < 3:
             continue
@@ -129,8 +132,7 @@ def pool_statistics(
     three devices or more measured takes the coordinate-wise medians instead, so one device
     that lies cannot move it far."""
     pooled: dict[str, np.ndarray] = {}
-    layers = _layers(s for _, s in measured)
-    for layer in layers:
+    for layer in _layers(s for _, s in measured):
         held = [
             (c, s[layer + _MEAN].astype(np.float64), s[layer + _VAR].astype(np.float64))
             for c, s in measured
@@ -152,7 +154,7 @@ def pool_statistics(
 
 def _layers(statistics: Iterable[Mapping[str, np.ndarray]]) -> list[str]:
     """The BatchNorm layers (names without ``.running_mean``) in any of ``statistics``."""
-    return sorted({k[: -len(_MEAN)] for s in statistics for k in s if k.endswith(_MEAN)})
+    return sorted({layer for s in statistics for layer in statistic_layers(s)})
 
 
 def blocks_of(weights: Mapping[str, np.ndarray], end: int) -> dict[str, np.ndarray]:
@@ -171,7 +173,8 @@ class Recalibration:
     (round, device, the tensors it measures with, config entries), ``collect`` sends and
     gathers them until ``deadline`` seconds (at most :data:`WAIT`);
     ``reach(device, model_bytes)``: the blocks ``[0, end)`` it measures (the whole model
-    where its ``model_bytes`` fit beside what the device trains, else its own blocks)."""
+    where its ``model_bytes`` fit beside what the device trains, else its own blocks; None:
+    every device trains, so measures, the whole model)."""
 
     def __init__(
         self,
@@ -179,7 +182,7 @@ class Recalibration:
         collect: Collect,
         deadline: float,
         seed: int,
-        reach: Reach,
+        reach: Reach | None,
         robust: bool = False,
     ) -> None:
         self.address, self.collect, self.seed = address, collect, seed
@@ -200,7 +203,7 @@ class Recalibration:
         blocks = 1 + max(i for k in merged if (i := _block(k)) is not None)
         model_bytes = sum(v.nbytes for v in blocks_of(merged, blocks).values())
         for device in asked:
-            end = min(self.reach(device, model_bytes), blocks)
+            end = blocks if self.reach is None else min(self.reach(device, model_bytes), blocks)
             tensors = blocks_of(merged, end)
             if keys := statistic_keys(tensors):  # its blocks hold BatchNorm layers
                 expected[device] = {k: merged[k] for k in keys}

@@ -69,7 +69,7 @@ from wire.roles import Announcement, Task, go_online
 from wire.session import RoundAbandoned, SessionWatch, left_unfinished
 from wire.transport import Transport
 
-__all__ = ["AssignmentRefused", "EdgeAgent"]
+__all__ = ["AssignmentRefused", "EdgeAgent", "statistics_reply"]
 
 log = logging.getLogger(__name__)
 _SERVERS_WAIT = 30.0  # seconds a failed round waits for its servers before saying so
@@ -337,9 +337,8 @@ class EdgeAgent:
         """The assembled model's accuracy on the held-out share (none: zero examples); asked
         for its BatchNorm statistics instead (``norm: recalibrate``), those on the training
         share."""
-        samples = message.content.config_records["config"].get(STATISTICS)
-        if samples is not None:
-            return self._statistics(message, job, samples)
+        if STATISTICS in message.content.config_records["config"]:
+            return self._statistics(message, job)
         _, held_out = self._datasets(job.training)
         if held_out is None:
             result, count = {"accuracy": 0.0, "loss": 0.0}, 0
@@ -352,25 +351,11 @@ class EdgeAgent:
         metrics = MetricRecord({"num-examples": count, **result})
         return Message(RecordDict({"metrics": metrics}), reply_to=message)
 
-    def _statistics(self, message: Message, job: _Job, samples: object) -> Message:
-        """The assembled model's BatchNorm statistics on up to ``samples`` training rows."""
-        if not isinstance(samples, int) or not 1 < samples <= MAX_STATISTIC_SAMPLES:
-            raise ConfigError(
-                f"asked for BatchNorm statistics over {samples!r} samples; expected 2 to "
-                f"{MAX_STATISTIC_SAMPLES}"
-            )
+    def _statistics(self, message: Message, job: _Job) -> Message:
+        """The assembled model's BatchNorm statistics on this device's training share."""
         train, _ = self._datasets(job.training)
-        seed = job.training.seed * 100_003 + round_of(message)
-        end = message.content.config_records["config"].get(STATISTIC_BLOCKS)
-        if not isinstance(end, int):
-            raise ConfigError(f"asked for BatchNorm statistics of blocks [0, {end!r})")
-        with self.source.slot():
-            weights = numpy_arrays(message)
-            stats, count = batch_statistics(job.model, weights, train, samples, seed, end)
-        metrics = MetricRecord({"num-examples": count})
-        return Message(
-            RecordDict({"arrays": array_record(stats), "metrics": metrics}), reply_to=message
-        )
+        with self.source.slot():  # on a shared host, bounded as training is
+            return statistics_reply(message, job.model, train, job.training.seed)
 
     def _train(
         self, message: Message, job: _Job, cancelled: Callable[[], bool], handed: list[bool]
@@ -472,3 +457,24 @@ class EdgeAgent:
                 **report.compute,
             }
         )
+
+
+def statistics_reply(message: Message, spec: ModelConfig, data: Dataset, seed: int) -> Message:
+    """The reply to a ``norm: recalibrate`` request: the BatchNorm statistics of the blocks
+    the coordinator names, measured on up to the samples it asks for of ``data`` (drawn with
+    ``seed`` and the round). The request is checked as any message from the network is."""
+    asked = message.content.config_records["config"]
+    samples, end = asked.get(STATISTICS), asked.get(STATISTIC_BLOCKS)
+    if not isinstance(samples, int) or not 1 < samples <= MAX_STATISTIC_SAMPLES:
+        raise ConfigError(
+            f"asked for BatchNorm statistics over {samples!r} samples; expected 2 to "
+            f"{MAX_STATISTIC_SAMPLES}"
+        )
+    if not isinstance(end, int):
+        raise ConfigError(f"asked for BatchNorm statistics of blocks [0, {end!r})")
+    drawn = seed * 100_003 + round_of(message)
+    stats, count = batch_statistics(spec, numpy_arrays(message), data, samples, drawn, end)
+    content = RecordDict(
+        {"arrays": array_record(stats), "metrics": MetricRecord({"num-examples": count})}
+    )
+    return Message(content, reply_to=message)

@@ -31,16 +31,12 @@ from flwr.serverapp.strategy import FedAvg
 
 from coordinator.aggregation import configured_strategy
 from coordinator.federated import run_federated
+from edge_client.agent import statistics_reply
 from simulation.config import BASELINES, Profile, SimConfig
 from split_models.config import ModelConfig, TrainingConfig
 from split_models.data import Dataset, shuffle_rng
 from split_models.errors import ConfigError
-from split_models.evaluation import (
-    STATISTIC_BLOCKS,
-    STATISTICS,
-    batch_statistics,
-    evaluate_weights,
-)
+from split_models.evaluation import evaluate_weights
 from split_models.isolated import profile_in_fresh_process
 from split_models.memory import estimate_segment_memory
 from split_models.profiler import ModelProfile
@@ -134,19 +130,10 @@ def _client(config: SimConfig, data: Dataset, reset: bool, upload: bool) -> Clie
 
 def _statistics(config: SimConfig, data: Dataset) -> Callable[[Message, Context], Message]:
     """A client's answer to ``norm: recalibrate``: the aggregate's BatchNorm statistics on
-    its ``data`` (the coordinator asks for them with an evaluate message)."""
-
-    def statistics(message: Message, _context: Context) -> Message:
-        asked = message.content.config_records["config"]
-        samples, end = int(asked[STATISTICS]), int(asked[STATISTIC_BLOCKS])  # type: ignore[arg-type]
-        seed = config.training.seed * 100_003 + round_of(message)
-        weights = numpy_arrays(message)
-        stats, count = batch_statistics(config.model, weights, data, samples, seed, end)
-        metrics = MetricRecord({"num-examples": count})
-        content = RecordDict({"arrays": array_record(stats), "metrics": metrics})
-        return Message(content, reply_to=message)
-
-    return statistics
+    its ``data`` (the coordinator asks for them with an evaluate message), as an edge's."""
+    return lambda message, _context: statistics_reply(
+        message, config.model, data, config.training.seed
+    )
 
 
 def _train(

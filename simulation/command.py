@@ -69,12 +69,13 @@ def simulate_command(args: argparse.Namespace) -> int:
 
 def _norm_hint(config: SimConfig) -> str:
     """For a model with BatchNorm layers averaged as they are: what to try first."""
-    from torch import nn
+    from split_models.segment import Segment
+    from split_models.weights import norm_keys
 
     if config.training.norm != "average" or config.method == "centralized":
         return ""
     model = config.model.build(seed=0)
-    if not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.full().modules()):
+    if not norm_keys(Segment.from_model(model, 0, model.num_blocks)):
         return ""
     return (
         " The model has BatchNorm layers, whose averaged running statistics fit none of the "

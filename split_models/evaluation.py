@@ -14,9 +14,10 @@ from split_models.activations import primary
 from split_models.config import ModelConfig
 from split_models.data import Dataset
 from split_models.errors import ConfigError
-from split_models.heads import task_cross_entropy
+from split_models.heads import TaskLoss, task_cross_entropy
+from split_models.options import OptimizerConfig
 from split_models.segment import Segment
-from split_models.weights import load_segment_state
+from split_models.weights import load_segment_state, segment_state
 
 __all__ = [
     "MAX_STATISTIC_SAMPLES",
@@ -26,6 +27,7 @@ __all__ = [
     "batch_statistics",
     "evaluate_weights",
     "statistic_keys",
+    "statistic_layers",
 ]
 
 STATISTICS = "bn-statistics"  # an evaluate message's config entry: measure, do not evaluate
@@ -57,11 +59,17 @@ def evaluate_weights(
     return {"accuracy": correct / count, "loss": loss / count}
 
 
+def statistic_layers(weights: Mapping[str, np.ndarray]) -> list[str]:
+    """The BatchNorm layers among ``weights`` that hold both a running mean and variance."""
+    mean, var = STATISTIC_SUFFIXES
+    return sorted(
+        k[: -len(mean)] for k in weights if k.endswith(mean) and k[: -len(mean)] + var in weights
+    )
+
+
 def statistic_keys(weights: Mapping[str, np.ndarray]) -> list[str]:
     """The BatchNorm running means and variances among ``weights`` (each with its pair)."""
-    means = {k[: -len(".running_mean")] for k in weights if k.endswith(".running_mean")}
-    layers = sorted(p for p in means if f"{p}.running_var" in weights)
-    return [f"{p}{suffix}" for p in layers for suffix in STATISTIC_SUFFIXES]
+    return [f"{p}{suffix}" for p in statistic_layers(weights) for suffix in STATISTIC_SUFFIXES]
 
 
 def batch_statistics(
@@ -85,13 +93,13 @@ def batch_statistics(
         raise ConfigError(
             f"BatchNorm statistics of blocks [0, {end}) asked for; the model has {model.num_blocks}"
         )
-    front = model.segment(0, end)
-    for i, block in enumerate(front):
-        prefix = f"block{i}."
-        own = {k.removeprefix(prefix): v for k, v in weights.items() if k.startswith(prefix)}
-        block.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in own.items()})
-    front.eval()  # only the BatchNorm layers in training mode (no dropout)
-    for norm in (m for m in front.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)):
+    # the blocks alone, under their global names: a task-loss "head" holds no tensors
+    front = Segment(model.segment(0, end), TaskLoss(), OptimizerConfig(), 0, end)
+    load_segment_state(front, weights)
+    front.module.eval()  # only the BatchNorm layers in training mode (no dropout)
+    for norm in (
+        m for m in front.module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+    ):
         norm.reset_running_stats()
         norm.momentum = None
         norm.train()
@@ -101,8 +109,6 @@ def batch_statistics(
         for begin in range(0, len(rows), 64):
             chosen = rows[begin : begin + 64]
             if len(chosen) > 1:  # one row has no variance (BatchNorm refuses it in training)
-                front(torch.from_numpy(data.x[chosen]))
-    state = {
-        f"block{i}.{k}": v.numpy() for i, b in enumerate(front) for k, v in b.state_dict().items()
-    }
+                front.module(torch.from_numpy(data.x[chosen]))
+    state = segment_state(front)
     return {k: state[k].astype(np.float32) for k in statistic_keys(state)}, len(rows)
