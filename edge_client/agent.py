@@ -370,7 +370,10 @@ class EdgeAgent:
         key, build = task.segment_key(), lambda: self._build_segment(job)
         # stacked steps group clients by timing, which a deterministic run must not depend on
         stackable = job.training.mode != "backprop" and not job.training.deterministic
-        leased = self.source.lease(key, build, weights, stackable, job.proximal_mu, self.device)
+        ordered = job.training.deterministic
+        leased = self.source.lease(
+            key, build, weights, stackable, job.proximal_mu, self.device, ordered=ordered
+        )
         with leased as lease:
             lease.segment.lr_scale = job.training.lr_scale(number)
             trainer = self._trainer(job, lease.segment)
@@ -380,6 +383,7 @@ class EdgeAgent:
                     number,
                     seed=seed,
                     step=lease.train_step,
+                    pace=lease.pace,
                     cancelled=cancelled,
                     attempt=(job.attempt, job.order),
                     offline=lambda: self.presence.offline(task.servers, since),

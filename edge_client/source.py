@@ -14,6 +14,7 @@ import abc
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -21,15 +22,27 @@ import torch
 from split_models.segment import Segment, StepResult
 from split_models.weights import load_segment_state, segment_state
 
-__all__ = ["OwnSegment", "SegmentLease", "SegmentSource"]
+__all__ = ["OwnSegment", "Pace", "SegmentLease", "SegmentSource"]
+
+
+class Pace(Protocol):
+    """Turns by step that a shared host hands its clients (the simulation's
+    :mod:`simulation.pace`): ``begin`` with the round's batch count, then each batch in a
+    ``turn``."""
+
+    def begin(self, batches: int) -> None: ...
+
+    def turn(self) -> AbstractContextManager[None]: ...
 
 
 class SegmentLease:
     """A segment lent for one round: its blocks and head (``segment``: the cut, the
-    backprop halves), the step that trains one batch, and the weights after the round."""
+    backprop halves), the step that trains one batch, the weights after the round, and the
+    turns its batches take (``pace``; none: the device's own)."""
 
     def __init__(self, segment: Segment) -> None:
         self.segment = segment
+        self.pace: Pace | None = None
 
     @classmethod
     def fresh(
@@ -61,13 +74,16 @@ class SegmentSource(abc.ABC):
         stackable: bool = False,
         proximal_mu: float = 0.0,
         holder: str = "",
+        ordered: bool = False,
     ) -> AbstractContextManager[SegmentLease]:
         """A segment for ``key`` (the task's ``Task.segment_key()``: tasks with one key train
         one kind of built segment; ``build`` makes one), loaded with ``weights`` and
         a fresh optimizer state, held for the round. ``stackable``: the round may train
         together with other clients of ``key`` (local-loss mode), where the source can;
         ``proximal_mu``: FedProx's proximal weight (a round with one trains unstacked);
-        ``holder``: the device asking (a shared host may hand out its slots in an order)."""
+        ``holder``: the device asking (a shared host may hand out its slots in an order);
+        ``ordered``: the GPU servers train the edges one after another (``deterministic``),
+        so a shared host must not interleave this client's batches with others'."""
 
     def slot(self) -> AbstractContextManager[None]:
         """Room for other work of the agent's (evaluation) that a shared host bounds as it
@@ -90,6 +106,7 @@ class OwnSegment(SegmentSource):
         stackable: bool = False,
         proximal_mu: float = 0.0,
         holder: str = "",
+        ordered: bool = False,
     ) -> Iterator[SegmentLease]:
         if self._own is None or self._own[0] != key:
             self._own = (key, build())

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from edge_client.source import Pace
 from split_models.activations import Activation, activation_arrays, detached, primary
 from split_models.cpu import process_cpu_share
 from split_models.data import Dataset, shuffle_rng
@@ -89,6 +90,7 @@ class EdgeTrainer:
         self._gradients: queue.Queue[Envelope] = queue.Queue()
         self.rejected_gradients = 0
         self._offline: Callable[[], list[str]] | None = None  # the round's servers offline
+        self._pace: Pace | None = None  # the round's turns on a shared host
         self._attempt, self._sent = 1, 0  # the try under way, its batches sent so far
         share = process_cpu_share(torch.get_num_threads())
         self.clock, self.link = StepClock(share=share), LinkClock()
@@ -200,6 +202,7 @@ class EdgeTrainer:
         cancelled: Callable[[], bool] | None = None,
         attempt: int | tuple[int, int] = 1,
         offline: Callable[[], list[str]] | None = None,
+        pace: Pace | None = None,
     ) -> EdgeRoundReport:
         """``local_epochs`` passes over the local data; raises TimeoutError without credits.
         ``step`` trains one batch (default: the segment's own step; a simulation host passes
@@ -208,16 +211,18 @@ class EdgeTrainer:
         ``offline()`` too: the round's servers offline now (any: :class:`PeerOffline`).
         ``attempt``: the coordinator's try, or the try and the batch order it draws
         (:func:`wire.flower.order_of`; by default the try's number: a retry trains in
-        another order)."""
+        another order). ``pace``: a shared host's turns for each batch."""
         attempt, order = attempt if isinstance(attempt, tuple) else (attempt, attempt)
         step = step or self.segment.train_step
-        self._offline, cancelled = offline, _either(cancelled, offline)
+        self._offline, self._pace, cancelled = offline, pace, _either(cancelled, offline)
         started, before = time.perf_counter(), self._counters()
         self.gate.start_round(round_number, attempt)  # a retried round: a new attempt
         self._attempt, self._sent = attempt, 0
         self.clock.reset()
         self.link.reset()
         batches = self._batches(shuffle_rng(seed, round_number, order))
+        if pace is not None:
+            pace.begin(len(batches))
         try:
             losses = self._train_all(batches, round_number, step, cancelled)
         except (RoundAbandoned, PeerOffline):
@@ -268,7 +273,8 @@ class EdgeTrainer:
                 raise TimeoutError(
                     f"no credit from the GPU servers within {self.config.credit_timeout:.0f} s"
                 )
-            loss = self._batch(batch, round_number, step, cancelled)
+            with self._pace.turn() if self._pace is not None else contextlib.nullcontext():
+                loss = self._batch(batch, round_number, step, cancelled)
             if loss is not None:  # none in backprop mode
                 losses.append(loss)
         return losses

@@ -15,7 +15,8 @@ devices:                              # client profiles mixed by share
 cuts: per-device                      # or uniform: one cut for every client
 gpu: {memory: 16GiB, flops: 5e13, device: cpu}   # device: where the GPU server trains
 availability: {online: 0.9, offline: {client-003: [2, 3]}}   # optional
-workers: 4                            # clients training at once (default: one per core)
+workers: 4                            # clients stepping at once (default: one per core)
+interleave: true                      # the round's clients train at once, in turns by step
 measure_memory: true                  # each assignment's real peak, in a fresh process
 batched: false                        # vmapped client steps (simulation.stack)
 group_clients: false                  # one agent per profile trains its clients (hosts)
@@ -36,7 +37,8 @@ Like RUN.yaml the file is flat and the object sectioned: ``SimConfig`` embeds th
 configuration's ``ModelConfig``, ``TrainingConfig`` and ``AggregationConfig`` (with the
 simulation's defaults: the digits CNN, 3 rounds, Adam at 0.002), and holds the simulation's own
 keys in ``SimDataConfig`` (data, test_data, test_fraction), ``FleetConfig`` (clients, partition,
-devices, cuts, availability, workers, measure_memory, batched, client_device, group_clients)
+devices, cuts, availability, workers, interleave, measure_memory, batched, client_device,
+group_clients)
 and ``GpuConfig``. The
 training mode is not a key: ``method`` sets it (splitfed trains by back-propagation); the round
 deadline is the simulation's (600 s). Every default is a dataclass field's; ``to_dict()`` writes
@@ -240,6 +242,7 @@ class FleetConfig:
     cuts: str = setting("per-device", choices=CUTS)
     availability: Availability | None = setting(None, parse=_availability, dump=_dump_availability)
     workers: int | None = setting(None, minimum=1)
+    interleave: bool = True  # the round's clients step in turns (simulation.pace)
     measure_memory: bool = True
     batched: bool = False
     client_device: str = setting("cpu", parse=_device)

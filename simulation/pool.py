@@ -9,9 +9,15 @@ A deployment runs one edge agent a device, each holding its own built segment. A
 hundreds of clients in one process; holding a model copy, optimizer and warm-up per client makes
 the cost grow with the number of clients instead of with the data trained. Agents are stateless
 between rounds (every round brings its weights), so clients can borrow a built segment for the
-round from a pool: at most ``workers`` clients train at once, segments are built (and warmed up)
-once per worker and task, and an idle client holds only its data. The pool is the agents'
+round from a pool: segments are built (and warmed up) once per client training at once and
+task, and an idle client holds only its data. The pool is the agents'
 :class:`~edge_client.source.SegmentSource`.
+
+With ``interleave`` (the default) the round's clients train at once, in turns by step
+(:mod:`simulation.pace`), so the GPU server sees their batches mixed as a deployment's; up to
+:data:`HELD_CLIENTS` clients and :data:`HELD_BYTES` of their weights and optimizer state hold a
+segment at once (always ``workers``), and at most ``workers`` step at once. Without it each
+client trains its round alone in one of ``workers`` slots, in name order.
 """
 
 from __future__ import annotations
@@ -20,21 +26,25 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Generic, TypeVar, cast
 
 import numpy as np
 import torch
 
 from edge_client.source import SegmentLease, SegmentSource
+from simulation.pace import Pacer
 from simulation.stack import SegmentStack, StepGroup, stackable
 from split_models.segment import Segment, StepResult
 
-__all__ = ["SegmentPool", "StackMember", "Turns"]
+__all__ = ["HELD_BYTES", "HELD_CLIENTS", "SegmentPool", "StackMember", "Turns"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+HELD_CLIENTS = 32  # clients holding a built segment at once, interleaved
+HELD_BYTES = 1 << 30  # ... and their weights and optimizer state (4x the weights) at most
 
 
 class SegmentPool(SegmentSource, Generic[T]):
@@ -42,12 +52,20 @@ class SegmentPool(SegmentSource, Generic[T]):
     segment source, ``T`` is :class:`~split_models.segment.Segment`)."""
 
     def __init__(
-        self, workers: int, stacked: bool = False, capacity: int = 1, device: str = "cpu"
+        self,
+        workers: int,
+        stacked: bool = False,
+        capacity: int = 1,
+        device: str = "cpu",
+        interleave: bool = False,
     ) -> None:
         """``capacity``: how many clients may hold a slot of a stack at once."""
         if workers < 1:
             raise ValueError(f"workers: expected an integer >= 1, got {workers}")
-        self.workers = workers
+        self.workers, self.interleave = workers, interleave
+        self.pacer = Pacer(workers)
+        self._held = threading.Condition()
+        self._holding = [0, 0]  # clients holding a segment, and their bytes
         self.stacked, self.capacity, self.device = stacked, max(1, capacity), device
         self._groups: dict[str, StepGroup | None] = {}
         self._slots = threading.BoundedSemaphore(workers)
@@ -91,22 +109,77 @@ class SegmentPool(SegmentSource, Generic[T]):
         stackable: bool = False,
         proximal_mu: float = 0.0,
         holder: str = "",
+        ordered: bool = False,
     ) -> Iterator[SegmentLease]:
         """A slot of ``key``'s stack where the round can train stacked (not with a proximal
-        term, which the stacked update does not add), else a borrowed segment (a training
-        slot held for the round, taken in ``holder``'s turn), loaded with ``weights``."""
+        term, which the stacked update does not add), else a segment held for the round,
+        taken in ``holder``'s turn and loaded with ``weights``: interleaved with the other
+        clients' steps (not when ``ordered``), or alone in a training slot."""
         if stackable and proximal_mu == 0 and self.can_stack(key, build):
             with self.member(key, weights) as member:
                 yield member
             return
+        if self.interleave and not ordered:
+            need = 4 * sum(np.asarray(w).nbytes for w in weights.values())
+            with self.hold(key, cast(Callable[[], T], build), holder, need) as item:
+                lease = SegmentLease.fresh(cast(Segment, item), weights, proximal_mu)
+                lease.pace = Paced(self.pacer, holder)
+                try:
+                    yield lease
+                finally:
+                    self.pacer.leave(holder)
+            return
         with self.borrow(key, cast(Callable[[], T], build), holder) as item:
             yield SegmentLease.fresh(cast(Segment, item), weights, proximal_mu)
+
+    @contextmanager
+    def hold(self, key: str, build: Callable[[], T], holder: str, need: int) -> Iterator[T]:
+        """An object for ``key`` held for ``holder``'s round (taken in its turn, when the
+        clients holding one leave room for ``need`` bytes), returned after."""
+        self.turns.wait(holder)
+        with self._held:
+            if not self._room(need):
+                self.pacer.expect(())  # no room for more: those holding one go on
+            while not self._room(need):
+                self._held.wait()
+            self._holding[0] += 1
+            self._holding[1] += need
+        self.turns.took(holder)
+        try:
+            with self._lock:
+                free = self._free.setdefault(key, [])
+                item = free.pop() if free else None
+            if item is None:
+                item = build()
+                with self._lock:
+                    self.built += 1
+            try:
+                yield item
+            finally:
+                with self._lock:
+                    self._free.setdefault(key, []).append(item)
+        finally:
+            with self._held:
+                self._holding[0] -= 1
+                self._holding[1] -= need
+                self._held.notify_all()
+
+    def _room(self, need: int) -> bool:
+        """Whether one more client may hold a segment of ``need`` bytes (see the module
+        docstring)."""
+        count, held = self._holding
+        if count < self.workers:
+            return True
+        return count < HELD_CLIENTS and held + need <= HELD_BYTES
 
     def expect(self, holders: Iterable[str]) -> None:
         """The clients of the coming round: they get training slots in the order of their
         names (see :class:`Turns`), so with one worker the clients train, and stream to the
         GPU server, in the same order in every run."""
+        holders = sorted(set(holders))
         self.turns.expect(holders)
+        if self.interleave:  # the first to hold segments start together
+            self.pacer.expect(holders[: max(self.workers, HELD_CLIENTS)])
 
     def can_stack(self, key: str, build: Callable[[], Segment]) -> bool:
         """Whether clients of ``key`` train stacked (the first call builds the stack)."""
@@ -213,6 +286,19 @@ class Turns:
             if holder in self._left:
                 self._left.discard(holder)
                 self._wake_first()
+
+
+class Paced:
+    """A client's turns by step (see :mod:`simulation.pace`)."""
+
+    def __init__(self, pacer: Pacer, holder: str) -> None:
+        self.pacer, self.holder = pacer, holder
+
+    def begin(self, batches: int) -> None:
+        self.pacer.join(self.holder, batches)
+
+    def turn(self) -> AbstractContextManager[None]:
+        return self.pacer.turn(self.holder)
 
 
 class StackMember(SegmentLease):

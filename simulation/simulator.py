@@ -98,6 +98,7 @@ class _Fleet(RoundObserver):
             stacked=fleet.batched,
             capacity=fleet.clients,
             device=fleet.client_device,
+            interleave=fleet.interleave,
         )
         self.coordinator: Coordinator | None = None
         self._agents: dict[str, tuple[EdgeAgent, Transport, Transport]] = {}
