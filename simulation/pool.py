@@ -121,13 +121,13 @@ class SegmentPool(SegmentSource, Generic[T]):
             return
         if self.interleave and not ordered:
             need = 4 * sum(np.asarray(w).nbytes for w in weights.values())
-            with self.hold(key, cast(Callable[[], T], build), holder, need) as item:
-                lease = SegmentLease.fresh(cast(Segment, item), weights, proximal_mu)
-                lease.pace = Paced(self.pacer, holder)
-                try:
+            try:  # a client that fails to build is not waited for either
+                with self.hold(key, cast(Callable[[], T], build), holder, need) as item:
+                    lease = SegmentLease.fresh(cast(Segment, item), weights, proximal_mu)
+                    lease.pace = Paced(self.pacer, holder)
                     yield lease
-                finally:
-                    self.pacer.leave(holder)
+            finally:
+                self.pacer.leave(holder)
             return
         with self.borrow(key, cast(Callable[[], T], build), holder) as item:
             yield SegmentLease.fresh(cast(Segment, item), weights, proximal_mu)
