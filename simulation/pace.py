@@ -114,7 +114,7 @@ class Pacer:
         if self._pending and now - self._since < self.patience:
             return False
         if self._pending:
-            log.warning(
+            log.debug(  # slow to build their segments (the first round), or failed
                 "%s did not start training within %.0f s; the other clients go on",
                 ", ".join(sorted(self._pending)),
                 self.patience,
