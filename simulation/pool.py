@@ -81,18 +81,24 @@ class SegmentPool(SegmentSource, Generic[T]):
         self.turns.wait(holder)
         with self._slots:
             self.turns.took(holder)
-            with self._lock:
-                free = self._free.setdefault(key, [])
-                item = free.pop() if free else None
-            if item is None:
-                item = build()
-                with self._lock:
-                    self.built += 1
-            try:
+            with self._item(key, build) as item:
                 yield item
-            finally:
-                with self._lock:
-                    self._free.setdefault(key, []).append(item)
+
+    @contextmanager
+    def _item(self, key: str, build: Callable[[], T]) -> Iterator[T]:
+        """A free object for ``key`` (built when none is), returned after."""
+        with self._lock:
+            free = self._free.setdefault(key, [])
+            item = free.pop() if free else None
+        if item is None:
+            item = build()
+            with self._lock:
+                self.built += 1
+        try:
+            yield item
+        finally:
+            with self._lock:
+                self._free.setdefault(key, []).append(item)
 
     @contextmanager
     def slot(self) -> Iterator[None]:
@@ -146,18 +152,8 @@ class SegmentPool(SegmentSource, Generic[T]):
             self._holding[1] += need
         self.turns.took(holder)
         try:
-            with self._lock:
-                free = self._free.setdefault(key, [])
-                item = free.pop() if free else None
-            if item is None:
-                item = build()
-                with self._lock:
-                    self.built += 1
-            try:
+            with self._item(key, build) as item:
                 yield item
-            finally:
-                with self._lock:
-                    self._free.setdefault(key, []).append(item)
         finally:
             with self._held:
                 self._holding[0] -= 1

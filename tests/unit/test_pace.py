@@ -23,21 +23,25 @@ def _clients(
     batches: dict[str, int],
     delays: dict[str, float] | None = None,
     during: Callable[[str], None] | None = None,
+    joined: bool = False,
 ) -> list[str]:
-    """Run each client's steps in its own thread; the order the steps were taken in."""
+    """Run each client's steps in its own thread (joining first, unless ``joined``, and
+    leaving after); the order the steps were taken in."""
     taken: list[str] = []
     lock = threading.Lock()
 
     def client(name: str, count: int) -> None:
         time.sleep((delays or {}).get(name, 0.0))
-        pacer.join(name, count)
+        if not joined:
+            pacer.join(name, count)
         for _ in range(count):
             with pacer.turn(name):
                 with lock:
                     taken.append(name)
                 if during is not None:
                     during(name)
-        pacer.leave(name)
+        if not joined:
+            pacer.leave(name)
 
     threads = [threading.Thread(target=client, args=item) for item in batches.items()]
     for thread in threads:
@@ -106,25 +110,8 @@ def test_a_late_client_starts_level_with_the_others() -> None:
         with pacer.turn("a"):
             pass
     pacer.join("late", 4)  # a is halfway: late starts there, not at zero
-    taken = _clients_after_join(pacer, {"a": 2, "late": 4})
+    taken = _clients(pacer, {"a": 2, "late": 4}, joined=True)
     assert taken[:3] == ["a", "late", "a"]  # not four of late's steps in a row
-
-
-def _clients_after_join(pacer: Pacer, steps: dict[str, int]) -> list[str]:
-    taken: list[str] = []
-    lock = threading.Lock()
-
-    def client(name: str, count: int) -> None:
-        for _ in range(count):
-            with pacer.turn(name), lock:
-                taken.append(name)
-
-    threads = [threading.Thread(target=client, args=item) for item in steps.items()]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=30)
-    return taken
 
 
 def test_at_most_running_steps_at_once() -> None:
