@@ -65,7 +65,7 @@ class SegmentPool(SegmentSource, Generic[T]):
         self.workers, self.interleave = workers, interleave
         self.pacer = Pacer(workers)
         self._held = threading.Condition()
-        self._holding = [0, 0]  # clients holding a segment, and their bytes
+        self._holding, self._held_bytes = 0, 0  # clients holding a segment, their bytes
         self.stacked, self.capacity, self.device = stacked, max(1, capacity), device
         self._groups: dict[str, StepGroup | None] = {}
         self._slots = threading.BoundedSemaphore(workers)
@@ -148,25 +148,24 @@ class SegmentPool(SegmentSource, Generic[T]):
                 self.pacer.expect(())  # no room for more: those holding one go on
             while not self._room(need):
                 self._held.wait()
-            self._holding[0] += 1
-            self._holding[1] += need
+            self._holding += 1
+            self._held_bytes += need
         self.turns.took(holder)
         try:
             with self._item(key, build) as item:
                 yield item
         finally:
             with self._held:
-                self._holding[0] -= 1
-                self._holding[1] -= need
+                self._holding -= 1
+                self._held_bytes -= need
                 self._held.notify_all()
 
     def _room(self, need: int) -> bool:
         """Whether one more client may hold a segment of ``need`` bytes (see the module
         docstring)."""
-        count, held = self._holding
-        if count < self.workers:
+        if self._holding < self.workers:
             return True
-        return count < HELD_CLIENTS and held + need <= HELD_BYTES
+        return self._holding < HELD_CLIENTS and self._held_bytes + need <= HELD_BYTES
 
     def expect(self, holders: Iterable[str]) -> None:
         """The clients of the coming round: they get training slots in the order of their
