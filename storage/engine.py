@@ -42,7 +42,7 @@ def opening_error(url: str, error: Exception) -> StoreError:
     reason = str(error.orig or error).strip().splitlines()[0]
     sqlite = str(url).startswith("sqlite")
     if isinstance(error, OperationalError):
-        message = f"cannot open the database at {shown_url(url)}: {reason}"
+        message = f"cannot open the database at {shown_url(url)}: {reason}{_locked_hint(reason)}"
         if not sqlite and re.search(r'database ".*" does not exist', reason):  # reached
             name = make_url(str(url)).database
             return NotAStoreError(f"{message}; create it first (createdb {name})")
@@ -61,7 +61,20 @@ def database_failure(url: str, error: DatabaseError) -> StoreError:
     hint = ""
     if "full" in reason or "disk i/o" in reason.lower():
         hint = "; nothing was half-written: free space and run the same command again"
-    return StoreError(f"the database at {shown_url(url)} failed: {reason}{hint}")
+    return StoreError(
+        f"the database at {shown_url(url)} failed: {reason}{hint or _locked_hint(reason)}"
+    )
+
+
+def _locked_hint(reason: str) -> str:
+    """What to look for when SQLite waited its whole busy timeout for the write lock."""
+    if reason != "database is locked":
+        return ""
+    return (
+        f"; another process held its write lock for over {_SQLITE_BUSY_MS // 1000} s: one that "
+        "is stopped or frozen (kill -STOP, a suspended host) or a long command; `fuser` on the "
+        "file names the processes that have it open"
+    )
 
 
 def create_store_engine(url: str, password: str | None = None, readonly: bool = False) -> Engine:

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import os
 import signal
+import sqlite3
 import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
+from sqlalchemy.engine import make_url
 
 from storage import open_store
 from tests.e2e.deployment import EDGES, Deployment
@@ -73,7 +75,7 @@ def _frozen_taken_over(deployment: Deployment, terminate: bool) -> None:
         deployment.start_edge(name)
     first = deployment.start_coordinator("coordinator", *_SHORT_LEASE)
     deployment.wait_until(lambda s: s["rounds"] != [], 300, "round 1")
-    os.kill(first.pid, signal.SIGSTOP)
+    _freeze_outside_a_write(first.pid, deployment.db)
     try:
         second = deployment.start_coordinator("coordinator-2", *_SHORT_LEASE)
         took = lambda s: (s["coordinator"] or {}).get("pid") == second.pid  # noqa: E731
@@ -99,10 +101,43 @@ def _frozen_taken_over(deployment: Deployment, terminate: bool) -> None:
 _SHORT_LEASE = ("--lease-seconds", "4")
 
 
+def _freeze_outside_a_write(pid: int, db: str) -> None:
+    """SIGSTOP ``pid`` at a moment it holds no write transaction on the SQLite file ``db``:
+    frozen inside one it would block every writer, its successor too, which then stops naming
+    the lock (SQLite's limit, not the lease's; `test_store_location` checks the message)."""
+    path = make_url(db).database
+    for _ in range(50):
+        os.kill(pid, signal.SIGSTOP)
+        while any(_state(pid, task) != "T" for task in os.listdir(f"/proc/{pid}/task")):
+            time.sleep(0.01)  # every thread stopped: nothing begins a transaction now
+        probe = sqlite3.connect(str(path), timeout=0.2, isolation_level=None)
+        try:
+            probe.execute("BEGIN IMMEDIATE")
+            probe.execute("ROLLBACK")
+            return
+        except sqlite3.OperationalError:
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(0.1)
+        finally:
+            probe.close()
+    raise AssertionError(f"pid {pid} held the write lock at each of 50 tries to freeze it")
+
+
+def _state(pid: int, task: str) -> str:
+    try:
+        with open(f"/proc/{pid}/task/{task}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0]
+    except FileNotFoundError:  # a thread that ended meanwhile
+        return "T"
+
+
 def _wait(deployment: Deployment, condition: Callable[[dict[str, Any]], bool], what: str) -> None:
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if condition(status_of(deployment)):
             return
         time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}: {status_of(deployment)}")
+    raise AssertionError(
+        f"timed out waiting for {what}: {status_of(deployment)}\n"
+        f"coordinator-2: {deployment.log('coordinator-2')[-3000:]}"
+    )

@@ -113,3 +113,16 @@ def test_a_database_failure_while_opening_is_not_called_a_foreign_file() -> None
         assert not isinstance(error, NotAStoreError) and "permission denied" in str(error)
     foreign = DatabaseError("PRAGMA", {}, Exception("file is not a database"))
     assert isinstance(opening_error("sqlite:///x.npz", foreign), NotAStoreError)
+
+
+def test_a_write_lock_held_past_the_busy_timeout_points_at_a_frozen_holder() -> None:
+    from sqlalchemy.exc import OperationalError
+
+    from storage.engine import database_failure, opening_error
+
+    locked = OperationalError("BEGIN IMMEDIATE", {}, Exception("database is locked"))
+    for error in (opening_error("sqlite:///runs.db", locked), database_failure("x", locked)):
+        assert "database is locked; another process held its write lock" in str(error)
+        assert "frozen" in str(error)
+    other = OperationalError("SELECT", {}, Exception("unable to open database file"))
+    assert "frozen" not in str(opening_error("sqlite:///runs.db", other))
