@@ -15,6 +15,7 @@ from split_models import build_model
 from wire import topics
 from wire.channel import Channel
 from wire.codec import Envelope
+from wire.flow import CreditGranter
 from wire.transport import InProcessHub
 
 pytestmark = pytest.mark.unit
@@ -43,7 +44,9 @@ def _piece(hub: InProcessHub, forward: str | None = "seg-1", max_rows: int = 0) 
     )
 
 
-def _send(edge: Channel, round_number: int, rows: int = 2, sender: str = EDGE) -> None:
+def _send(
+    edge: Channel, round_number: int, rows: int = 2, sender: str = EDGE, attempt: int = 1
+) -> None:
     rng = np.random.default_rng(round_number)
     edge.send(
         topics.activations(RUN, "seg-0", sender),
@@ -54,33 +57,43 @@ def _send(edge: Channel, round_number: int, rows: int = 2, sender: str = EDGE) -
             "x": rng.normal(size=(rows, 1024)).astype(np.float32),
             "y": rng.integers(0, 10, size=rows).astype(np.int64),
         },
-        meta={"cut": 1},
+        meta={"cut": 1, "attempt": attempt},
     )
 
 
-def _done(edge: Channel, round_number: int, batches: int) -> None:
+def _done(edge: Channel, round_number: int, batches: int, attempt: int = 1) -> None:
     edge.send(
         topics.done(RUN, edge.sender),
         "round_control",
         RUN,
         round=round_number,
-        meta={"batches": batches},
+        meta={"batches": batches, "attempt": attempt},
     )
+
+
+def _next_begins(following: Channel, round_number: int, attempt: int = 1) -> None:
+    """The next piece of the chain begins try ``attempt`` of the round: its first credit to
+    the piece (without it the piece waits a minute before passing batches on)."""
+    granter = CreditGranter(following, RUN, window=1)
+    granter.attempt = attempt
+    granter.open(GPU, round_number)
 
 
 def test_a_retried_round_of_a_chain_piece_counts_its_batches_afresh() -> None:
     hub = InProcessHub()
     back = _piece(hub)
     published: list[Envelope] = []
-    Channel(hub.connect("next"), "next").listen(
+    following = Channel(hub.connect("next"), "next")
+    following.listen(
         topics.done(RUN, GPU), lambda _t, e: published.append(e), kinds=frozenset({"round_control"})
     )
     edge = Channel(hub.connect(EDGE), EDGE)
     for attempt, attempt_batches in enumerate((3, 2), 1):  # the runner retries round 1
-        back.begin_round(1, [EDGE])
+        _next_begins(following, 1, attempt)
+        back.begin_round(1, [EDGE], attempt=attempt)
         for _ in range(attempt_batches):
-            _send(edge, 1)
-        _done(edge, 1, attempt_batches)
+            _send(edge, 1, attempt=attempt)
+        _done(edge, 1, attempt_batches, attempt)
         assert back.stream.wait_round(5.0)
         assert _until(lambda n=attempt: len(published) == n)
     assert [e.meta["batches"] for e in published] == [3, 2], "attempt 2 passed on 2, not 5"
@@ -92,13 +105,15 @@ def test_a_chain_piece_numbers_the_batches_it_passes_on() -> None:
     hub = InProcessHub()
     back = _piece(hub)
     passed: list[Envelope] = []
-    Channel(hub.connect("next"), "next").listen(
+    following = Channel(hub.connect("next"), "next")
+    following.listen(
         topics.activations(RUN, "seg-1", GPU),
         lambda _t, e: passed.append(e),
         kinds=frozenset({"activations"}),
     )
     edge = Channel(hub.connect(EDGE), EDGE)
     for number in (1, 2):
+        _next_begins(following, number)
         back.begin_round(number, [EDGE])
         for _ in range(3):
             _send(edge, number)
