@@ -7,6 +7,7 @@ import json
 import pytest
 
 from split_models import estimate_segment_memory
+from split_models.cold_setup import cold_setups
 from split_models.config import ModelConfig, config_to_dict
 from split_models.errors import ConfigError
 from split_models.isolated import profile_in_fresh_process
@@ -66,3 +67,25 @@ def test_estimate_is_within_15_percent_of_measured_peak(
 def test_fresh_process_profile_reports_a_bad_model_as_a_config_error() -> None:
     with pytest.raises(ConfigError, match="nonexistent"):
         profile_in_fresh_process(ModelConfig("nonexistent", (1, 28, 28), 10))
+
+
+def test_cold_setups_are_measured_once_per_distinct_block_and_a_failed_block_reads_zero() -> None:
+    section = json.dumps(config_to_dict(ModelConfig("cnn", (1, 28, 28), 10)))
+    keys = ["stem", "conv", "conv", "pool", "flat", "fc"]  # blocks 1 and 2 alike, by their key
+    setups = cold_setups(section, keys, 32)
+    assert len(setups) == 6 and setups[1] == setups[2]
+    assert all(0 < first <= whole < 8 * 2**20 for first, whole in setups), setups
+    # a block the model lacks (index 6): its child fails, the others are still measured
+    measured = cold_setups(section, [*keys, "past-the-end"], 32)
+    assert measured[6] == (0, 0) and all(first > 0 for first, _ in measured[:6]), measured
+
+
+def test_a_cold_setup_counts_what_a_fresh_process_pays_not_what_the_zygote_mapped() -> None:
+    # a forked child maps the libraries' code lazily: without touching the zygote's resident
+    # file pages first, MobileNet's squeeze-excite blocks read 4-6 MiB instead of about 1
+    from tests.fixtures.gallery import __name__ as gallery
+
+    model = ModelConfig(f"{gallery}:mobilenet_v3_small", (3, 32, 32), 10)
+    section = json.dumps(config_to_dict(model))
+    setups = cold_setups(section, [str(block) for block in range(28)], 16)
+    assert max(whole for _, whole in setups) < 3 * 2**20, setups
