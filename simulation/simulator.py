@@ -135,6 +135,7 @@ class _Fleet(RoundObserver):
             models=(self.config.model.name,),
             group=group,
             choose=lambda number, names: self._choose(index, number, names),
+            interleave=self.config.fleet.interleave,
         )
         self._agents[name] = (agent, control, stream)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,7 +24,7 @@ from split_models.options import OPTIMIZERS as OPTIMIZERS
 from split_models.options import OptimizerConfig as OptimizerConfig
 from split_models.zoo import SplittableModel
 
-__all__ = ["OPTIMIZERS", "OptimizerConfig", "Segment", "StepResult", "step_factors"]
+__all__ = ["OPTIMIZERS", "OptimizerConfig", "Segment", "StepResult", "Suspended", "step_factors"]
 
 
 class NonFiniteLoss(ModelError):
@@ -56,6 +57,15 @@ class StepResult:
     output: Activation  # a tensor, or (activation, *side tensors) at a multi-tensor cut
     loss: float
     input_gradient: torch.Tensor | None = None  # of the activation (side tensors take none)
+
+
+@dataclass
+class Suspended:
+    """A client's round on a segment, taken out for another's (:meth:`Segment.suspend`)."""
+
+    tensors: list[torch.Tensor]
+    optimizer: dict[Any, Any]
+    steps: int
 
 
 class Segment:
@@ -191,6 +201,28 @@ class Segment:
         """Parameters and buffers of the blocks and the head."""
         modules = (self.module, self.head)
         return [t for m in modules for t in (*m.parameters(), *m.buffers())]
+
+    def suspend(self) -> Suspended:
+        """This round's training so far (weights, buffers, optimizer state, steps), taken out
+        so that another client can train its round on the segment: :meth:`resume` puts it
+        back. The optimizer's state moves out, so the next client starts on none."""
+        state = dict(self._optimizer.state) if self._optimizer is not None else {}
+        if self._optimizer is not None:
+            self._optimizer.state.clear()
+        return Suspended([t.detach().clone() for t in self.state_tensors()], state, self._steps)
+
+    def resume(self, suspended: Suspended) -> None:
+        """Go on with the training :meth:`suspend` took out (the same round: FedProx's anchor,
+        the round's weights, is the one set then)."""
+        with torch.no_grad():
+            for tensor, kept in zip(self.state_tensors(), suspended.tensors, strict=True):
+                tensor.copy_(kept)
+        if suspended.optimizer:
+            self.optimizer.state.clear()
+            self.optimizer.state.update(suspended.optimizer)
+        elif self._optimizer is not None:
+            self._optimizer.state.clear()
+        self._steps = suspended.steps
 
     def train_step(self, inputs: Activation, labels: torch.Tensor) -> StepResult:
         """One optimizer step on the segment's own loss; no gradient leaves the segment."""

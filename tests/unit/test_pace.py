@@ -174,3 +174,12 @@ def test_pool_interleaves_held_segments_and_bounds_their_bytes(
 
 def _fresh(segment: object, weights: object, proximal_mu: float = 0.0) -> pool_module.SegmentLease:
     return pool_module.SegmentLease(segment)  # type: ignore[arg-type]
+
+
+def test_a_hosts_clients_take_turns_by_share_within_a_window() -> None:
+    from simulation.hosts import in_turns
+
+    lists = [["a0", "a1"], ["b0", "b1", "b2", "b3"], [], ["c0"]]
+    assert in_turns(lists, 4) == ["a0", "b0", "c0", "b1", "a1", "b2", "b3"]
+    assert in_turns(lists, 2) == ["a0", "b0", "b1", "a1", "b2", "b3", "c0"]  # c0 waits
+    assert in_turns(lists, 1) == ["a0", "a1", "b0", "b1", "b2", "b3", "c0"]

@@ -251,3 +251,23 @@ def test_adam_uses_the_fused_kernel_where_torch_has_one_and_steps_as_the_loop_do
         assert (p - first).abs().min() > 1e-3  # every element moved
     elsewhere = [torch.nn.Parameter(torch.randn(2, device="meta"))]
     assert not config.build(elsewhere).defaults["fused"]  # no fused kernel there: the loop
+
+
+@pytest.mark.parametrize("name", ["adam", "sgd-momentum"])
+def test_a_suspended_round_resumes_as_if_no_other_client_had_stepped_between(name: str) -> None:
+    # a grouped host puts a client's round aside while others train theirs on the segment
+    config = OptimizerConfig(name, lr=0.01, warmup_steps=4)
+    alone = _trained(_segment(config), 5, mu=0.1)
+    shared = _segment(config)
+    start = [t.detach().clone() for t in shared.state_tensors()]
+    _trained(shared, 2, mu=0.1)
+    aside = shared.suspend()
+    assert not shared.optimizer.state, "the next client starts on no optimizer state"
+    with torch.no_grad():  # another client: from the round's weights, its own steps
+        for tensor, kept in zip(shared.state_tensors(), start, strict=True):
+            tensor.copy_(kept)
+    other = _trained(shared, 3, mu=0.1)
+    shared.resume(aside)
+    resumed = _trained(shared, 3)
+    assert all(torch.equal(a, b) for a, b in zip(alone, resumed, strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(other, resumed, strict=True))
