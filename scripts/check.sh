@@ -14,5 +14,6 @@ echo "== ruff" >&2
 echo "== mypy" >&2
 .venv/bin/mypy
 echo "== pytest" >&2
-# two workers: much of the suite waits on brokers, databases and child processes
-.venv/bin/python -m pytest -n "${EDGESPLIT_TEST_WORKERS:-2}" --dist worksteal "$@"
+# two workers: much of the suite waits on brokers, databases and child processes; the
+# slowest tests are listed, so CI's log shows where its time went (its limit is 30 minutes)
+.venv/bin/python -m pytest -n "${EDGESPLIT_TEST_WORKERS:-2}" --dist worksteal --durations=15 "$@"
