@@ -77,6 +77,7 @@ def test_a_sender_gone_offline_leaves_the_round_with_its_batches_all_in() -> Non
     assert ended.wait(10.0), "the round did not end by the offline path"
     _batch(edges["pi-02"])  # arrives after the will
     _until(lambda: server.stats.rejected["gone"] == 1)
+    assert server.stats.rejected["gone"] == 1, server.stats.rejected
 
     assert server.stats.left == {"pi-02": 1}
     assert server.gone == {"pi-02"} and server.finished == {"pi-01"}

@@ -33,8 +33,12 @@ def _announce(hub: InProcessHub, session: str | bytes, run: str = "run") -> None
 
 
 def _until(condition: object, timeout: float = 5.0) -> None:
+    """Wait until ``condition()`` holds; fail the test when it did not within ``timeout`` s
+    (a wait that passed silently hid a batch that never came for 30 s)."""
     deadline = time.monotonic() + timeout
-    while not condition() and time.monotonic() < deadline:  # type: ignore[operator]
+    while not condition():  # type: ignore[operator]
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"not within {timeout:g} s: {condition}")
         time.sleep(0.01)
 
 
