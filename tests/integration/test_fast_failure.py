@@ -58,6 +58,17 @@ def _dying_edge(hub: InProcessHub, run: str) -> EdgeTrainer:
     return EdgeTrainer(channel, CreditGate(channel, run, DEAD), segment, data, config)
 
 
+def _watch_stream(hub: InProcessHub, run: str) -> threading.Event:
+    """Set once DEAD publishes a batch of ``run`` (watched beside the server's subscription)."""
+    sent = threading.Event()
+    Channel(hub.connect("watcher"), "watcher").listen(
+        topics.activations(run, "seg-0", DEAD),
+        lambda _t, _e: sent.set(),
+        kinds=frozenset({"activations"}),
+    )
+    return sent
+
+
 def _train(fleet: split_fleet.Fleet, grid: object, nodes: list[int]) -> list[Message]:
     config = ConfigRecord({"server-round": 1})
     content = RecordDict({"arrays": array_record(fleet.initial), "config": config})
@@ -105,12 +116,7 @@ def test_a_gpu_server_ends_the_part_of_an_edge_whose_last_will_arrives(restarted
         again.publish(topics.presence(DEAD), f"{online} {'b' * 16}".encode(), retain=True)
     asked.join(split_fleet.DEADLINE)
     assert time.monotonic() - killed < 10.0, "the round ended within seconds of the kill"
-    late = threading.Event()
-    Channel(hub.connect("watcher"), "watcher").listen(
-        topics.activations("ff-1", "seg-0", DEAD),
-        lambda _t, _e: late.set(),
-        kinds=frozenset({"activations"}),
-    )
+    late = _watch_stream(hub, "ff-1")
     go.set()  # a batch the dead edge had in flight is sent after its will, the round over
     assert late.wait(10.0), "the dead edge's last batch was not sent"
 
