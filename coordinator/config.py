@@ -49,6 +49,7 @@ from typing import Any
 import yaml
 
 from coordinator.plan_config import CUTS
+from coordinator.strategy_options import option_names
 from split_models.config import (
     MODES,
     ModelConfig,
@@ -147,6 +148,11 @@ class AggregationConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, **self.options}
+
+    @staticmethod
+    def option_keys() -> frozenset[str]:
+        """The keys a strategy section takes (a config names it when one is written outside)."""
+        return option_names() | {"name"}
 
     @property
     def anchors(self) -> bool:

@@ -15,7 +15,7 @@ from typing import Any
 
 from split_models.errors import ConfigError
 
-__all__ = ["check_options"]
+__all__ = ["check_options", "option_names"]
 
 _INF = math.inf
 # option -> (low, high, low allowed, high allowed, whole numbers only)
@@ -78,3 +78,9 @@ def _out_of_range(
     above = value > low or (low_in and value == low)
     below = value < high or (high_in and value == high)
     return "" if above and below else f"expected {kind} in {interval}"
+
+
+def option_names() -> frozenset[str]:
+    """The strategy options whose ranges are known here (a config names its section when one
+    is written outside ``strategy``)."""
+    return frozenset(_RANGES)

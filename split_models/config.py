@@ -190,9 +190,9 @@ def parse_config(
     valid = config_keys(cls, exclude)
     unknown = sorted(set(mapping) - valid)
     if unknown:
-        raise ConfigError(
-            f"{where}: unknown key(s) {unknown}; valid keys: {', '.join(sorted(valid))}"
-        )
+        from split_models.config_hints import unknown_keys
+
+        raise unknown_keys(cls, where, unknown, valid)
     values: dict[str, Any] = {}
     missing: list[str] = []
     for spec in _fields(cls):

@@ -209,3 +209,21 @@ def test_runs_events_last_takes_a_count_of_one_or_more(
     assert (
         build_parser().parse_args(["runs", "events", "r", "--db", "x.db", "--last", "3"]).last == 3
     )
+
+
+def test_a_key_written_beside_the_section_that_takes_it_is_pointed_there() -> None:
+    from split_models.errors import ConfigError
+
+    for bad, hint in (
+        ({"fraction_train": 0.5}, "fraction_train belongs in strategy: {fraction_train: ...}"),
+        ({"lr": 0.1}, "lr belongs in optimizer: {lr: ...}"),
+        ({"alpha": 0.5}, "alpha belongs in partition: {alpha: ...}"),
+    ):
+        with pytest.raises(ConfigError, match="unknown key") as raised:
+            parse_sim_config(bad)
+        assert str(raised.value).endswith(hint), raised.value
+    with pytest.raises(ConfigError, match="unknown key") as raised:
+        parse_sim_config({"wings": 3})
+    assert "belongs in" not in str(raised.value)
+    with pytest.raises(ConfigError, match="lr belongs in optimizer"):
+        RunConfig.parse({"run_id": "r", "model": "cnn", "lr": 0.1})
