@@ -40,7 +40,7 @@ from flwr.app import Error, Message, RecordDict
 
 from edge_client.agent import EdgeAgent, _Job
 from edge_client.trainer import EdgeTrainer
-from simulation.pool import HELD_BYTES, HELD_CLIENTS
+from simulation.pool import HELD_BYTES, HELD_CLIENTS, HELD_PER_WEIGHT
 from split_models.segment import Segment, StepResult, Suspended
 from split_models.weights import load_segment_state, segment_state
 from wire.flower import array_record, numpy_arrays, round_of
@@ -125,7 +125,8 @@ class HostTrainer(EdgeTrainer):
         if not self.interleave:
             return [batch for client in batches for batch in client]
         weights = sum(t.numel() * t.element_size() for t in self.segment.state_tensors())
-        return in_turns(batches, max(1, min(HELD_CLIENTS, HELD_BYTES // (4 * weights or 1))))
+        need = max(1, HELD_PER_WEIGHT * weights)
+        return in_turns(batches, max(1, min(HELD_CLIENTS, HELD_BYTES // need)))
 
     def _batch(
         self,

@@ -37,14 +37,15 @@ from simulation.pace import Pacer
 from simulation.stack import SegmentStack, StepGroup, stackable
 from split_models.segment import Segment, StepResult
 
-__all__ = ["HELD_BYTES", "HELD_CLIENTS", "SegmentPool", "StackMember", "Turns"]
+__all__ = ["HELD_BYTES", "HELD_CLIENTS", "HELD_PER_WEIGHT", "SegmentPool", "StackMember", "Turns"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 HELD_CLIENTS = 32  # clients holding a built segment at once, interleaved
-HELD_BYTES = 1 << 30  # ... and their weights and optimizer state (4x the weights) at most
+HELD_BYTES = 1 << 30  # ... and their weights and optimizer state at most
+HELD_PER_WEIGHT = 4  # what a client holding a segment takes, as a multiple of its weights
 
 
 class SegmentPool(SegmentSource, Generic[T]):
@@ -126,7 +127,7 @@ class SegmentPool(SegmentSource, Generic[T]):
                 yield member
             return
         if self.interleave and not ordered:
-            need = 4 * sum(np.asarray(w).nbytes for w in weights.values())
+            need = HELD_PER_WEIGHT * sum(np.asarray(w).nbytes for w in weights.values())
             try:  # a client that fails to build is not waited for either
                 with self.hold(key, cast(Callable[[], T], build), holder, need) as item:
                     lease = SegmentLease.fresh(cast(Segment, item), weights, proximal_mu)

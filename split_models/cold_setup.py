@@ -27,7 +27,6 @@ import json
 import os
 import struct
 import subprocess
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -51,20 +50,14 @@ def cold_setups(model: str, keys: Sequence[str], batch: int | None) -> list[tupl
 
 
 def _measure(model: str, blocks: list[int], batch: int | None) -> dict[int, tuple[int, int]]:
-    from split_models.measure import measure_child_env
+    from split_models.measure import run_measuring_child
 
-    arguments = ["--model", model, "--blocks", ",".join(map(str, blocks))]
+    arguments = ["split_models.cold_setup", "--model", model]
+    arguments += ["--blocks", ",".join(map(str, blocks))]
     if batch is not None:
         arguments += ["--batch-size", str(batch)]
     try:
-        done = subprocess.run(
-            [sys.executable, "-m", "split_models.cold_setup", *arguments],
-            env=measure_child_env(),
-            capture_output=True,
-            text=True,
-            timeout=_TIMEOUT,
-            check=False,
-        )
+        done = run_measuring_child(arguments, _TIMEOUT)
         measured = json.loads(done.stdout) if done.returncode == 0 else {}
         return {int(block): (int(pair[0]), int(pair[1])) for block, pair in measured.items()}
     except (OSError, subprocess.TimeoutExpired, ValueError, TypeError, IndexError):
