@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import struct
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -22,6 +22,7 @@ from flwr.clientapp import ClientApp
 
 from coordinator.devices import DeviceRegistry
 from tests.security.conftest import ProductionBroker
+from tests.unit.test_session import _until
 from wire import topics
 from wire.channel import Channel
 from wire.flower import FlowerNode, TransportGrid, _Frames, node_will
@@ -39,15 +40,6 @@ app = ClientApp()
 def answer(message: Message, context: Context) -> Message:
     handled.append(message.metadata.message_id)
     return Message(RecordDict({"a": ConfigRecord({"node": context.node_id})}), reply_to=message)
-
-
-def _until(condition: Callable[[], object], timeout: float = 5.0) -> None:
-    """Wait until ``condition()`` holds; fail the test when it did not within ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"not within {timeout:g} s: {condition}")
-        time.sleep(0.02)
 
 
 class _Accounts:
