@@ -222,6 +222,7 @@ TRAINING_KEYS = (
     "max_activation",
     "server_fill",
     "norm",
+    "head_from_back",
 )
 
 

@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import signal
@@ -49,6 +50,7 @@ from split_models.data import Dataset, load_dataset, model_data_problem
 from split_models.errors import ConfigError, SplitError
 from split_models.evaluation import evaluate_weights
 from split_models.isolated import profile_in_fresh_process
+from split_models.mirror import head_mirrors, with_mirrored_heads
 from split_models.profiler import ModelProfile
 from split_models.segment import Segment
 from split_models.weights import norm_keys, segment_state
@@ -340,7 +342,8 @@ class Coordinator:
         options = next(iter(sampled.values()), {})
         streams, routes = route(selected, servers)
         spans = placement.spans()  # each device's blocks and head
-        arrays_for = _records(self.runner.recorder, weights, spans)
+        mirrors = head_mirrors(self.config.model, self.config.training, {a.end for a in selected})
+        arrays_for = _records(self.runner.recorder, weights, spans, mirrors)
         # the servers' messages go first: a server that starts its round late holds up the
         # edges that already train (the push of 1,000 edges' messages takes seconds)
         for back in servers:
@@ -354,6 +357,7 @@ class Coordinator:
         for a in selected:
             feeds = [s for s, r in routes.items() if r[2] == streams[a.device]]
             task = build_task(self.config, a, self.session, streams[a.device], servers=feeds)
+            task = dataclasses.replace(task, frozen_head=a.end in mirrors)
             work.messages[a.device] = build_message(
                 self.grid, a.node, arrays_for(a.device), "train", number, task, sampled[a.node]
             )
@@ -437,16 +441,22 @@ def _records(
     recorder: RoundRecorder,
     weights: dict[str, np.ndarray],
     spans: dict[str, tuple[int, int, int | None]],
+    mirrors: Mapping[int, Mapping[str, str]],
 ) -> Callable[[str], ArrayRecord]:
     """A device's weights for the round as a Flower record: built once per span and shared by
     the devices that train it (1,000 clients on two cuts encode two records, not 1,000),
-    unless the device keeps its own copies of some tensors (FedBN)."""
+    unless the device keeps its own copies of some tensors (FedBN). An edge whose head cut is
+    in ``mirrors`` gets the back's weights as its head's (``split_models.mirror``)."""
     records: dict[tuple[str, tuple[int, int, int | None]], ArrayRecord] = {}
 
     def arrays_for(device: str) -> ArrayRecord:
         key = (device if device in recorder.local else "", spans[device])
         if key not in records:
-            records[key] = array_record(recorder.own(device, keys_for(weights, *spans[device])))
+            start, end, head = spans[device]
+            chosen = keys_for(weights, start, end, head)
+            if start == 0 and head is not None and head in mirrors:  # an edge (not a piece)
+                chosen = with_mirrored_heads(chosen, weights, mirrors[head])
+            records[key] = array_record(recorder.own(device, chosen))
         return records[key]
 
     return arrays_for

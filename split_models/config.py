@@ -459,16 +459,16 @@ class TrainingConfig:
     # the GPU server trains the edges' batches one edge after another, in name order, so the
     # same seed gives the same weights bit for bit (with one server; rounds take longer)
     deterministic: bool = False
-    # BatchNorm layers (weight, bias, running statistics): "average" aggregates them with the
-    # strategy; "local" keeps each device's own between rounds (FedBN; the global model holds
-    # their average, for central evaluation and export); "recalibrate" (the default) averages
-    # them, then edges that trained measure the aggregate's running statistics on their data
-    # (coordinator.statistics; a model without BatchNorm is not affected)
+    # BatchNorm layers: "average" aggregates them; "local" keeps each device's own between
+    # rounds (FedBN; the global model holds their average); "recalibrate" averages them, then
+    # the edges that trained measure the aggregate's running statistics (coordinator.statistics)
     norm: str = setting("recalibrate", choices=NORMS)
-    # GPU servers bound each step of the back (optimizer.max_step: its gradient is clipped
-    # at the norm server_max_step / lr): without a bound SGD momentum 0.9 at lr 0.05
-    # diverged; a fixed clip of the gradient's norm at 1.0 held lr 0.05-0.1 but slowed lr
-    # 0.01 by 2 points in 5 rounds (docs/benchmarks.md, "Stable split training")
+    # an edge whose local head can be the model's back (the classifier after the cut) trains
+    # against the back's weights, frozen (split_models.mirror); false: a head of its own
+    head_from_back: bool = True
+    # GPU servers bound each step of the back (optimizer.max_step: the gradient clipped at
+    # norm server_max_step / lr): unbounded, SGD momentum 0.9 at lr 0.05 diverged; a clip at
+    # 1.0 slowed lr 0.01 by 2 points in 5 rounds (docs/benchmarks.md, "Stable split training")
     server_max_step: float | None = setting(0.05, above=0, what="a positive number (or null: off)")
     # and clip the back's gradient norm to this (and optimizer.clip_norm; null: off)
     server_clip_norm: float | None = setting(None, above=0, what="a positive number (or null: off)")

@@ -98,7 +98,7 @@ def test_devices_of_one_span_share_a_record_and_one_with_own_copies_gets_its_own
         "block1.0.weight": np.ones(4, dtype=np.float32),
     }
     spans = {"pi-01": (0, 1, 1), "pi-02": (0, 1, 1), "pi-03": (0, 1, 1), "gpu": (1, 2, None)}
-    arrays_for = _records(recorder, weights, spans)
+    arrays_for = _records(recorder, weights, spans, {})
     assert arrays_for("pi-02") is arrays_for("pi-03")
     assert arrays_for("pi-01") is not arrays_for("pi-02")
     mean = "block0.1.running_mean"

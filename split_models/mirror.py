@@ -1,0 +1,91 @@
+"""Local heads that are the model's own back: ``training.head_from_back``.
+
+An edge cut just before the model's classifier (the cnn's block 5 is ``Linear(128, 10)``, and
+so is its ``linear`` head at cut 5) can train its blocks against the model's own classifier
+instead of a head of its own. The coordinator sends the back's weights under the head's names
+and the edge keeps them frozen. Under label skew a device's own classifier drifts towards the
+device's classes and pulls the features with it; a frozen, shared classifier keeps the
+features readable by the back the GPU servers train (FedBABU, Oh et al. 2022, freezes the
+classifier of federated clients for the same reason). Measured in docs/benchmarks.md, "A
+frozen head from the back".
+
+:func:`mirrored_head` decides by running both: the head, given the back's weights, must
+compute what blocks ``[cut, n)`` compute, on the features the front produces.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Collection, Mapping
+
+import numpy as np
+import torch
+
+from split_models.activations import primary
+from split_models.config import ModelConfig, TrainingConfig, config_to_dict
+from split_models.segment import Segment
+from split_models.zoo import SplittableModel
+
+__all__ = ["head_mirrors", "mirrored_head", "with_mirrored_heads"]
+
+_FOUND: dict[tuple[str, str, int], dict[str, str]] = {}  # (model, local loss, cut) -> names
+
+
+def mirrored_head(model: SplittableModel, cut: int, local_loss: str) -> dict[str, str]:
+    """The global name of each tensor of the head at ``cut`` mapped to the back's tensor it
+    is, when the head with the back's weights computes exactly what blocks ``[cut, n)``
+    compute; empty otherwise (the last block, a head of another shape or kind, buffers such
+    as BatchNorm's, tensors crossing the cut beside the activation)."""
+    if not 0 < cut < model.num_blocks or local_loss == "supcon":
+        return {}
+    front = Segment.from_model(model, 0, cut, local_loss)
+    back = Segment.from_model(model, cut, model.num_blocks)
+    if front.side_outputs or any(True for _ in (*front.head.buffers(), *back.module.buffers())):
+        return {}
+    head, rest = front.head.state_dict(), back.module.state_dict()
+    pairs = list(zip(head.items(), rest.items(), strict=False))
+    if len(head) != len(rest) or any(
+        h.shape != r.shape or h.dtype != r.dtype for (_, h), (_, r) in pairs
+    ):
+        return {}
+    probe = copy.deepcopy(front.head).eval()
+    probe.load_state_dict({name: tensor for (name, _), (_, tensor) in pairs})
+    with torch.no_grad():
+        torch.manual_seed(0)
+        features = primary(front.forward(model.example_input(4)))
+        expected = primary(back.forward(features))
+        if not torch.allclose(probe(features), expected, rtol=1e-5, atol=1e-6):
+            return {}
+    return {
+        f"head{cut}.{name}": f"block{cut + int(index)}.{rest_name}"
+        for (name, _), (key, _) in pairs
+        for index, _, rest_name in [key.partition(".")]
+    }
+
+
+def with_mirrored_heads(
+    chosen: Mapping[str, np.ndarray], weights: Mapping[str, np.ndarray], mirror: Mapping[str, str]
+) -> dict[str, np.ndarray]:
+    """``chosen`` (a device's tensors) with each mirrored head tensor replaced by the back's
+    tensor in ``weights`` that it mirrors (the head's own, if the back's is missing)."""
+    return {k: weights.get(mirror[k], v) if k in mirror else v for k, v in chosen.items()}
+
+
+def head_mirrors(
+    model: ModelConfig, training: TrainingConfig, cuts: Collection[int]
+) -> dict[int, dict[str, str]]:
+    """The edges' ``cuts`` whose local head is the model's back (``training.head_from_back``,
+    local-loss mode only), each with :func:`mirrored_head`'s names; decided once per model,
+    local loss and cut in a process (building the model for it takes a coordinator
+    milliseconds to seconds)."""
+    if not training.head_from_back or training.mode != "local-loss":
+        return {}
+    name = json.dumps(config_to_dict(model), sort_keys=True)
+    keys = {cut: (name, training.local_loss, cut) for cut in cuts}
+    if any(key not in _FOUND for key in keys.values()):
+        built = model.build(seed=training.seed)
+        for cut, key in keys.items():
+            if key not in _FOUND:
+                _FOUND[key] = mirrored_head(built, cut, training.local_loss)
+    return {cut: _FOUND[key] for cut, key in keys.items() if _FOUND[key]}
