@@ -21,7 +21,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import signal
@@ -357,7 +356,6 @@ class Coordinator:
         for a in selected:
             feeds = [s for s, r in routes.items() if r[2] == streams[a.device]]
             task = build_task(self.config, a, self.session, streams[a.device], servers=feeds)
-            task = dataclasses.replace(task, frozen_head=a.end in mirrors)
             work.messages[a.device] = build_message(
                 self.grid, a.node, arrays_for(a.device), "train", number, task, sampled[a.node]
             )

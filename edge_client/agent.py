@@ -224,10 +224,9 @@ class EdgeAgent:
     def _build_segment(self, job: _Job) -> Segment:
         task, spec, training = job.task, job.model, job.training
         model = spec.build(seed=training.seed)
-        optimizer = training.optimizer
-        if task.frozen_head:  # its head is the model's back (split_models.mirror): kept as sent
-            optimizer = dataclasses.replace(optimizer, head_lr_scale=0.0)
-        segment = Segment.from_model(model, task.start, task.end, training.local_loss, optimizer)
+        segment = Segment.from_model(
+            model, task.start, task.end, training.local_loss, training.optimizer
+        )
         _warm_up(segment, self.data, training.compression)
         return segment
 

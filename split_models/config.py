@@ -463,8 +463,8 @@ class TrainingConfig:
     # rounds (FedBN; the global model holds their average); "recalibrate" averages them, then
     # the edges that trained measure the aggregate's running statistics (coordinator.statistics)
     norm: str = setting("recalibrate", choices=NORMS)
-    # an edge whose local head can be the model's back (the classifier after the cut) trains
-    # against the back's weights, frozen (split_models.mirror); false: a head of its own
+    # an edge whose local head can be the model's back (the classifier after the cut) starts
+    # each round's head from the back's weights (split_models.mirror); false: its own head
     head_from_back: bool = True
     # GPU servers bound each step of the back (optimizer.max_step: the gradient clipped at
     # norm server_max_step / lr): unbounded, SGD momentum 0.9 at lr 0.05 diverged; a clip at

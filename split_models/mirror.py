@@ -1,13 +1,14 @@
-"""Local heads that are the model's own back: ``training.head_from_back``.
+"""Local heads that start each round as the model's own back: ``training.head_from_back``.
 
 An edge cut just before the model's classifier (the cnn's block 5 is ``Linear(128, 10)``, and
-so is its ``linear`` head at cut 5) can train its blocks against the model's own classifier
-instead of a head of its own. The coordinator sends the back's weights under the head's names
-and the edge keeps them frozen. Under label skew a device's own classifier drifts towards the
-device's classes and pulls the features with it; a frozen, shared classifier keeps the
-features readable by the back the GPU servers train (FedBABU, Oh et al. 2022, freezes the
-classifier of federated clients for the same reason). Measured in docs/benchmarks.md, "A
-frozen head from the back".
+so is its ``linear`` head at cut 5) trains its blocks with a head that begins every round as
+the back's current classifier: the coordinator sends the back's weights under the head's
+names. A head of the edge's own would begin from the average of the deep edges' heads, fitted
+to those edges' classes under label skew; the back's classifier is trained by the GPU servers
+on every edge's batches, so the features the edge learns stay readable by it (FedBABU, Oh et
+al. 2022, keeps a shared classifier for federated clients for the same reason; frozen, it was
+as good with Adam and worse with SGD momentum here). Measured in docs/benchmarks.md, "A head
+from the back".
 
 :func:`mirrored_head` decides by running both: the head, given the back's weights, must
 compute what blocks ``[cut, n)`` compute, on the features the front produces.

@@ -130,8 +130,7 @@ class OptimizerConfig:
     ``head_lr_scale``: a local-loss head (the auxiliary classifier under a segment) learns at
     this multiple of the segment's rate, so it keeps up with the features it reads; absent
     (None), :meth:`head_scale`'s rule: SGD heads at three times a low rate, at most 0.1, Adam's
-    at the segment's (docs/benchmarks.md, "Local heads at a faster rate"); 0 freezes the
-    heads (they keep the weights they are sent: an edge's head from the back). ``max_step``
+    at the segment's (docs/benchmarks.md, "Local heads at a faster rate"). ``max_step``
     counts the head's faster steps; ``clip_norm`` bounds the gradient whatever the rates."""
 
     name: str = "sgd-momentum"
@@ -166,9 +165,9 @@ class OptimizerConfig:
             raise ConfigError(
                 f"optimizer.max_step: must be positive (or absent: no bound), got {self.max_step}"
             )
-        if self.head_lr_scale is not None and not 0 <= self.head_lr_scale <= 10_000:
+        if self.head_lr_scale is not None and not 0 < self.head_lr_scale <= 10_000:
             raise ConfigError(
-                f"optimizer.head_lr_scale: must be in [0, 10000] (or absent: the rule), got "
+                f"optimizer.head_lr_scale: must be in (0, 10000] (or absent: the rule), got "
                 f"{self.head_lr_scale}"
             )
         if not 0 <= self.warmup_steps <= 10**9:

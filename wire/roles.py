@@ -235,9 +235,8 @@ class Task:
     trains them with a local head, a server is a piece of the back), the memory estimate, the
     stream it feeds or serves (``segment``), a server's senders (``edges``), the peers sharing
     its piece (``servers``; for an edge, the servers of the stream it feeds, whose presence
-    it watches), the next piece's stream (``forward``), the coordinator's ``session`` and
-    whether an edge's local head is the model's back, to keep frozen (``frozen_head``,
-    ``split_models.mirror``).
+    it watches), the next piece's stream (``forward``) and the coordinator's
+    ``session``.
     """
 
     run: str
@@ -251,20 +250,18 @@ class Task:
     servers: tuple[str, ...] = ()
     forward: str | None = None
     session: str | None = None
-    frozen_head: bool = False
 
     def segment_key(self) -> str:
         """What a built segment depends on: the model, the blocks, whether it ends in a head
-        that passes its output on or is frozen, and the training settings that shape it
-        (optimizer, local loss, mode). Not the run's bookkeeping (session, deadline, estimate,
-        streams) nor a round's weights: tasks with one key can train one built segment."""
+        that passes its output on, and the training settings that shape it (optimizer, local
+        loss, mode). Not the run's bookkeeping (session, deadline, estimate, streams) nor a
+        round's weights: tasks with one key can train one built segment."""
         shaping = {k: self.training.get(k) for k in ("optimizer", "local_loss", "mode")}
         key = {
             "model": self.model,
             "blocks": [self.start, self.end],
             "passes_on": self.forward is not None,
             "training": shaping,
-            "frozen_head": self.frozen_head,
         }
         return json.dumps(key, sort_keys=True)
 
@@ -273,8 +270,6 @@ class Task:
         # coordinator of 1,000 clients more than the rest of building their messages
         data = {f.name: getattr(self, f.name) for f in fields(self)}
         data["edges"], data["servers"] = list(self.edges), list(self.servers)
-        if not self.frozen_head:  # left out: agents of earlier versions refuse unknown keys
-            del data["frozen_head"]
         return json.dumps(data)
 
     @classmethod
@@ -304,9 +299,6 @@ class Task:
         if session is not None and not isinstance(session, str):
             raise WireError("field", f"task.session: expected a string, got {session!r}")
         estimate = "estimated_peak_bytes" in data
-        frozen = data.get("frozen_head", False)
-        if not isinstance(frozen, bool):
-            raise WireError("field", f"task.frozen_head: expected true or false, got {frozen!r}")
         return cls(
             run=run,
             model=_section(data, "model"),
@@ -321,7 +313,6 @@ class Task:
             servers=_names(data, "servers"),
             forward=_stream_name(data, "forward", True),
             session=session,
-            frozen_head=frozen,
         )
 
 

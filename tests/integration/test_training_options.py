@@ -183,23 +183,25 @@ def test_a_deterministic_run_resumed_mid_round_gives_the_uninterrupted_weights(
 
 
 @pytest.mark.parametrize("mirror", [True, False])
-def test_edges_cut_before_the_classifier_train_against_it_kept_frozen(
+def test_edges_cut_before_the_classifier_start_their_head_from_it(
     tmp_path: Path, mirror: bool
 ) -> None:
     """The default profiles cut the cnn at 2 and 5; cut 5 leaves only the classifier, which a
     linear head can be (``head_from_back``): those edges are sent the back's classifier as
-    their head and keep it, so the head the round stores is the classifier it began from.
-    With ``head_from_back: false`` they train a head of their own."""
-    fields = {"rounds": 1, "head_from_back": mirror}
+    their head. With heads that barely step (``head_lr_scale`` 1e-6) the head the round
+    stores is the classifier the round began from; with ``head_from_back: false`` it is the
+    edges' own head, built at random."""
+    optimizer = {"name": "adam", "lr": 1e-3, "head_lr_scale": 1e-6}
+    fields = {"rounds": 1, "head_from_back": mirror, "optimizer": optimizer}
     config = parse_sim_config({"measure_memory": False, "workers": 1, **fields})
     summary, weights = _simulate(tmp_path, "mirror", **fields)
     assert {tuple(c["blocks"]) for c in summary["clients"]} == {(0, 2), (0, 5)}
     model = config.model.build(seed=config.training.seed)
     began = segment_state(Segment.from_model(model, 0, model.num_blocks))
     kept = [
-        np.allclose(weights[f"head5.net.1.{name}"], began[f"block5.0.{name}"], rtol=1e-6, atol=0)
+        np.allclose(weights[f"head5.net.1.{name}"], began[f"block5.0.{name}"], atol=1e-4)
         for name in ("weight", "bias")
     ]
     assert kept == [mirror, mirror]
-    assert not np.allclose(weights["block5.0.weight"], began["block5.0.weight"]), "it trained"
+    assert not np.allclose(weights["block5.0.weight"], began["block5.0.weight"], atol=1e-3)
     assert summary["final_accuracy"] > 0.3, summary["rounds"]

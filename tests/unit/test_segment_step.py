@@ -206,21 +206,9 @@ def test_by_default_sgd_heads_learn_faster_at_low_rates(name: str, lr: float, wa
     assert scales == pytest.approx([1.0, want])
 
 
-def test_head_lr_scale_must_not_be_negative() -> None:
+def test_head_lr_scale_must_be_positive() -> None:
     with pytest.raises(ConfigError, match="head_lr_scale"):
-        OptimizerConfig(head_lr_scale=-0.5)
-
-
-@pytest.mark.parametrize("name", ["sgd", "sgd-momentum", "adam"])
-def test_a_head_at_rate_0_keeps_the_weights_it_was_sent(name: str) -> None:
-    """``head_lr_scale: 0`` (an edge's head from the back, split_models.mirror): the head is
-    not moved, neither by its steps nor by weight decay, while the blocks train."""
-    segment = _segment(OptimizerConfig(name, lr=0.05, weight_decay=0.1, head_lr_scale=0.0))
-    heads = {id(p) for p in segment.head.parameters()}
-    before = [p.detach().clone() for p in segment.trainable_parameters()]
-    after = _trained(segment, 3)
-    for p, a, b in zip(segment.trainable_parameters(), after, before, strict=True):
-        assert torch.equal(a, b) == (id(p) in heads), "the head stays, the blocks move"
+        OptimizerConfig(head_lr_scale=0)
 
 
 def test_max_step_bounds_the_whole_step_with_a_faster_head() -> None:

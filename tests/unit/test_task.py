@@ -117,7 +117,6 @@ def _raw(section: str, value: object) -> str:
         (_raw("servers", "gpu-a"), "task.servers"),
         (_raw("forward", 1), "task.forward"),
         (_raw("extra", {}), "unknown key(s) ['extra']"),
-        (_raw("frozen_head", "yes"), "task.frozen_head: expected true or false"),
     ],
 )
 def test_a_malformed_task_is_rejected(payload: str, message: str) -> None:
@@ -171,9 +170,6 @@ def test_the_segment_key_ignores_bookkeeping_but_not_what_shapes_the_segment() -
     assert _task(end=3).segment_key() != base.segment_key()
     assert _task(training=other_optimizer.to_dict()).segment_key() != base.segment_key()
     assert _task(forward=None).segment_key() != base.segment_key()  # the last piece: no head
-    assert _task(frozen_head=True).segment_key() != base.segment_key()  # its optimizer differs
-    assert Task.parse(_task(frozen_head=True).to_json()).frozen_head
-    assert "frozen_head" not in json.loads(base.to_json()), "agents of earlier versions read it"
     backprop = dataclasses.replace(TRAINING, mode="backprop")
     assert _task(training=backprop.to_dict()).segment_key() != base.segment_key()
 
