@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 from collections.abc import Collection, Mapping
 
 import numpy as np
@@ -30,6 +31,7 @@ from split_models.zoo import SplittableModel
 
 __all__ = ["head_mirrors", "mirrored_head", "with_mirrored_heads"]
 
+log = logging.getLogger(__name__)
 _FOUND: dict[tuple[str, str, int], dict[str, str]] = {}  # (model, local loss, cut) -> names
 
 
@@ -88,5 +90,17 @@ def head_mirrors(
         built = model.build(seed=training.seed)
         for cut, key in keys.items():
             if key not in _FOUND:
-                _FOUND[key] = mirrored_head(built, cut, training.local_loss)
+                _FOUND[key] = _mirrored_or_none(built, cut, training.local_loss)
     return {cut: _FOUND[key] for cut, key in keys.items() if _FOUND[key]}
+
+
+def _mirrored_or_none(model: SplittableModel, cut: int, local_loss: str) -> dict[str, str]:
+    """:func:`mirrored_head`, or none (logged) when probing the model fails: the head of the
+    edge's own is what the run would train without the option, not a reason to stop it."""
+    try:
+        return mirrored_head(model, cut, local_loss)
+    except Exception as error:  # a model's own code may raise anything
+        log.warning(
+            "head_from_back: cut %d keeps a head of its own (probing failed: %s)", cut, error
+        )
+        return {}

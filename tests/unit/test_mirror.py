@@ -59,3 +59,16 @@ def test_the_coordinator_mirrors_only_local_loss_heads_when_asked(
 ) -> None:
     training = dataclasses.replace(TrainingConfig(rounds=1), **changes)  # type: ignore[arg-type]
     assert sorted(head_mirrors(CNN, training, [2, 5])) == want
+
+
+def test_a_model_that_cannot_be_probed_keeps_its_own_heads_and_says_so(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken(*_: object) -> dict[str, str]:
+        raise RuntimeError("forward needs a mask")
+
+    monkeypatch.setattr("split_models.mirror.mirrored_head", broken)
+    model = ModelConfig("cnn", (1, 12, 12), 10)  # a model no other test probed (a cache)
+    with caplog.at_level("WARNING"):
+        assert head_mirrors(model, TrainingConfig(rounds=1), [5]) == {}
+    assert "cut 5 keeps a head of its own (probing failed: forward needs a mask)" in caplog.text
