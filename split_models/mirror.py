@@ -42,6 +42,12 @@ def mirrored_head(model: SplittableModel, cut: int, local_loss: str) -> dict[str
     as BatchNorm's, tensors crossing the cut beside the activation)."""
     if not 0 < cut < model.num_blocks or local_loss == "supcon":
         return {}
+    with torch.random.fork_rng(devices=[]):  # a simulation's clients draw from the same RNG
+        torch.manual_seed(0)
+        return _mirrored(model, cut, local_loss)
+
+
+def _mirrored(model: SplittableModel, cut: int, local_loss: str) -> dict[str, str]:
     front = Segment.from_model(model, 0, cut, local_loss)
     back = Segment.from_model(model, cut, model.num_blocks)
     if front.side_outputs or any(True for _ in (*front.head.buffers(), *back.module.buffers())):
@@ -55,7 +61,6 @@ def mirrored_head(model: SplittableModel, cut: int, local_loss: str) -> dict[str
     probe = copy.deepcopy(front.head).eval()
     probe.load_state_dict({name: tensor for (name, _), (_, tensor) in pairs})
     with torch.no_grad():
-        torch.manual_seed(0)
         features = primary(front.forward(model.example_input(4)))
         expected = primary(back.forward(features))
         if not torch.allclose(probe(features), expected, rtol=1e-5, atol=1e-6):

@@ -7,6 +7,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+import torch
 
 from split_models.config import ModelConfig, TrainingConfig
 from split_models.mirror import head_mirrors, mirrored_head, with_mirrored_heads
@@ -72,3 +73,13 @@ def test_a_model_that_cannot_be_probed_keeps_its_own_heads_and_says_so(
     with caplog.at_level("WARNING"):
         assert head_mirrors(model, TrainingConfig(rounds=1), [5]) == {}
     assert "cut 5 keeps a head of its own (probing failed: forward needs a mask)" in caplog.text
+
+
+def test_probing_leaves_the_global_random_state_as_it_found_it() -> None:
+    """A simulation's coordinator shares the process, and torch's RNG, with its clients."""
+    model = build_model("cnn", (1, 8, 8), 10, seed=0)
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    assert mirrored_head(model, 5, "linear")
+    assert torch.equal(torch.rand(3), expected)
