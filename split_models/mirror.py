@@ -17,7 +17,6 @@ compute what blocks ``[cut, n)`` compute, on the features the front produces.
 from __future__ import annotations
 
 import copy
-import json
 import logging
 from collections.abc import Collection, Mapping
 
@@ -25,14 +24,14 @@ import numpy as np
 import torch
 
 from split_models.activations import primary
-from split_models.config import ModelConfig, TrainingConfig, config_to_dict
+from split_models.config import ModelConfig, TrainingConfig
 from split_models.segment import Segment
 from split_models.zoo import SplittableModel
 
 __all__ = ["head_mirrors", "mirrored_head", "with_mirrored_heads"]
 
 log = logging.getLogger(__name__)
-_FOUND: dict[tuple[str, str, int], dict[str, str]] = {}  # (model, local loss, cut) -> names
+_FOUND: dict[tuple[ModelConfig, str, int], dict[str, str]] = {}  # (model, loss, cut) -> names
 
 
 def mirrored_head(model: SplittableModel, cut: int, local_loss: str) -> dict[str, str]:
@@ -89,8 +88,7 @@ def head_mirrors(
     milliseconds to seconds)."""
     if not training.head_from_back or training.mode != "local-loss":
         return {}
-    name = json.dumps(config_to_dict(model), sort_keys=True)
-    keys = {cut: (name, training.local_loss, cut) for cut in cuts}
+    keys = {cut: (model, training.local_loss, cut) for cut in cuts}
     if any(key not in _FOUND for key in keys.values()):
         built = model.build(seed=training.seed)
         for cut, key in keys.items():
