@@ -99,7 +99,7 @@ def ensure_current(engine: Engine, patience: float = 30.0) -> None:
     database: wait up to ``patience`` seconds for that one to bring it to head. (Migrations run
     in one transaction now, so edgesplit's own processes no longer meet this; an older
     version's process, which committed step by step, still can.)"""
-    from sqlalchemy.exc import OperationalError, ProgrammingError
+    from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
 
     deadline = time.monotonic() + patience
     while True:
@@ -110,7 +110,9 @@ def ensure_current(engine: Engine, patience: float = 30.0) -> None:
         try:
             upgrade(engine)
             return
-        except (OperationalError, ProgrammingError) as error:
+        except (IntegrityError, OperationalError, ProgrammingError) as error:
+            # "already exists": a table the other process committed, or (IntegrityError, a
+            # duplicate key in pg_type) one it was creating in a transaction still open then
             if "already exists" not in str(error) or time.monotonic() > deadline:
                 raise
             time.sleep(0.2)

@@ -101,3 +101,42 @@ def test_every_migration_step_commits_together_on_sqlite(tmp_path: Path) -> None
 
 def test_every_migration_step_commits_together_on_postgres(postgres_url: str) -> None:
     assert _commits_of_an_upgrade(postgres_url) == 1
+
+
+def test_an_open_that_meets_a_version_table_being_created_on_postgres_waits(
+    postgres_url: str,
+) -> None:
+    # Another process's CREATE TABLE alembic_version, still uncommitted, makes the open's own
+    # one wait; once the other commits, PostgreSQL fails the open's with a duplicate key in
+    # pg_type, not "already exists" (CI, stop 44). The open must wait for head all the same.
+    import threading
+    import time
+
+    from sqlalchemy import text
+
+    from storage.migrate import current_revision, ensure_current, head
+
+    engine = create_store_engine(postgres_url)
+    Base.metadata.create_all(engine)
+    failures: list[BaseException] = []
+
+    def open_it() -> None:
+        try:
+            ensure_current(engine, patience=20.0)
+        except BaseException as error:  # reported below, in the test's thread
+            failures.append(error)
+
+    with engine.connect() as other:
+        transaction = other.begin()
+        other.execute(text("CREATE TABLE alembic_version (version_num VARCHAR(32))"))
+        opening = threading.Thread(target=open_it)
+        opening.start()
+        time.sleep(1.5)  # the open now waits on the other's uncommitted table
+        other.execute(text("INSERT INTO alembic_version VALUES (:v)"), {"v": head()})
+        transaction.commit()
+    opening.join(timeout=30)
+    assert not opening.is_alive()
+    assert failures == []
+    with engine.connect() as connection:
+        assert current_revision(connection) == head()
+    engine.dispose()
