@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -132,13 +133,10 @@ class Broker:
         raise TransportError(f"mosquitto did not listen on port {self.port} in {timeout} s")
 
     def stop(self) -> None:
-        if self._process is not None and self._process.poll() is None:
-            self._process.terminate()
-            try:
-                self._process.wait(5)
-            except subprocess.TimeoutExpired:
-                self._process.kill()
-                self._process.wait()
+        """SIGTERM mosquitto (it saves its state and publishes every client's will), SIGKILL
+        it after 5 s."""
+        if self._process is not None:
+            _end(self._process, signal.SIGTERM, 5.0)
         self._process = None
 
     def restart(self, down: float = 0.0, kill: bool = False) -> None:
@@ -154,9 +152,8 @@ class Broker:
 
     def kill(self) -> None:
         """SIGKILL mosquitto, as a crash or an OOM kill would (for fault tests)."""
-        if self._process is not None and self._process.poll() is None:
-            self._process.kill()
-            self._process.wait()
+        if self._process is not None:
+            _end(self._process, signal.SIGKILL, 0.0)
         self._process = None
 
     def __enter__(self) -> Broker:
@@ -174,4 +171,41 @@ class Broker:
         """Block until mosquitto exits (the foreground ``edgesplit broker`` command)."""
         if self._process is None:
             return 0
-        return self._process.wait()
+        code = _reaped(self._process, block=True)
+        return -1 if code is None else code
+
+
+# mosquitto is stopped and waited for by its pid, not by Popen.wait: a signal that raises in the
+# main thread (Ctrl-C, the foreground command's SIGTERM) just after Popen took its waitpid
+# lock leaves the lock held (an interrupted `with lock:`, bpo-29988), and a Popen.wait after
+# that blocks for ever: `edgesplit broker` hung on SIGTERM in CI, once.
+
+
+def _reaped(process: subprocess.Popen[bytes], block: bool = False) -> int | None:
+    """The exit code of ``process`` once it has exited (then reaped), else None; ``block``:
+    wait for it."""
+    if process.returncode is not None:
+        return process.returncode
+    try:
+        pid, status = os.waitpid(process.pid, 0 if block else os.WNOHANG)
+    except ChildProcessError:  # reaped already (Popen's own calls before any signal)
+        return process.returncode if process.returncode is not None else -1
+    if pid == 0:
+        return None
+    process.returncode = os.waitstatus_to_exitcode(status)
+    return process.returncode
+
+
+def _end(process: subprocess.Popen[bytes], signum: int, patience: float) -> None:
+    """Send ``signum`` to ``process``, wait up to ``patience`` s for it to exit, then SIGKILL
+    it; reaped either way."""
+    if _reaped(process) is not None:
+        return
+    os.kill(process.pid, signum)  # not reaped, so the pid is still this child's
+    deadline = time.monotonic() + patience
+    while _reaped(process) is None:
+        if time.monotonic() >= deadline:
+            os.kill(process.pid, signal.SIGKILL)
+            _reaped(process, block=True)
+            return
+        time.sleep(0.01)
