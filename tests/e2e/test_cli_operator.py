@@ -4,6 +4,7 @@ leaving nothing behind."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -187,6 +188,7 @@ def test_broker_leaves_no_process_or_folder_behind(signum: int) -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        env={**os.environ, "PYTHONFAULTHANDLER": "1"},  # SIGABRT dumps every thread's stack
     )
     assert process.stdout is not None
     line = process.stdout.readline()
@@ -195,7 +197,15 @@ def test_broker_leaves_no_process_or_folder_behind(signum: int) -> None:
     assert folder.is_dir() and len(children) == 1, (line, children)
 
     process.send_signal(signum)
-    process.communicate(timeout=30)
+    try:
+        process.communicate(timeout=30)
+    except subprocess.TimeoutExpired:  # it hung once in CI: say where
+        process.send_signal(signal.SIGABRT)
+        _, stacks = process.communicate(timeout=30)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(children[0]), signal.SIGKILL)
+        shutil.rmtree(folder, ignore_errors=True)
+        pytest.fail(f"no exit 30 s after {signal.Signals(signum).name}; its threads:\n{stacks}")
 
     assert process.returncode == 0
     assert not folder.exists()
