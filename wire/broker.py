@@ -168,17 +168,20 @@ class Broker:
         shutil.rmtree(self._dir, ignore_errors=True)
 
     def wait(self) -> int:
-        """Block until mosquitto exits (the foreground ``edgesplit broker`` command)."""
+        """Block until mosquitto exits (the foreground ``edgesplit broker`` command), its exit
+        code. Polls: the kernel may hand SIGTERM to another thread of this process (numpy's
+        BLAS starts one), and then a wait blocked in the main thread's ``waitpid`` is not
+        interrupted, so Python never runs the handler that stops the command (it hung so)."""
         if self._process is None:
             return 0
-        code = _reaped(self._process, block=True)
-        return -1 if code is None else code
+        while (code := _reaped(self._process)) is None:
+            time.sleep(0.1)
+        return code
 
 
-# mosquitto is stopped and waited for by its pid, not by Popen.wait: a signal that raises in the
-# main thread (Ctrl-C, the foreground command's SIGTERM) just after Popen took its waitpid
-# lock leaves the lock held (an interrupted `with lock:`, bpo-29988), and a Popen.wait after
-# that blocks for ever: `edgesplit broker` hung on SIGTERM in CI, once.
+# mosquitto is stopped and waited for by its pid, not by Popen.wait, whose lock a signal
+# raising at the wrong moment could leave held (an interrupted `with lock:`, bpo-29988), after
+# which every Popen.wait blocks for ever.
 
 
 def _reaped(process: subprocess.Popen[bytes], block: bool = False) -> int | None:
