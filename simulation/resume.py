@@ -1,8 +1,10 @@
-"""Which cancelled run a simulation resumes. The same command run again resumes the latest
+"""Which run a simulation goes on with. The same command run again resumes the latest
 cancelled run in ``--out`` that trains as it would: the same run settings (rounds may
 differ), and the same data, partition and devices, which the run config does not hold; the
 simulation records their digests as a ``simulation`` event when it starts a run. A resume
-that would end before the rounds already committed is refused by name."""
+that would end before the rounds already committed is refused by name. A finished run is
+gone on with the same way when more rounds are asked for than it has (``--rounds`` raised:
+it trains the rounds it lacks); asked for no more, a new run starts."""
 
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from split_models.errors import ConfigError
 from storage import open_store
 from storage.base import RunStore
 from storage.errors import NotFoundError
-from storage.records import Event
+from storage.records import Event, RunRecord
 
 log = logging.getLogger(__name__)
 
@@ -85,17 +87,21 @@ def _grouped(stored: Mapping[str, Any]) -> bool:
     return any(str(e).startswith("host-") for e in edges)
 
 
-def cancelled_run(
+def resumable_run(
     config: SimConfig, out: Path, test_data: str, prints: Mapping[str, str]
 ) -> str | None:
-    """The latest cancelled run in ``out`` that trains as ``config`` does on the data,
-    partition and devices of ``prints``; None (with a warning naming why the latest was
-    passed over) when there is none."""
+    """The latest run in ``out`` to go on with (cancelled, or finished with fewer rounds than
+    ``config`` asks for) that trains as ``config`` does on the data, partition and devices of
+    ``prints``; None (with a warning naming why the latest was passed over) when there is
+    none."""
     keys = (*STRUCTURE_KEYS, *TRAINING_KEYS)
+    wanted = config.training.rounds
     with open_store(f"sqlite:///{out / 'runs.db'}") as store:
         listed = store.list_runs()
         runs = sorted(
-            (r for r in listed if r.status == "cancelled"), key=lambda r: r.updated_at, reverse=True
+            (r for r in listed if r.status == "cancelled" or _shorter(r, wanted)),
+            key=lambda r: r.updated_at,
+            reverse=True,
         )
         _hint_orphans([r.run_id for r in listed if r.status == "training"], out)
         passed: tuple[str, str] | None = None  # the latest run not resumed, and why
@@ -104,20 +110,31 @@ def cancelled_run(
             recorded = _recorded(store, run.run_id) or {}
             other = [k for k in prints if k in recorded and recorded[k] != prints[k]]
             if not changed and not other:
-                _check_rounds(run.run_id, run.current_round or 0, config.training.rounds)
+                _check_rounds(run.run_id, run.current_round or 0, wanted)
+                if run.status == "finished":
+                    log.warning(
+                        "run %s in this --out finished after %d rounds: it goes on to round %d "
+                        "(another --out starts a new run)",
+                        run.run_id,
+                        run.current_round or 0,
+                        wanted,
+                    )
                 return run.run_id
             reasons = [describe_changes(changed), ", ".join(f"other {k}" for k in other)]
             if (was := _grouped(run.config)) != config.fleet.group_clients:  # its devices
                 reasons = [f"group_clients {str(was).lower()} -> {str(not was).lower()}"]
-            passed = passed or (run.run_id, "; ".join(filter(None, reasons)))
+            passed = passed or (f"{run.status} run {run.run_id}", "; ".join(filter(None, reasons)))
     if passed is not None:
         latest, reason = passed
         log.warning(
-            "not resuming cancelled run %s, which trained otherwise (%s): starting a new run",
-            latest,
-            reason,
+            "not resuming %s, which trained otherwise (%s): starting a new run", latest, reason
         )
     return None
+
+
+def _shorter(run: RunRecord, rounds: int) -> bool:
+    """Whether ``run`` finished with fewer rounds committed than ``rounds``."""
+    return run.status == "finished" and (run.current_round or 0) < rounds
 
 
 def _hint_orphans(training: Sequence[str], out: Path) -> None:

@@ -42,7 +42,7 @@ from simulation.config import (
 from simulation.hosts import ClientGroup, HostAgent
 from simulation.pool import SegmentPool
 from simulation.report import client_rows, round_rows, write_outputs
-from simulation.resume import cancelled_run, fingerprint, start_run
+from simulation.resume import fingerprint, resumable_run, start_run
 from split_models.data import Dataset, load_dataset, model_data_problem, partition
 from split_models.errors import ConfigError
 from split_models.measure import measure_in_fresh_process
@@ -308,12 +308,12 @@ def simulate(
 
 
 def _run_id(config: SimConfig, out: Path, test_data: str, prints: dict[str, str] | None) -> str:
-    """The latest cancelled run in ``out`` that trains as this configuration does (rounds may
-    differ) on the same data, partition and devices (``prints``; None: a baseline, never
-    resumed), to resume; else a new id."""
+    """The run in ``out`` to go on with (:func:`~simulation.resume.resumable_run`: cancelled,
+    or finished with fewer rounds, training as this configuration does on the same data,
+    partition and devices, ``prints``; None: a baseline, never resumed); else a new id."""
     resumed = None
     if prints is not None and (out / "runs.db").exists():
-        resumed = cancelled_run(config, out, test_data, prints)
+        resumed = resumable_run(config, out, test_data, prints)
     return resumed or f"sim-{uuid.uuid4().hex[:8]}"
 
 

@@ -98,3 +98,27 @@ def test_a_run_left_training_by_a_killed_process_is_named_with_how_to_resume_it(
     assert second != first
     assert f"run {first} in this --out is still marked training" in caplog.text, caplog.text
     assert f"edgesplit runs stop {first} --db" in caplog.text
+
+
+def test_a_finished_run_given_more_rounds_goes_on_and_given_none_a_new_run_starts(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    out = tmp_path / "sim"
+    first = _simulate(out)
+    with caplog.at_level(logging.WARNING, logger="simulation.resume"):
+        longer = _simulate(out, rounds=3)
+    assert longer["run_id"] == first["run_id"]
+    assert [r["round"] for r in longer["rounds"]] == [1, 2, 3]
+    assert [r["accuracy"] for r in longer["rounds"][:2]] == [
+        r["accuracy"] for r in first["rounds"]
+    ]  # rounds 1-2 as they were committed, not trained again
+    assert f"run {first['run_id']} in this --out finished after 2 rounds" in caplog.text
+    with open_store(f"sqlite:///{out / 'runs.db'}") as store:
+        run = store.get_run(first["run_id"])
+    assert (run.status, run.current_round) == ("finished", 3)
+
+    again = _simulate(out, rounds=3)  # it has them all: a new run
+    assert again["run_id"] != first["run_id"]
+    assert [r["round"] for r in again["rounds"]] == [1, 2, 3]
+    other = _simulate(out, rounds=4, optimizer={"name": "adam", "lr": 0.001})
+    assert other["run_id"] not in (first["run_id"], again["run_id"])  # trains otherwise
