@@ -113,8 +113,8 @@ def resumable_run(
                 _check_rounds(run.run_id, run.current_round or 0, wanted)
                 if run.status == "finished":
                     log.warning(
-                        "run %s in this --out finished after %d rounds: it goes on to round %d "
-                        "(another --out starts a new run)",
+                        "run %s in this --out finished with %d round(s) committed: it goes on "
+                        "to round %d (another --out starts a new run)",
                         run.run_id,
                         run.current_round or 0,
                         wanted,

@@ -112,7 +112,7 @@ def test_a_finished_run_given_more_rounds_goes_on_and_given_none_a_new_run_start
     assert [r["accuracy"] for r in longer["rounds"][:2]] == [
         r["accuracy"] for r in first["rounds"]
     ]  # rounds 1-2 as they were committed, not trained again
-    assert f"run {first['run_id']} in this --out finished after 2 rounds" in caplog.text
+    assert f"run {first['run_id']} in this --out finished with 2 round(s) committed" in caplog.text
     with open_store(f"sqlite:///{out / 'runs.db'}") as store:
         run = store.get_run(first["run_id"])
     assert (run.status, run.current_round) == ("finished", 3)
