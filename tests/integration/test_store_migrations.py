@@ -110,7 +110,6 @@ def test_an_open_that_meets_a_version_table_being_created_on_postgres_waits(
     # one wait; once the other commits, PostgreSQL fails the open's with a duplicate key in
     # pg_type, not "already exists" (CI, stop 44). The open must wait for head all the same.
     import threading
-    import time
 
     from sqlalchemy import text
 
@@ -131,7 +130,7 @@ def test_an_open_that_meets_a_version_table_being_created_on_postgres_waits(
         other.execute(text("CREATE TABLE alembic_version (version_num VARCHAR(32))"))
         opening = threading.Thread(target=open_it)
         opening.start()
-        time.sleep(1.5)  # the open now waits on the other's uncommitted table
+        _until_a_session_waits_on_a_lock(engine)  # the open, on the other's uncommitted table
         other.execute(text("INSERT INTO alembic_version VALUES (:v)"), {"v": head()})
         transaction.commit()
     opening.join(timeout=30)
@@ -140,3 +139,21 @@ def test_an_open_that_meets_a_version_table_being_created_on_postgres_waits(
     with engine.connect() as connection:
         assert current_revision(connection) == head()
     engine.dispose()
+
+
+def _until_a_session_waits_on_a_lock(engine: object, patience: float = 20.0) -> None:
+    import time
+
+    from sqlalchemy import text
+
+    query = text(
+        "SELECT count(*) FROM pg_stat_activity "
+        "WHERE datname = current_database() AND wait_event_type = 'Lock'"
+    )
+    deadline = time.monotonic() + patience
+    while time.monotonic() < deadline:
+        with engine.connect() as connection:  # type: ignore[attr-defined]
+            if connection.execute(query).scalar():
+                return
+        time.sleep(0.05)
+    raise AssertionError(f"no session waited on a lock within {patience} s")
