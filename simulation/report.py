@@ -18,7 +18,9 @@ from __future__ import annotations
 import csv
 import json
 import logging
-from collections.abc import Mapping, Sequence
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -141,15 +143,33 @@ def client_rows(
 
 
 def write_outputs(out: Path, summary: Mapping[str, Any], plan_text: str) -> None:
-    """``summary.json``, ``plan.txt``, ``rounds.csv`` and ``curves.png`` into ``out``."""
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    (out / "plan.txt").write_text(plan_text + "\n")
+    """``summary.json``, ``plan.txt``, ``rounds.csv`` and ``curves.png`` into ``out``, each
+    whole or not at all (written aside, then renamed): a kill mid-write leaves the last
+    run's file, never a cut one."""
+    with _replacing(out / "summary.json") as path:
+        path.write_text(json.dumps(summary, indent=2) + "\n")
+    with _replacing(out / "plan.txt") as path:
+        path.write_text(plan_text + "\n")
     rows = summary["rounds"]
-    with (out / "rounds.csv").open("w", newline="") as handle:
+    with _replacing(out / "rounds.csv") as path, path.open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]) if rows else ["round"])
         writer.writeheader()
         writer.writerows(rows)
-    write_curves(out / "curves.png", summary)
+    with _replacing(out / "curves.png") as path:
+        write_curves(path, summary)
+
+
+@contextmanager
+def _replacing(path: Path) -> Iterator[Path]:
+    """A file beside ``path`` to write; it replaces ``path`` once the block ends without an
+    error (a missing one, say matplotlib's absent, leaves ``path`` as it was)."""
+    aside = path.with_name(f".{path.name}.tmp")
+    try:
+        yield aside
+        if aside.exists():
+            os.replace(aside, path)
+    finally:
+        aside.unlink(missing_ok=True)
 
 
 def write_curves(path: Path, summary: Mapping[str, Any]) -> bool:
@@ -179,6 +199,6 @@ def write_curves(path: Path, summary: Mapping[str, Any]) -> bool:
             axis.set_ylabel(name)
             axis.grid(alpha=0.3)
     figure.suptitle(f"edgesplit simulate: {summary['method']}, run {summary['run_id']}")
-    figure.savefig(path, dpi=90)
+    figure.savefig(path, dpi=90, format="png")
     plt.close(figure)
     return True

@@ -43,6 +43,7 @@ from simulation.hosts import ClientGroup, HostAgent
 from simulation.pool import SegmentPool
 from simulation.report import client_rows, round_rows, write_outputs
 from simulation.resume import fingerprint, resumable_run, start_run
+from simulation.shield import HeldSignals, held_signals
 from split_models.data import Dataset, load_dataset, model_data_problem, partition
 from split_models.errors import ConfigError
 from split_models.measure import measure_in_fresh_process
@@ -277,16 +278,31 @@ def simulate(
     prints = None if baseline else fingerprint(train, parts, config.fleet.client_profiles())
     run_id = run_id or _run_id(config, out, f"npz:{test_path}", prints)
     run = run_config(config, run_id, f"npz:{test_path}")
-    if prints is None:
-        summary = _baseline(config, (train, test), parts, out, run_id, started)
-        write_outputs(out, summary, summary.pop("_plan_text"))
-        return summary
-    names = client_names(config.fleet.clients)
-    data = {name: train.subset(rows) for name, rows in zip(names, parts, strict=True)}
-    del train  # the clients' rows are all that is held from here: the data once, not twice
-    trained, plan, now, rows, clients, batched = _split_learning(
-        config, (run, prints), data, out, (broker, password), observer
-    )
+    with held_signals() as held:  # from the run's end until its outputs are written
+        if prints is None:
+            summary = _baseline(config, (train, test), parts, out, (run_id, held), started)
+            write_outputs(out, summary, summary.pop("_plan_text"))
+            return summary
+        names = client_names(config.fleet.clients)
+        data = {name: train.subset(rows) for name, rows in zip(names, parts, strict=True)}
+        del train  # the clients' rows are all that is held from here: the data once, not twice
+        trained = _split_learning(
+            config, (run, prints), data, out, (broker, password), (observer, held)
+        )
+        summary = _summary(config, run_id, started, trained)
+        write_outputs(out, summary, _plan_text(trained[1]))
+    return summary
+
+
+_Rows = list[dict[str, Any]]
+# when training ended, the stored plan, rows of the rounds trained now and of all, clients, batched
+_Trained = tuple[float, Plan | None, _Rows, _Rows, _Rows, Any]
+
+
+def _summary(config: SimConfig, run_id: str, started: float, trained: _Trained) -> dict[str, Any]:
+    """The summary of a split-learning run started at ``started``: ``trained`` is what
+    :func:`_split_learning` returned."""
+    ended, _, now, rows, clients, batched = trained
     training = sum(r["wall_seconds"] or 0.0 for r in now)  # this process's rounds
     summary = {
         "run_id": run_id,
@@ -294,7 +310,7 @@ def simulate(
         "final_accuracy": rows[-1]["accuracy"] if rows else None,
         "total_wall_seconds": time.perf_counter() - started,
         "training_wall_seconds": training,
-        "setup_wall_seconds": trained - started - training,
+        "setup_wall_seconds": ended - started - training,
         "total_simulated_seconds": sum(r["simulated_seconds"] or 0.0 for r in rows),
         "workers": config.fleet.worker_count,
         "batched": batched,
@@ -303,7 +319,6 @@ def simulate(
     }
     if config.fleet.group_clients:  # the devices are hosts: how many clients each holds
         summary["hosts"] = {host: len(names) for host, (_, names) in config.fleet.hosts().items()}
-    write_outputs(out, summary, _plan_text(plan))
     return summary
 
 
@@ -331,17 +346,15 @@ def _split_learning(
     data: dict[str, Dataset],
     out: Path,
     broker: tuple[str, str | None],
-    observer: RoundObserver | None,
-) -> tuple[
-    float, Plan | None, list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]], Any
-]:
+    watch: tuple[RoundObserver | None, HeldSignals],
+) -> _Trained:
     """Train the run of ``started`` (its config and digests) on the simulated fleet (its
-    store in ``out``, ``broker`` its URL and password); return when training ended, the
-    stored plan, the rows of the rounds trained now and of all rounds, the client rows, and
-    the batched slots' counts."""
+    store in ``out``, ``broker`` its URL and password, ``watch`` the observer and the signals
+    held once the run has ended); return what :data:`_Trained` lists."""
     require_device(config.fleet.client_device, "client_device")
     require_device(config.gpu.device, "gpu.device")
     profiles = config.fleet.device_profiles()
+    observer, held = watch
     connect, closer = _transports(*broker)
     fleet = gpu = None
     try:
@@ -360,6 +373,7 @@ def _split_learning(
             )
             fleet.coordinator = coordinator
             ran = coordinator.run()  # rounds trained now (a resumed run had others before)
+            held.hold()  # finished: a new command would start a new run, so write its outputs
             trained = time.perf_counter()
             plan = stored_plan(store.get_run(run.run_id))
             edges = {e.name: e for e in plan.edges} if plan is not None else {}
@@ -417,15 +431,17 @@ def _baseline(
     data: tuple[Dataset, Dataset],
     parts: list[np.ndarray],
     out: Path,
-    run_id: str,
+    run: tuple[str, HeldSignals],
     started: float,
 ) -> dict[str, Any]:
     if config.fleet.availability is not None:
         log.warning(
             "availability applies to the split methods; every %s client stays online", config.method
         )
+    run_id, held = run
     with open_store(f"sqlite:///{out / 'runs.db'}") as store:
         rows, clients, plan = run_baseline(config, data, parts, store, run_id)
+        held.hold()  # a baseline is never resumed: its outputs are written before it stops
     return {
         "run_id": run_id,
         "method": config.method,

@@ -5,12 +5,17 @@ those already committed (simulations on the bundled digits, in-process, SQLite f
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import signal
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from edgesplit.exits import Signalled, signals_interrupt
+from simulation import simulator
 from simulation.config import parse_sim_config
 from simulation.simulator import simulate
 from split_models.errors import ConfigError
@@ -122,3 +127,26 @@ def test_a_finished_run_given_more_rounds_goes_on_and_given_none_a_new_run_start
     assert [r["round"] for r in again["rounds"]] == [1, 2, 3]
     other = _simulate(out, rounds=4, optimizer={"name": "adam", "lr": 0.001})
     assert other["run_id"] not in (first["run_id"], again["run_id"])  # trains otherwise
+
+
+def test_a_signal_after_the_last_round_still_writes_the_outputs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "sim"
+    real_rows = simulator.round_rows
+
+    def rows_then_sigterm(*args: Any, **kwargs: Any) -> Any:
+        os.kill(os.getpid(), signal.SIGTERM)  # after the run finished, before the outputs
+        return real_rows(*args, **kwargs)
+
+    monkeypatch.setattr(simulator, "round_rows", rows_then_sigterm)
+    with signals_interrupt(), pytest.raises(Signalled) as stopped:
+        _simulate(out)
+    assert stopped.value.signum == signal.SIGTERM  # the signal still stops the command
+    summary = json.loads((out / "summary.json").read_text())
+    assert [r["round"] for r in summary["rounds"]] == [1, 2]
+    with open_store(f"sqlite:///{out / 'runs.db'}") as store:
+        assert store.get_run(summary["run_id"]).status == "finished"
+    assert (out / "rounds.csv").read_text().count("\n") == 3
+    assert (out / "plan.txt").read_text().strip()
+    assert not list(out.glob("*.tmp"))
