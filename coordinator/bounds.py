@@ -114,7 +114,8 @@ def cap_examples(
 
 def foreign_tensors(given: Mapping[str, Any], sent: Mapping[str, Any]) -> str | None:
     """Why the tensors a device ``sent`` back do not fit those it was ``given`` (name to
-    anything with a ``shape``: Flower's ``Array``, numpy's), or None."""
+    anything with a ``shape`` and a ``dtype``: Flower's ``Array``, numpy's), or None. Another
+    dtype is refused too: an integer tensor would pass the norm bound and the NaN check."""
     foreign = [name for name in sent if name not in given]
     if foreign:
         return f"sent tensors it was not given ({', '.join(sorted(foreign)[:3])})"
@@ -123,6 +124,8 @@ def foreign_tensors(given: Mapping[str, Any], sent: Mapping[str, Any]) -> str | 
             return (
                 f"sent {name} of shape {list(array.shape)}, it was given {list(given[name].shape)}"
             )
+        if np.dtype(array.dtype) != np.dtype(given[name].dtype):
+            return f"sent {name} as {np.dtype(array.dtype)}, it was given {given[name].dtype}"
     return None
 
 

@@ -26,11 +26,11 @@ JUMP_MARGIN = 1.0
 
 
 def non_finite_tensors(arrays: Mapping[str, np.ndarray]) -> list[str]:
-    """The names of the floating-point tensors holding NaN or infinity."""
+    """The names of the floating-point (or complex) tensors holding NaN or infinity."""
     return sorted(
         name
         for name, array in arrays.items()
-        if np.issubdtype(array.dtype, np.floating) and not np.isfinite(array).all()
+        if np.issubdtype(array.dtype, np.inexact) and not np.isfinite(array).all()
     )
 
 

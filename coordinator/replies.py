@@ -18,7 +18,9 @@ from wire.flower import numpy_arrays
 __all__ = ["malformed", "malformed_evaluation", "outcome_of"]
 
 _COUNTS = ("cut-bytes-sent", "cut-bytes-received", "clients")  # stored per device, as metrics
-_REPLY_NUMBERS = ("loss", "wall-seconds", "bytes-sent", "bytes-received", "peak-memory", *_COUNTS)
+_STORED = ("wall-seconds", "bytes-sent", "bytes-received")  # stored as sent: finite, >= 0
+_REPLY_NUMBERS = ("loss", *_STORED, "peak-memory", *_COUNTS)
+_LARGEST = 2.0**53  # no count or size above this is true, and a store's integer holds it
 
 
 def outcome_of(
@@ -32,23 +34,33 @@ def outcome_of(
     bytes, a simulation host's clients); ``online``: the nodes online now."""
     outcome = Outcome([], [], {}, started)
     for device, message in messages.items():
-        reply = replies.get(device)
-        if reply is None:
-            here = message.metadata.dst_node_id in online
-            why = "no reply before the deadline" if here else "offline"
-            outcome.results.append(DeviceResult(device, failure=why))
-        elif reply.has_error():
-            why = (reply.error.reason or "failed")[:500]
-            outcome.results.append(DeviceResult(device, failure=why))
-        elif problem := malformed(reply) or foreign_tensors(*map(_tensors, (message, reply))):
-            outcome.results.append(DeviceResult(device, failure=problem))
-        elif bad := non_finite_tensors(numpy_arrays(reply, key=None)):
-            why = f"sent weights holding NaN or infinity ({', '.join(bad[:3])})"
-            outcome.results.append(DeviceResult(device, failure=why))
-        else:
-            outcome.results.append(_result(device, reply, now - started, outcome))
+        try:
+            failure = _failure(message, replies.get(device), online)
+        except Exception as error:  # what no check foresaw fails its device, not the round
+            failure = f"sent a reply that cannot be read ({type(error).__name__}: {error})"[:500]
+        if failure is None:
+            outcome.results.append(_result(device, replies[device], now - started, outcome))
             outcome.ok.append(device)
+        else:
+            outcome.results.append(DeviceResult(device, failure=failure))
     return outcome
+
+
+def _failure(message: Message, reply: Message | None, online: set[int]) -> str | None:
+    """Why the device sent ``message`` fails its round with ``reply``, or None: it trained."""
+    if reply is None:
+        here = message.metadata.dst_node_id in online
+        return "no reply before the deadline" if here else "offline"
+    if reply.has_error():
+        return (reply.error.reason or "failed")[:500]
+    if problem := malformed(reply):
+        return problem
+    arrays = numpy_arrays(reply, key=None)  # decoded once: judged by what they hold
+    if problem := foreign_tensors(_tensors(message), arrays):
+        return problem
+    if bad := non_finite_tensors(arrays):
+        return f"sent weights holding NaN or infinity ({', '.join(bad[:3])})"
+    return None
 
 
 def _result(device: str, reply: Message, seconds: float, outcome: Outcome) -> DeviceResult:
@@ -99,15 +111,19 @@ def malformed(reply: Message) -> str | None:
     metrics = reply.content.metric_records.get("metrics")
     if metrics is None:
         return "sent no metrics record"
+    if len(reply.content.metric_records) != 1:
+        return f"sent {len(reply.content.metric_records)} metric records, expected 1"
     examples = metrics.get("num-examples")
-    if (
-        isinstance(examples, bool)
-        or not isinstance(examples, int | float)
-        or not 0 <= examples < math.inf
-    ):
-        return f"sent num-examples {examples!r}, expected a count >= 0"
+    if isinstance(examples, bool) or not isinstance(examples, int | float):
+        examples = None
+    if examples is None or not 0 <= examples < _LARGEST:
+        return f"sent num-examples {metrics.get('num-examples')!r}, expected a count >= 0"
     for name in _REPLY_NUMBERS:
         value = metrics.get(name, 0)
         if isinstance(value, bool) or not isinstance(value, int | float):
             return f"sent metric {name} {value!r}, expected a number"
+        if name in (*_STORED, "peak-memory") and not -_LARGEST < value < _LARGEST:  # also NaN
+            return f"sent metric {name} {value!r}, out of range"
+        if name in _STORED and value < 0:
+            return f"sent metric {name} {value!r}, expected a number >= 0"
     return None

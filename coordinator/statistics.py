@@ -76,8 +76,8 @@ def statistics_of(
         return f"a sample count outside (1, {most}]"
     try:
         arrays = numpy_arrays(reply)
-    except (KeyError, ValueError) as error:
-        return f"no statistics ({error})"
+    except Exception as error:  # a device may send anything: undecodable is no statistics
+        return f"no statistics ({type(error).__name__}: {error})"[:500]
     if set(arrays) != set(expected):
         unknown = sorted(set(arrays) ^ set(expected))[:3]
         return f"other layers than asked ({', '.join(unknown)})"

@@ -10,18 +10,14 @@ inbound payload is size-bounded, hash-checked and parsed defensively.
 from __future__ import annotations
 
 import collections
-import functools
-import io
 import logging
-import math
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any
 
-import numpy as np
-from flwr.app import Array, ArrayRecord, Context, Error, Message, RecordDict
+from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.common.serde import message_from_proto, message_to_proto
@@ -31,6 +27,7 @@ from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
 
 from wire import topics
+from wire.arrays import array_numpy, array_record, numpy_array, numpy_arrays
 from wire.chunks import Reassembler, split
 from wire.errors import WireError
 from wire.logs import warn
@@ -58,63 +55,6 @@ MAX_MESSAGE_BYTES = 1024 * 1024 * 1024
 _NODES = f"{topics.PREFIX}/presence"  # a device's presence is its node's
 # A GPU server's train reply: examples it trained this round, by sender (name -> count)
 TRAINED_RECORD = "trained"
-
-
-def array_record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
-    """A Flower ``ArrayRecord`` of numpy arrays, keeping their names."""
-    return ArrayRecord({key: numpy_array(value) for key, value in arrays.items()})
-
-
-def numpy_array(value: np.ndarray) -> Array:
-    """``Array(value)``, byte for byte, without ``np.save``'s file machinery for a C-ordered
-    array of numbers (one copy: header and data joined). ``np.save`` costs about 30 us an
-    array; a host of 1,000 simulated clients pays it per tensor, client and round."""
-    array = np.asarray(value)
-    dtype = array.dtype
-    if dtype.kind not in "biufc" or dtype.hasobject or not array.flags.c_contiguous:
-        return Array(array)  # Flower's own encoding (a Fortran-ordered header, ...)
-    data = b"".join((_npy_header(dtype, array.shape), array.reshape(-1).data.cast("B")))
-    return Array(dtype=str(dtype), shape=tuple(array.shape), stype="numpy.ndarray", data=data)
-
-
-def numpy_arrays(message: Message, key: str | None = "arrays") -> dict[str, np.ndarray]:
-    """The named arrays of ``message``'s ArrayRecord ``key`` (``None``: its only one)."""
-    records = message.content.array_records
-    if key is None:
-        (record,) = records.values()
-    else:
-        record = records[key]
-    return {name: array_numpy(value) for name, value in record.items()}
-
-
-@functools.lru_cache(maxsize=1024)
-def _npy_header(dtype: np.dtype[Any], shape: tuple[int, ...]) -> bytes:
-    """The header ``np.save`` writes for a C-ordered array of ``dtype`` and ``shape``."""
-    buffer = io.BytesIO()
-    header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": shape}
-    np.lib.format.write_array_header_1_0(buffer, header)
-    return buffer.getvalue()
-
-
-def array_numpy(array: Array) -> np.ndarray:
-    """``array.numpy()`` without parsing the ``.npy`` header when it is byte for byte the
-    one ``np.save`` writes for the array's declared dtype and shape, followed by exactly
-    that many bytes (every edgesplit sender's); else Flower's own parser: 0.5 ms an array
-    (a coordinator of 1,000 clients pays it per tensor and reply), and ``ast.literal_eval``,
-    which on CPython 3.11.7 raised "AST constructor recursion depth mismatch" in threads."""
-    try:
-        dtype = np.dtype(array.dtype)
-        shape = tuple(int(n) for n in array.shape)
-    except (TypeError, ValueError):
-        return array.numpy()
-    if dtype.kind not in "biufc" or dtype.hasobject or min(shape, default=0) < 0:
-        return array.numpy()
-    header = _npy_header(dtype, shape)
-    data = array.data
-    count = math.prod(shape)  # exact: a hostile shape cannot overflow it
-    if len(data) != len(header) + count * dtype.itemsize or not data.startswith(header):
-        return array.numpy()
-    return np.frombuffer(data, dtype, count, len(header)).reshape(shape).copy()
 
 
 def round_of(message: Message) -> int:

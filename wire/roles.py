@@ -66,9 +66,16 @@ def _loads(payload: bytes | str, what: str) -> dict[str, Any]:
 
 
 def _number(
-    data: Mapping[str, Any], key: str, what: str, *, optional: bool = False, least: float = 0.0
+    data: Mapping[str, Any],
+    key: str,
+    what: str,
+    *,
+    optional: bool = False,
+    least: float = 0.0,
+    most: float = 2.0**53,
 ) -> Any:
-    """``data[key]``: a finite number above 0 (at least ``least`` when given)."""
+    """``data[key]``: a finite number above 0 (at least ``least`` when given) and at most
+    ``most`` (a device declaring 1e20 bytes of memory lies, and no store's integer holds it)."""
     value = data.get(key)
     if value is None and optional:
         return None
@@ -77,6 +84,8 @@ def _number(
     if value <= 0 or value < least:
         bound = f"at least {least:g}" if least else "positive"
         raise WireError("field", f"{what}.{key}: must be {bound}, got {value!r}")
+    if value > most:
+        raise WireError("field", f"{what}.{key}: must be at most {most:g}, got {value!r}")
     return value
 
 
@@ -125,7 +134,7 @@ class Announcement:
             memory=int(_number(data, "memory", "announcement")),
             # a device of a few FLOP/s or bytes/s is not one: such a rate makes the plan's times
             # overflow (1 FLOP/s and 1 byte/s still plan, as hopeless devices)
-            flops=float(_number(data, "flops", "announcement", least=1.0)),
+            flops=float(_number(data, "flops", "announcement", least=1.0, most=1e21)),
             uplink=_number(data, "uplink", "announcement", optional=True, least=1.0),
             accelerator=accelerator,
             examples=_examples(data),

@@ -3,14 +3,16 @@ by name; it never raises inside the coordinator."""
 
 from __future__ import annotations
 
+import io
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from flwr.app import MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
 
 from coordinator.recorder import Outcome
-from coordinator.replies import _result, malformed, malformed_evaluation
+from coordinator.replies import _result, malformed, malformed_evaluation, outcome_of
 from wire.flower import array_record
 
 pytestmark = pytest.mark.unit
@@ -107,3 +109,81 @@ def test_passwords_never_reach_a_log_line_or_an_error() -> None:
     with pytest.raises(ValueError) as error:
         MqttConfig.from_url("tcp://pi-01:s3cret@broker:1883")
     assert "s3cret" not in str(error.value) and "***" in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("metrics", "why"),
+    [
+        ({"bytes-sent": float("inf")}, "metric bytes-sent inf, out of range"),
+        ({"bytes-sent": 1e30}, "metric bytes-sent 1e+30, out of range"),
+        ({"bytes-received": -1}, "metric bytes-received -1, expected a number >= 0"),
+        ({"wall-seconds": float("nan")}, "metric wall-seconds nan, out of range"),
+        ({"wall-seconds": -2.0}, "metric wall-seconds -2.0, expected a number >= 0"),
+        ({"peak-memory": float("nan")}, "metric peak-memory nan, out of range"),
+        ({"num-examples": 1e30}, "num-examples 1e+30"),
+    ],
+)
+def test_numbers_a_store_would_refuse_fail_the_device(metrics: dict[str, object], why: str) -> None:
+    problem = malformed(_reply({"num-examples": 4, **metrics}))  # type: ignore[arg-type]
+    assert problem is not None and why in problem
+    honest = {"num-examples": 4, "peak-memory": -1, "loss": float("nan"), "bytes-sent": 0}
+    assert malformed(_reply(honest)) is None  # type: ignore[arg-type]  # -1: not measured
+
+
+def test_a_second_metric_record_fails_the_device() -> None:
+    reply = _reply({"num-examples": 4})
+    reply.content["extra"] = MetricRecord({"x": 1})  # type: ignore[attr-defined]
+    assert malformed(reply) == "sent 2 metric records, expected 1"  # type: ignore[arg-type]
+
+
+GIVEN = {"block1.w": np.ones((2, 2), np.float32)}
+
+
+def _npy(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    return buffer.getvalue()
+
+
+def _forged(**fields: object) -> Array:
+    return Array(**{"dtype": "float32", "shape": (2, 2), "stype": "numpy.ndarray", **fields})
+
+
+HOSTILE = {
+    "garbage bytes": _forged(data=b"garbage"),
+    "another stype": _forged(stype="torch", data=_npy(GIVEN["block1.w"])),
+    "no bytes": _forged(data=b""),
+    "a header claiming 2**50 floats": _forged(data=_npy(np.ones(2, np.float32))[:10] + b"x" * 118),
+    "a header for 2**50 floats": _forged(
+        data=_npy(np.ones(2, np.float32)).replace(b"(2,)", b"(1125899906842624,)")
+    ),
+    "bytes holding another shape": _forged(data=_npy(np.ones((3, 3), np.float32))),
+    "another dtype": _forged(dtype="int64", data=_npy(np.full((2, 2), 1000, np.int64))),
+    "an integer tensor declared float": _forged(data=_npy(np.full((2, 2), 1000, np.int64))),
+    "complex NaN": _forged(dtype="complex64", data=_npy(np.full((2, 2), np.nan, np.complex64))),
+}
+
+
+def test_weights_that_do_not_decode_to_what_was_given_fail_that_device_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for field in ("_run_id", "_node_id", "_task_id"):  # a grid sets them; no grid here
+        monkeypatch.setattr(TaskIdentity, field, 1)
+    messages, replies = {}, {}
+    for node, (device, array) in enumerate([("honest", None), *HOSTILE.items()], start=1):
+        message = Message(RecordDict({"arrays": array_record(GIVEN)}), node, "train")
+        messages[device] = message
+        arrays = array_record(GIVEN) if array is None else ArrayRecord({"block1.w": array})
+        content = RecordDict({"arrays": arrays, "metrics": MetricRecord({"num-examples": 4})})
+        replies[device] = Message(content, reply_to=message)
+
+    outcome = outcome_of(messages, replies, 0.0, set(), 1.0)  # type: ignore[arg-type]
+
+    assert outcome.ok == ["honest"]
+    failures = {r.device: r.failure for r in outcome.results if r.failure}
+    assert set(failures) == set(HOSTILE)
+    assert "shape [3, 3], it was given [2, 2]" in failures["bytes holding another shape"]
+    assert "as int64, it was given float32" in failures["another dtype"]
+    assert "as int64, it was given float32" in failures["an integer tensor declared float"]
+    assert "cannot be read" in failures["a header for 2**50 floats"]
+    assert all(len(why) <= 500 for why in failures.values())

@@ -292,10 +292,20 @@ def test_an_announcement_carries_its_examples_and_refuses_a_bad_count() -> None:
 
 
 @pytest.mark.parametrize(
-    ("key", "value"), [("flops", 5e-324), ("flops", 0.5), ("uplink", 1e-300), ("flops", 0)]
+    ("key", "value"),
+    [
+        ("flops", 5e-324),
+        ("flops", 0.5),
+        ("uplink", 1e-300),
+        ("flops", 0),
+        ("memory", 1e20),  # no store's integer holds it: the coordinator crashed at planning
+        ("memory", 2**63),
+        ("flops", 1e22),
+        ("uplink", 1e300),
+    ],
 )
-def test_an_announced_rate_too_small_to_plan_with_is_refused(key: str, value: float) -> None:
-    # such rates made the plan's times overflow, and planning crashed
+def test_an_announced_number_no_plan_or_store_can_use_is_refused(key: str, value: float) -> None:
+    # tiny rates made the plan's times overflow, huge memory the store's integer: both crashed
     announced = json.loads(Announcement("pi-01", "edge", 1 << 30, 1e9, 1e6).to_json())
     with pytest.raises(WireError, match=rf"announcement\.{key}: must be"):
         Announcement.parse(json.dumps({**announced, key: value}).encode())
