@@ -253,7 +253,8 @@ class BackTrainer:
         step's output on."""
         for envelope, examples in batches:
             self._count(envelope.sender, examples, result.loss)
-            self._round_batches[envelope.sender][envelope.meta.get("batch")] += 1
+            batch = envelope.meta.get("batch")  # a sender's own count: any JSON it wrote
+            self._round_batches[envelope.sender][batch if type(batch) is int else None] += 1
         if self.chain is not None:
             output = activation_arrays(result.output)
             self.chain.pass_on(output, labels.cpu().numpy(), batches[0][0].round)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import re
 import threading
 import uuid
 from collections.abc import Callable, Mapping
@@ -32,6 +33,10 @@ __all__ = ["Channel", "ChannelStats", "Rejection"]
 log = logging.getLogger(__name__)
 DEFAULT_CHUNK_BYTES = 32 * 1024 * 1024  # below the broker's max_packet_size (80 MiB)
 _WINDOW = 1 << 16
+# streams (topic, sender, epoch, kind) whose sequence numbers a channel remembers: two per
+# sender of 10,000 clients over a broker fit
+_STREAMS = 1 << 16
+_EPOCH = re.compile(r"[0-9a-f]{1,32}")  # Channel.epoch: 16
 _FRAME_HEADROOM = 512  # chunk frame header (~150 bytes) with room to spare
 _MIN_CHUNK = 1024
 _SOURCES = 1024  # senders whose incomplete messages a receiver keeps apart
@@ -103,7 +108,8 @@ class Channel:
         self.epoch = uuid.uuid4().hex[:16]
         self.stats = ChannelStats()
         self._counters: dict[str, itertools.count[int]] = {}
-        self._seen: dict[tuple[str, str, str, str], _Seen] = {}
+        # by the hash of (topic, sender, epoch, kind): a fixed size whatever a sender writes
+        self._seen: collections.OrderedDict[int, _Seen] = collections.OrderedDict()
         self._reassembly_timeout = reassembly_timeout
         # one reassembler per topic (per sender, under the ACL): what one sender leaves
         # incomplete cannot crowd out another's chunked messages
@@ -188,6 +194,18 @@ class Channel:
 
         self.transport.subscribe(topic_filter, receive)
 
+    def _stream(self, key: int) -> _Seen:
+        """What was seen of stream ``key``; the least recently heard of more than
+        :data:`_STREAMS` is forgotten (a sender minting epochs or names cannot grow this)."""
+        seen = self._seen.get(key)
+        if seen is None:
+            seen = self._seen[key] = _Seen()
+            while len(self._seen) > _STREAMS:
+                self._seen.popitem(last=False)
+        else:
+            self._seen.move_to_end(key)
+        return seen
+
     def _reassemble(self, topic: str, payload: bytes) -> bytes | None:
         """The whole message: ``payload`` itself, or once its last chunk came (else None)."""
         if not is_chunk(payload):
@@ -215,11 +233,13 @@ class Channel:
         epoch = envelope.meta.get("epoch")
         if not isinstance(epoch, str):
             raise WireError("header", "meta.epoch is missing")
+        if not _EPOCH.fullmatch(epoch):  # each new one would be remembered
+            raise WireError("header", f"meta.epoch: expected 1-32 hex digits, got {epoch[:40]!r}")
         # by topic too: an envelope's sender is what the payload says, the topic is the
         # account's (ACL), so a forged sender cannot mark another's batches as seen
-        key = (topic, envelope.sender, epoch, envelope.kind)
+        key = hash((topic, envelope.sender, epoch, envelope.kind))
         with self._lock:
-            first = self._seen.setdefault(key, _Seen()).first_time(envelope.seq)
+            first = self._stream(key).first_time(envelope.seq)
             if not first:
                 self.stats.duplicates += 1
                 return None

@@ -11,7 +11,7 @@ handler, the stage's compute. Around that it owns:
 - **parking**: batches of a round this server has not begun yet (a peer began first) wait,
   bounded, until it has the round's weights.
 
-A batch rejected anywhere (codec or handler, :class:`~wire.errors.WireError`) costs one batch:
+A batch rejected anywhere (codec or handler, which may raise anything) costs one batch:
 its credit returns and it is counted, so the round does not wait out its deadline for it. A
 rejection trusts only the topic for the sender (the broker's ACL binds it) and takes round,
 epoch and sequence number from its header; rejections are de-duplicated per round and
@@ -92,8 +92,8 @@ def _attempt(envelope: Envelope) -> int:
 
 class StreamServer:
     """Serves the stream ``segment`` of ``run`` for ``channel.sender``; ``handle`` computes
-    one batch of the current round (called under the stream's lock, one at a time) and raises
-    :class:`WireError` to reject it."""
+    one batch of the current round (under the stream's lock, one at a time) and raises
+    :class:`WireError` to reject it (anything else it raises rejects it too)."""
 
     def __init__(
         self,
@@ -106,8 +106,7 @@ class StreamServer:
         ordered: bool = False,
     ) -> None:
         """``ordered``: handle each round's batches sender by sender (see the module's
-        docstring); with peers sharing the stream it has no effect (no server sees every
-        batch)."""
+        docstring); no effect with peers sharing the stream (no server sees every batch)."""
         self.channel, self.run, self.name = channel, run, channel.sender
         self.ordered = ordered
         self._order: SenderMajor | None = None
@@ -359,6 +358,8 @@ class StreamServer:
                 self._handle(envelope)
             except WireError as error:
                 self.rejected(sender, error)
+            except Exception as error:  # unforeseen: that batch's failure, not the round's
+                self.rejected(sender, WireError("error", f"{type(error).__name__}: {error}"))
         if self._ledger.handled(sender):
             self.stats.handled[sender] += 1
             self._progress[sender] = time.monotonic()
@@ -454,8 +455,7 @@ class StreamServer:
 
     def _may_park(self, sender: str) -> bool:
         """Whether another batch of ``sender`` may wait for a round not begun here: a few per
-        sender (a peer server may begin a round first), so one device parking batches for
-        far rounds cannot crowd out the others'."""
+        sender (a peer may begin a round first), so one cannot crowd out the others'."""
         mine = sum(1 for p in self._parked if p.sender == sender)
         return len(self._parked) < _MAX_PARKED and mine < _PARKED_PER_SENDER
 

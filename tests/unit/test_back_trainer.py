@@ -45,7 +45,12 @@ def _piece(hub: InProcessHub, forward: str | None = "seg-1", max_rows: int = 0) 
 
 
 def _send(
-    edge: Channel, round_number: int, rows: int = 2, sender: str = EDGE, attempt: int = 1
+    edge: Channel,
+    round_number: int,
+    rows: int = 2,
+    sender: str = EDGE,
+    attempt: int = 1,
+    **meta: object,
 ) -> None:
     rng = np.random.default_rng(round_number)
     edge.send(
@@ -57,7 +62,7 @@ def _send(
             "x": rng.normal(size=(rows, 1024)).astype(np.float32),
             "y": rng.integers(0, 10, size=rows).astype(np.int64),
         },
-        meta={"cut": 1, "attempt": attempt},
+        meta={"cut": 1, "attempt": attempt, **meta},
     )
 
 
@@ -152,3 +157,29 @@ def test_a_batch_above_the_runs_batch_size_is_rejected_not_trained() -> None:
     examples, _ = back.wait_round([EDGE], 5.0)
     assert back.stats.rejected["shape"] == 1 and back.stats.batches == 1
     assert examples == 4, "the oversized batch's rows count for nothing"
+
+
+def test_a_batch_whose_handling_raises_is_rejected_and_the_round_still_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    hub = InProcessHub()
+    back = _piece(hub, forward=None)
+    edge = Channel(hub.connect(EDGE), EDGE)
+    back.begin_round(1, [EDGE])
+    _send(edge, 1, batch=[1, 2])  # the sender's batch number is any JSON it writes
+    assert _until(lambda: back.stats.batches == 1)
+    counted = back._trained
+
+    def unforeseen(*args: object) -> None:
+        monkeypatch.setattr(back, "_trained", counted)  # once
+        raise RuntimeError("a bug, or a device-side assert")
+
+    monkeypatch.setattr(back, "_trained", unforeseen)
+    _send(edge, 1)
+    _send(edge, 1)
+    _done(edge, 1, 3)
+
+    examples, _ = back.wait_round([EDGE], 5.0)
+    assert back.finished == {EDGE}, "the batch that raised still counts as handled"
+    assert back.stats.rejected["error"] == 1
+    assert examples == 4
