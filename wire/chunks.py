@@ -8,8 +8,10 @@ checks the SHA-256 of the whole before handing it on.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
+import re
 import struct
 import time
 import uuid
@@ -23,6 +25,11 @@ __all__ = ["CHUNK_MAGIC", "Reassembler", "is_chunk", "split"]
 CHUNK_MAGIC = b"ESC1"
 _LENGTH = struct.Struct("<I")
 _MAX_CHUNKS = 1 << 20
+_MAX_HEADER = 512  # split's headers are about 150 bytes
+# what a held chunk costs beyond its bytes (its header's fields, a dict entry, a bytes
+# object): counted against the bound, so a million 1-byte chunks are not "1 MB"
+CHUNK_OVERHEAD = 128
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 def is_chunk(data: bytes) -> bool:
@@ -76,14 +83,21 @@ class Reassembler:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.max_pending_bytes, self.timeout, self.clock = max_pending_bytes, timeout, clock
-        self._pending: dict[str, _Pending] = {}
+        # by when each was last heard, oldest first: expiry looks at the front only
+        self._pending: collections.OrderedDict[str, _Pending] = collections.OrderedDict()
         self.expired = 0
+        self._held = 0  # pending_bytes, kept as chunks come and go (a sum each time was O(n^2))
 
     @property
     def pending_bytes(self) -> int:
         """Bytes held by incomplete messages: what arrived of them, not what they declare
-        (a frame declaring a huge total must not reserve the bound for itself)."""
-        return sum(p.size for p in self._pending.values())
+        (a frame declaring a huge total must not reserve the bound for itself), and
+        :data:`CHUNK_OVERHEAD` for each chunk."""
+        return self._held
+
+    def _drop(self, identity: str) -> None:
+        pending = self._pending.pop(identity)
+        self._held -= pending.size + CHUNK_OVERHEAD * len(pending.parts)
 
     def _parse(self, data: bytes) -> tuple[dict[str, object], bytes]:
         start = len(CHUNK_MAGIC) + _LENGTH.size
@@ -92,6 +106,8 @@ class Reassembler:
         (length,) = _LENGTH.unpack_from(data, len(CHUNK_MAGIC))
         if start + length > len(data):
             raise WireError("framing", "chunk header longer than the frame")
+        if length > _MAX_HEADER:
+            raise WireError("framing", f"chunk header of {length} bytes, at most {_MAX_HEADER}")
         try:
             header = json.loads(data[start : start + length])
         except (ValueError, RecursionError) as error:  # as in wire.codec._header
@@ -103,13 +119,17 @@ class Reassembler:
             raise WireError("header", "chunk header misses id/index/count/total/sha256")
         if not 0 <= header["index"] < header["count"] <= _MAX_CHUNKS or header["total"] < 0:
             raise WireError("header", "chunk index/count out of range")
+        if len(header["id"]) > 64 or not _HEX64.fullmatch(header["sha256"]):
+            raise WireError("header", "chunk id over 64 characters, or sha256 not 64 hex digits")
         return header, data[start + length :]
 
     def _expire(self, now: float) -> None:
-        for identity, pending in list(self._pending.items()):
-            if now - pending.last_seen > self.timeout:
-                del self._pending[identity]
-                self.expired += 1
+        while self._pending:
+            identity, pending = next(iter(self._pending.items()))
+            if now - pending.last_seen <= self.timeout:
+                return
+            self._drop(identity)
+            self.expired += 1
 
     def feed(self, data: bytes) -> bytes | None:
         header, body = self._parse(data)
@@ -128,8 +148,9 @@ class Reassembler:
             _check_geometry(int(header["index"]), count, total, len(body))  # type: ignore[call-overload]
             pending = _Pending(count, total, str(header["sha256"]))
             self._pending[identity] = pending
-        if self.pending_bytes + len(body) > self.max_pending_bytes:
-            del self._pending[identity]
+        # the chunks' overhead on top: a message of the bound's size in 32 MiB chunks still fits
+        if self._held + len(body) + CHUNK_OVERHEAD > self.max_pending_bytes * 65 // 64:
+            self._drop(identity)
             raise WireError(
                 "oversize",
                 f"incomplete messages would hold more than {self.max_pending_bytes} bytes",
@@ -139,14 +160,16 @@ class Reassembler:
         index = int(header["index"])  # type: ignore[call-overload]
         if index not in pending.parts:
             if pending.size + len(body) > pending.total:
-                del self._pending[identity]
+                self._drop(identity)
                 raise WireError("oversize", "chunks exceed the declared total size")
             pending.parts[index] = body
             pending.size += len(body)
+            self._held += len(body) + CHUNK_OVERHEAD
         pending.last_seen = now
+        self._pending.move_to_end(identity)
         if len(pending.parts) < pending.count:
             return None
-        del self._pending[identity]
+        self._drop(identity)
         whole = b"".join(pending.parts[i] for i in range(pending.count))
         if len(whole) != pending.total or hashlib.sha256(whole).hexdigest() != pending.sha256:
             raise WireError("payload", "reassembled message does not match its size or hash")

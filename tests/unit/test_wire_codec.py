@@ -10,7 +10,7 @@ import struct
 import numpy as np
 import pytest
 
-from wire.chunks import Reassembler, split
+from wire.chunks import CHUNK_OVERHEAD, Reassembler, split
 from wire.codec import ENCODINGS, Envelope, TensorSpec, decode, encode
 from wire.errors import WireError
 
@@ -185,10 +185,40 @@ def test_a_small_frame_declaring_a_huge_message_reserves_nothing() -> None:
     with pytest.raises(WireError, match="cannot make"):
         reassembler.feed(frame(0, 3, 1 << 30, b"x" * 100))
     assert reassembler.feed(frame(2, 3, 1 << 29, b"x" * 100)) is None  # a last chunk first
-    assert reassembler.pending_bytes == 100  # holds what came, reserves nothing more
+    assert reassembler.pending_bytes == 100 + CHUNK_OVERHEAD  # what came, nothing more
     data = os.urandom(4096)
     (whole,) = [r for r in (reassembler.feed(f) for f in split(data, 1024)) if r is not None]
     assert whole == data and hashlib.sha256(whole).digest()
+
+
+def _frame(header: dict[str, object], body: bytes = b"x") -> bytes:
+    import json
+    import struct
+
+    encoded = json.dumps(header).encode()
+    return b"ESC1" + struct.pack("<I", len(encoded)) + encoded + body
+
+
+def test_tiny_chunks_count_what_holding_them_costs_and_headers_are_bounded() -> None:
+    reassembler = Reassembler(max_pending_bytes=1 << 20)
+    fits = 0
+    with pytest.raises(WireError, match="incomplete messages would hold more"):
+        for number in range(100_000):  # 1-byte last chunks, each of its own message
+            header = {"id": f"{number:x}", "index": 1, "count": 2, "total": 2000}
+            reassembler.feed(_frame({**header, "sha256": "0" * 64}))
+            fits += 1
+    assert fits == (1 << 20) * 65 // 64 // (1 + CHUNK_OVERHEAD)  # not a million "bytes"
+    assert reassembler.pending_bytes == fits * (1 + CHUNK_OVERHEAD)
+
+    fresh = Reassembler()
+    header = {"id": "a", "index": 1, "count": 2, "total": 2000}
+    with pytest.raises(WireError, match="chunk header of 1000064 bytes"):
+        fresh.feed(_frame({**header, "sha256": "f" * 1_000_000}, b""))  # held, not counted
+    with pytest.raises(WireError, match="sha256 not 64 hex"):
+        fresh.feed(_frame({**header, "sha256": "z" * 64}))
+    with pytest.raises(WireError, match="chunk id over 64"):
+        fresh.feed(_frame({**header, "id": "i" * 65, "sha256": "0" * 64}))
+    assert fresh.pending_bytes == 0
 
 
 def test_corrupted_chunk_is_detected() -> None:
