@@ -11,7 +11,7 @@ round that diverged is retried from the last committed weights, and the run's ev
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
 
@@ -45,11 +45,14 @@ def divergence(
     evaluation: Mapping[str, float],
     results: Sequence[DeviceResult],
     previous: RoundRecord | None,
+    edges: Collection[str] = (),
 ) -> str | None:
     """Why the aggregate of a round must not be committed, or None when it may: a non-finite
     tensor, a non-finite evaluation loss, or a loss that jumped against ``previous`` (the last
-    committed round): the evaluation's loss when both rounds have one, else each device's
-    training loss against its own in ``previous``."""
+    committed round): the evaluation's loss when both rounds have one, else the devices'
+    training losses against their own in ``previous``. A loss is what its device says: a GPU
+    server's jump refuses the round; the ``edges``' only when most of those that can be
+    compared jumped (one edge reporting a leap must not fail every try of the run)."""
     bad = non_finite_tensors(weights)
     if bad:
         return f"the aggregated weights hold NaN or infinity ({', '.join(bad[:3])})"
@@ -63,11 +66,21 @@ def divergence(
         if _jumped(loss, before):
             return f"the evaluation loss jumped from {before:.3f} to {loss:.3f}"
         return None
+    return _device_jumps(results, previous, set(edges))
+
+
+def _device_jumps(
+    results: Sequence[DeviceResult], previous: RoundRecord, edges: set[str]
+) -> str | None:
     earlier = {r.device: r.loss for r in previous.results if not r.failure}
-    for result in results:
-        if _jumped(result.loss, earlier.get(result.device)):
-            return (
-                f"{result.device}'s training loss jumped from "
-                f"{earlier[result.device]:.3f} to {result.loss:.3f}"
-            )
+    compared = [r for r in results if r.loss is not None and earlier.get(r.device) is not None]
+    jumped = [r for r in compared if _jumped(r.loss, earlier[r.device])]
+    said = [f"{r.device}'s from {earlier[r.device]:.3f} to {r.loss:.3f}" for r in jumped]
+    for result in jumped:
+        if result.device not in edges:  # a GPU server: the back's loss, on the operator's side
+            before = earlier[result.device]
+            return f"{result.device}'s training loss jumped from {before:.3f} to {result.loss:.3f}"
+    among = sum(1 for r in compared if r.device in edges)
+    if jumped and 2 * len(jumped) > among:
+        return f"{len(jumped)} of {among} edges' training losses jumped ({'; '.join(said[:3])})"
     return None

@@ -387,7 +387,7 @@ def _judged(
         evaluation = runner.recorder.central_evaluation(weights)
         if evaluate is not None:
             evaluation |= evaluate(number, weights, trained)
-        return evaluation, divergence(weights, evaluation, outcome.results, previous)
+        return evaluation, divergence(weights, evaluation, outcome.results, previous, trained)
 
     settled = runner.settle(number, merged, trained)
     evaluation, diverged = judge(settled)

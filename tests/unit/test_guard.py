@@ -43,3 +43,18 @@ def test_divergence_by_weights_evaluation_loss_or_a_device_loss_jump() -> None:
     by_device = divergence(FINE, {}, results, _previous(None, {"pi-01": 1.4, "gpu-a": 1.0}))
     assert by_device == "gpu-a's training loss jumped from 1.000 to 4.700"
     assert divergence(FINE, {}, results, _previous(None, {"pi-01": 1.4, "gpu-a": 2.0})) is None
+
+
+def test_an_edge_alone_reporting_a_leap_does_not_refuse_the_round() -> None:
+    edges = ["pi-01", "pi-02", "pi-03"]
+    before = _previous(None, {"pi-01": 0.1, "pi-02": 0.5, "pi-03": 0.6, "gpu-a": 1.0})
+    honest = [DeviceResult(e, examples=10, loss=0.4) for e in edges[1:]]
+    liar = DeviceResult("pi-01", examples=10, loss=1e6)  # a device may say anything
+    assert divergence(FINE, {}, [liar, *honest], before, edges) is None
+    two = [liar, DeviceResult("pi-02", examples=10, loss=9.0), honest[1]]
+    refused = divergence(FINE, {}, two, before, edges)
+    assert refused is not None and refused.startswith("2 of 3 edges' training losses jumped")
+    assert "pi-02's from 0.500 to 9.000" in refused
+    server = DeviceResult("gpu-a", loss=5.0)  # the back's loss: one leap is enough
+    by_server = divergence(FINE, {}, [*honest, server], before, edges)
+    assert by_server == "gpu-a's training loss jumped from 1.000 to 5.000"
