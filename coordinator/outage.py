@@ -6,9 +6,10 @@ state): :class:`LinkWatch` tells the runner, which ends the try, waits until the
 try's devices are back, and redoes the round from the last committed weights. These tries are
 bounded apart from ``--max-attempts`` (:data:`OUTAGE_TRIES` a round), so a broker restart does
 not use up the attempts a failing device gets. A GPU server that names senders ``missing``
-batches (a gap in the stream, :func:`missing_batches`) makes the try fail: a round is never
-committed with batches lost on the way. A try that cannot run (devices offline) waits
-:func:`retry_delay`, or less, :func:`wait_for_more`.
+batches (a gap in the stream, :func:`missing_batches`) makes the try fail: a round is not
+committed with batches lost on the way, except those of a sender missing batches in the try
+before too (:func:`fail_repeat_losers`: that sender fails alone). A try that cannot run
+(devices offline) waits :func:`retry_delay`, or less, :func:`wait_for_more`.
 """
 
 from __future__ import annotations
@@ -18,11 +19,16 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 
 from flwr.app import Message
 
+from coordinator.recorder import Outcome
+from storage.records import DeviceResult
+
 __all__ = [
     "BACK_WAIT_SECONDS",
     "OUTAGE_TRIES",
     "RETRY_CAP_SECONDS",
     "LinkWatch",
+    "fail_repeat_losers",
+    "lost_senders",
     "missing_batches",
     "retry_delay",
     "wait_for_more",
@@ -80,6 +86,34 @@ def missing_batches(servers: Collection[str], replies: Mapping[str, Message]) ->
         if isinstance(missing, str) and missing:
             lost.append(f"{server}: batches of {missing[:200]} lost on the way")
     return "; ".join(lost) or None
+
+
+def lost_senders(servers: Collection[str], replies: Mapping[str, Message]) -> set[str]:
+    """The senders a GPU server among ``servers`` says missed batches (its ``missing``)."""
+    lost: set[str] = set()
+    for server in servers:
+        reply = replies.get(server)
+        report = None if reply is None or reply.has_error() else reply.content.config_records
+        missing = report["report"].get("missing", "") if report and "report" in report else ""
+        if isinstance(missing, str) and missing:
+            lost |= set(missing.split(","))
+    return lost
+
+
+def fail_repeat_losers(outcome: Outcome, lost: set[str], before: set[str]) -> bool:
+    """Fail alone, in ``outcome``, the senders that missed batches in this try (``lost``) as
+    in the one before (``before``): a broker losing one sender's messages twice running is
+    unlikely, a device saying it sent more than it did does it every try, and redoing the
+    round for it would fail the run. True when that leaves no loss to redo the round for
+    (what of theirs arrived was trained, all in, as for a sender gone offline)."""
+    if not lost or not lost <= before:
+        return False
+    why = "its batches did not all arrive in two tries running (it said it sent more?)"
+    outcome.results[:] = [
+        DeviceResult(r.device, failure=why) if r.device in lost else r for r in outcome.results
+    ]
+    outcome.ok[:] = [d for d in outcome.ok if d not in lost]
+    return True
 
 
 def wait_for_more(

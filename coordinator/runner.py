@@ -31,6 +31,8 @@ from coordinator.guard import divergence
 from coordinator.outage import (
     RETRY_CAP_SECONDS,
     LinkWatch,
+    fail_repeat_losers,
+    lost_senders,
     missing_batches,
     retry_delay,
     wait_for_more,
@@ -156,6 +158,7 @@ class RoundRunner:
         self.reported: dict[str, dict[str, Any]] = {}  # the last committed round's metrics
         self.stop_check: Callable[[], None] = lambda: None  # raises to stop the run (tries, waits)
         self.settle: Settle = lambda _number, merged, _edges: merged  # before it is evaluated
+        self._lost: tuple[int, set[str]] = (0, set())  # senders missing batches in a round's try
 
     def sample(
         self, number: int, nodes: Sequence[int], weights: Mapping[str, np.ndarray]
@@ -246,9 +249,13 @@ class RoundRunner:
             return _OUTAGE
         online = set(self.grid.get_node_ids())
         outcome = outcome_of(work.messages, replies, started, online, self._clock())
+        servers = [d for d in work.servers if d in outcome.ok]
+        lost, (last, before) = lost_senders(servers, replies), self._lost
+        self._lost = number, lost
+        repeated = fail_repeat_losers(outcome, lost, before if last == number else set())
         why = shortfall(
             work.messages, work.servers, work.require_server, outcome, self.min_edges
-        ) or missing_batches([d for d in work.servers if d in outcome.ok], replies)
+        ) or (None if repeated else missing_batches(servers, replies))
         if why is None:
             merged, why = self._commit(number, work, replies, outcome, judge)
             if merged is not None:

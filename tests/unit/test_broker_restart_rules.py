@@ -17,8 +17,10 @@ from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.supercore.task_identity import TaskIdentity
 
 from coordinator.errors import CoordinatorError
-from coordinator.outage import missing_batches
+from coordinator.outage import fail_repeat_losers, lost_senders, missing_batches
+from coordinator.recorder import Outcome
 from coordinator.runner import RoundRunner, RoundWork
+from storage.records import DeviceResult
 from wire import topics
 from wire.agreement import RoundLedger
 from wire.channel import Channel
@@ -232,3 +234,24 @@ def test_tries_cut_short_by_a_broker_outage_are_redone_apart_from_the_attempts()
     assert announced == [1, 2, 3, 4, 5, 6], "each redo is a new try the devices see"
     assert recorder.failures == [], "no outage counted against --max-attempts"
     assert recorder.events == ["broker-outage"] * 6
+
+
+def test_a_sender_missing_batches_two_tries_running_fails_alone() -> None:
+    replies = {"gpu-a": _reply(f"{EDGE},pi-02"), "gpu-b": _reply("pi-03")}
+    assert lost_senders(["gpu-a", "gpu-b"], replies) == {EDGE, "pi-02", "pi-03"}
+    assert lost_senders(["gpu-b"], {**replies, "gpu-b": _reply("")}) == set()
+
+    def outcome() -> Outcome:
+        devices = [EDGE, "pi-02", "pi-04", "gpu-a"]
+        return Outcome([DeviceResult(d, examples=8) for d in devices], list(devices))
+
+    first = outcome()
+    assert not fail_repeat_losers(first, {EDGE}, set()), "first time: the round is redone"
+    assert not fail_repeat_losers(first, {EDGE, "pi-02"}, {EDGE}), "pi-02 is new: redone"
+    assert first.ok == [EDGE, "pi-02", "pi-04", "gpu-a"]
+
+    again = outcome()
+    assert fail_repeat_losers(again, {EDGE}, {EDGE, "pi-02"})
+    assert again.ok == ["pi-02", "pi-04", "gpu-a"]
+    failed = {r.device: r.failure for r in again.results if r.failure}
+    assert list(failed) == [EDGE] and "two tries running" in str(failed[EDGE])
