@@ -125,33 +125,25 @@ class Planner:
         refusals: Refusals = {}
         for assignment in edges:
             reply = answered.get(assignment.node)
-            if reply is None:
-                why = f"did not answer the assignment within {_ASK_TIMEOUT:.0f} s"
-                refusals[assignment.device] = (why, None)
-            elif reply.has_error():
-                refusals[assignment.device] = (
-                    f"failed on the assignment: {reply.error.reason}",
-                    None,
-                )
-            elif (answer := _answer(reply)) is None:
-                refusals[assignment.device] = ("sent a malformed answer to the assignment", None)
-            elif not answer[0]:
-                memory = answer[1] if answer[1] < assignment.estimate else None
-                refusals[assignment.device] = (answer[2], memory)
-            elif "compute-seconds" in (metrics := reply.content.metric_records["metrics"]):
-                self.timed[assignment.device] = dict(metrics)  # checked where it is used
+            if (refusal := _refusal(assignment, reply)) is not None:
+                refusals[assignment.device] = refusal
+            elif reply is not None and "compute-seconds" in reply.content.metric_records["metrics"]:
+                metrics = reply.content.metric_records["metrics"]  # checked where it is used
+                self.timed[assignment.device] = dict(metrics)
         return refusals
 
     def plan(self, edges: list[Announcement], servers: list[Announcement]) -> Placement:
         """Plan, ask the edges, plan again around refusals; the edges' and servers' blocks."""
         partition, profile = self.partition(), self.profile()
-        candidates = list(edges)
+        candidates, refused = list(edges), set[str]()
         for _ in range(2 * len(edges) + 2):  # each pass drops an edge or lowers a budget
+            candidates = self._fitting(candidates, servers, profile)
             specs = device_specs(candidates, servers, self.per_round())
             placed = self.offer(plan_split(profile, specs, partition), servers)
             if isinstance(placed, Placement):
                 return placed
-            candidates = self._around(candidates, placed)
+            candidates = self._around(candidates, placed, refused)
+            refused |= set(placed)
         raise CoordinatorError(
             "the edges kept refusing their blocks: "
             + "; ".join(f"{d}: {r}" for d, r in self.refusals.items())
@@ -210,15 +202,9 @@ class Planner:
         """The run's stored profile when it was measured for today's model, batch size and
         local loss (a restart that re-plans does not profile again), else a new one, stored."""
         config, key = self.config, profile_key(self.config)
-        document = self.store.get_profile(config.run_id)
-        if document is not None and document.get("key") == key:
-            try:
-                profile = ModelProfile.from_dict(document["profile"])
-            except (KeyError, TypeError, ValueError) as error:
-                log.info("the stored profile is unreadable (%s): profiling anew", error)
-            else:
-                log.info("using the run's stored profile of %s", config.model.name)
-                return profile
+        if (stored := _stored_profile(self.store, config.run_id, key)) is not None:
+            log.info("using the run's stored profile of %s", config.model.name)
+            return stored
         log.info(
             "profiling %s at batch %d (a fresh process, or the profile cache)",
             config.model.name,
@@ -228,11 +214,34 @@ class Planner:
         self.store.set_profile(config.run_id, {"key": key, "profile": profile.to_dict()})
         return profile
 
-    def _around(self, candidates: list[Announcement], refusals: Refusals) -> list[Announcement]:
-        """The edges to plan with next: refusers without a budget dropped, the others with
-        the budget they reported; each refusal is logged and stored as an event."""
+    def _fitting(
+        self, candidates: list[Announcement], servers: list[Announcement], profile: ModelProfile
+    ) -> list[Announcement]:
+        """The ``candidates`` whose memory holds their smallest segment: the others (a device
+        too small for this model, or one announcing a budget it knows fits nothing) are left
+        out, each with an event, unless too few would be left (then the plan names them all)."""
+        specs = device_specs(candidates, servers, self.per_round())
+        unfit, line = unfit_edges(profile, specs, self.partition())
+        fitting = [c for c in candidates if c.device not in unfit]
+        if not unfit or len(fitting) < max(1, self.min_edges):
+            return candidates
+        log.warning("left out of the plan: %s", line)
+        for device, why in unfit.items():
+            self.store.add_event(self.config.run_id, Event("edge-unfit", why, device))
+        return fitting
+
+    def _around(
+        self, candidates: list[Announcement], refusals: Refusals, refused: set[str]
+    ) -> list[Announcement]:
+        """The edges to plan with next: refusers without a budget, or refusing a second time
+        (``refused``: those that refused before; a budget it reported was planned for), are
+        dropped, the others have the budget they reported; each refusal is logged and stored
+        as an event."""
         for device, (reason, budget) in refusals.items():
-            action = "planning without it" if budget is None else "planning with its budget"
+            again = device in refused
+            action = (
+                "planning without it" if budget is None or again else "planning with its budget"
+            )
             said = "did not take" if reason.startswith("did not answer") else "refused"
             log.warning("edge %s %s its blocks: %s; %s", device, said, reason, action)
             self.refusals[device] = reason
@@ -241,7 +250,9 @@ class Planner:
         for candidate in candidates:
             if candidate.device not in refusals:
                 replanned.append(candidate)
-            elif (budget := refusals[candidate.device][1]) is not None:
+            elif (budget := refusals[candidate.device][1]) is not None and (
+                candidate.device not in refused
+            ):
                 replanned.append(replace(candidate, memory=budget))
         if len(replanned) < max(1, self.min_edges):
             raise CoordinatorError(
@@ -341,6 +352,61 @@ def _answer(reply: Message) -> tuple[bool, int, str] | None:
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in (accepted, budget)):
         return None
     return bool(accepted), max(0, int(budget)), str(reason)[:500]  # type: ignore[arg-type]
+
+
+def _stored_profile(store: RunStore, run_id: str, key: dict[str, Any]) -> ModelProfile | None:
+    """The profile ``store`` keeps for ``run_id`` when it was measured for ``key``."""
+    document = store.get_profile(run_id)
+    if document is None or document.get("key") != key:
+        return None
+    try:
+        return ModelProfile.from_dict(document["profile"])
+    except (KeyError, TypeError, ValueError) as error:
+        log.info("the stored profile is unreadable (%s): profiling anew", error)
+        return None
+
+
+def _refusal(assignment: Assignment, reply: Message | None) -> tuple[str, int | None] | None:
+    """Why ``assignment``'s edge refused it with ``reply`` and the memory budget it reported
+    (None when it named none below the estimate), or None: it accepted."""
+    if reply is None:
+        return f"did not answer the assignment within {_ASK_TIMEOUT:.0f} s", None
+    if reply.has_error():
+        return f"failed on the assignment: {reply.error.reason}", None
+    if (answer := _answer(reply)) is None:
+        return "sent a malformed answer to the assignment", None
+    if not answer[0]:
+        return answer[2], answer[1] if answer[1] < assignment.estimate else None
+    return None
+
+
+def unfit_edges(
+    profile: ModelProfile, specs: list[DeviceSpec], partition: PartitionConfig
+) -> tuple[dict[str, str], str]:
+    """The edges among ``specs`` that cannot hold even their smallest segment, each with the
+    partitioner's reason, and one line saying it of them all (edges of one memory share a
+    reason); none when the servers among ``specs`` cannot hold the back anyway."""
+    backs = [s for s in specs if s.kind == "gpu"]
+    reasons: dict[int, tuple[str, str | None]] = {}  # by memory: one edge planned of each
+    unfit: dict[str, str] = {}
+    for spec in (s for s in specs if s.kind == "edge"):
+        if spec.memory not in reasons:
+            try:
+                plan_split(profile, [spec, *backs], partition)
+                reasons[spec.memory] = spec.name, None
+            except InfeasiblePlanError as error:
+                reasons[spec.memory] = spec.name, str(error)
+        first, why = reasons[spec.memory]
+        if why is not None:  # the partitioner's reason, which names its edge so
+            said = why.replace(f"edge {first!r}", f"edge {spec.name!r}")
+            unfit[spec.name] = f"left out of the plan: {said}"
+    line = ""
+    if unfit:
+        try:  # one line for all of them
+            plan_split(profile, [*(s for s in specs if s.name in unfit), *backs], partition)
+        except InfeasiblePlanError as error:
+            line = str(error)
+    return unfit, line
 
 
 def device_specs(

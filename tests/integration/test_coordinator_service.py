@@ -113,6 +113,28 @@ def test_an_edge_that_refuses_is_replanned_within_the_budget_it_reports(
     assert store.get_run("svc-1").status == "finished"
 
 
+@pytest.mark.parametrize("lie", ["announced", "budget"])
+def test_an_edge_that_fits_no_segment_is_left_out_and_the_others_train(
+    tmp_path: Path, store: RunStore, profile: ModelProfile, lie: str
+) -> None:
+    run = config(tmp_path, rounds=1)
+    memory = Problem.build(profile, PartitionConfig(batch_size=16, optimizer="adam")).edge_memory
+    roomy = max(memory[1:-1]) + 1024
+    hub = InProcessHub()
+    if lie == "announced":  # a device too small for this model (or announcing 1 byte)
+        start_fleet(hub, tmp_path, {"pi-01": 4096, "pi-02": roomy}, {})
+    else:  # announces room, then refuses with a budget that holds nothing
+        start_fleet(hub, tmp_path, {"pi-01": roomy, "pi-02": roomy}, {"pi-01": 4096})
+    coordinator = Coordinator(run, store, hub.connect("coordinator"), profile=lambda _: profile)
+
+    assert coordinator.run() == 1  # it failed at planning: "pi-01 has 4.0 KiB but ..."
+    plan = store.get_run("svc-1").plan
+    assert plan is not None and [e["name"] for e in plan["edges"]] == ["pi-02"]
+    (left,) = [e for e in store.events("svc-1") if e.kind == "edge-unfit"]
+    assert left.device == "pi-01" and "edge 'pi-01' has 4.0 KiB" in left.detail, left.detail
+    assert store.get_run("svc-1").status == "finished"
+
+
 def test_a_finished_run_says_so_and_a_replayed_task_of_it_is_abandoned(
     tmp_path: Path, store: RunStore, profile: ModelProfile
 ) -> None:
