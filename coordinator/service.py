@@ -45,7 +45,7 @@ from coordinator.runner import RoundRunner, RoundWork, Settle
 from coordinator.speed import Replanner
 from coordinator.statistics import Recalibration
 from coordinator.stopping import StopWatch, mark_cancelled
-from split_models.data import Dataset, load_dataset, model_data_problem
+from split_models.data import Dataset, load_dataset, model_data_problem, shaped_for
 from split_models.errors import ConfigError, SplitError
 from split_models.evaluation import evaluate_weights
 from split_models.isolated import profile_in_fresh_process
@@ -157,7 +157,12 @@ class Coordinator:
         profile = profile or functools.partial(_profile_fresh, cache=profile_cache)
         self.planner = Planner(config, store, self.grid, self.session, profile, self.min_edges)
         self.replanner = Replanner(self.planner, store, config.devices.replan_drift)
-        eval_data = load_dataset(config.data.eval_data) if config.data.eval_data else None
+        shape = tuple(config.model.input_shape)
+        eval_data = (
+            shaped_for(load_dataset(config.data.eval_data), shape)
+            if config.data.eval_data
+            else None
+        )
         evaluate = _central(config, eval_data) if eval_data is not None else None
         recorder = RoundRecorder(
             store, config.run_id, self.strategy, self.observer, evaluate, config.training.rounds

@@ -36,7 +36,7 @@ from edge_client.trainer import (
 from split_models.activations import activation_arrays
 from split_models.config import ModelConfig, TrainingConfig
 from split_models.cpu import process_cpu_share
-from split_models.data import Dataset, model_data_problem
+from split_models.data import Dataset, model_data_problem, shaped_for
 from split_models.errors import ConfigError
 from split_models.evaluation import (
     MAX_STATISTIC_SAMPLES,
@@ -200,6 +200,7 @@ class EdgeAgent:
     def check(self, task: Task, model: ModelConfig) -> None:
         """Raise :class:`AssignmentRefused` unless ``task`` of ``model`` fits this device and
         its data (the reason does not name the device: whoever shows it does)."""
+        self.data = shaped_for(self.data, tuple(model.input_shape))  # [N, L] for a model of [L]
         if problem := model_data_problem(self.data, model, "local data"):
             raise AssignmentRefused(problem)
         budget = self.budget

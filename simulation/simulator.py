@@ -44,7 +44,7 @@ from simulation.pool import SegmentPool
 from simulation.report import client_rows, round_rows, write_outputs
 from simulation.resume import fingerprint, resumable_run, start_run
 from simulation.shield import HeldSignals, held_signals
-from split_models.data import Dataset, load_dataset, model_data_problem, partition
+from split_models.data import Dataset, load_dataset, model_data_problem, partition, shaped_for
 from split_models.errors import ConfigError
 from split_models.measure import measure_in_fresh_process
 from split_models.plan import EdgeAssignment, Plan
@@ -74,9 +74,10 @@ def _partition(config: SimConfig, train: Dataset) -> list[np.ndarray]:
 
 
 def _data(config: SimConfig) -> tuple[Dataset, Dataset]:
-    data = load_dataset(config.data.data)
+    shape = tuple(config.model.input_shape)
+    data = shaped_for(load_dataset(config.data.data), shape)
     if config.data.test_data:
-        return data, load_dataset(config.data.test_data)
+        return data, shaped_for(load_dataset(config.data.test_data), shape)
     return data.split(config.data.test_fraction, seed=config.training.seed)
 
 
@@ -335,7 +336,8 @@ def _run_id(config: SimConfig, out: Path, test_data: str, prints: dict[str, str]
 def _check_data(config: SimConfig, *sets: Dataset) -> None:
     """Data the model cannot take (no samples, samples of another shape, labels it has no
     output for, token ids outside its range): named before anything is planned or trained."""
-    for name, data in zip(("data", "test_data"), sets, strict=False):
+    held_out = "test_data" if config.data.test_data else "data (its held-out test share)"
+    for name, data in zip(("data", held_out), sets, strict=False):
         if problem := model_data_problem(data, config.model, name):
             raise ConfigError(problem)
 

@@ -17,15 +17,12 @@ import inspect
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from split_models.data_checks import input_problem, model_data_problem, shaped_for
 from split_models.errors import ConfigError
-
-if TYPE_CHECKING:
-    from split_models.config import ModelConfig
-    from split_models.options import ModelOptions
 
 __all__ = [
     "PARTITIONS",
@@ -37,6 +34,7 @@ __all__ = [
     "model_data_problem",
     "partition",
     "resolve_spec",
+    "shaped_for",
     "shuffle_rng",
     "trained_examples",
 ]
@@ -53,6 +51,8 @@ class Dataset:
     x: np.ndarray
     y: np.ndarray
     num_classes: int
+    # an image folder's class folder names, label i the i-th (None: labels as given)
+    classes: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if len(self.x) != len(self.y):
@@ -76,7 +76,7 @@ class Dataset:
         return tuple(self.x.shape[1:])
 
     def subset(self, indices: np.ndarray) -> Dataset:
-        return Dataset(self.x[indices], self.y[indices], self.num_classes)
+        return Dataset(self.x[indices], self.y[indices], self.num_classes, self.classes)
 
     def split(self, test_fraction: float, seed: int = 0) -> tuple[Dataset, Dataset]:
         """A shuffled (train, test) split."""
@@ -229,11 +229,15 @@ def _digits() -> Dataset:
 def _folder(path: str) -> Dataset:
     image = _optional("PIL.Image", "folder:PATH")
     root = Path(path)
-    classes = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+    if not root.is_dir():
+        raise ConfigError(f"folder:{path}: no such folder")
+    classes = sorted(p.name for p in root.iterdir() if p.is_dir())
     if not classes:
         raise ConfigError(f"folder:{path}: expected one sub-folder per class")
+    numbered = all(name.isdigit() and name.isascii() for name in classes)
+    labels = [int(name) for name in classes] if numbered else list(range(len(classes)))
     pictures, ys = [], []
-    for label, name in enumerate(classes):
+    for label, name in zip(labels, classes, strict=True):
         for file in sorted((root / name).iterdir()):
             if file.suffix.lower() in _IMAGE_SUFFIXES:
                 pictures.append(_image(image, file))
@@ -249,7 +253,10 @@ def _folder(path: str) -> Dataset:
     stacked = np.stack([_pixels(p, color) for p in pictures])
     # [N, H, W, C] -> [N, C, H, W]; grayscale gets its channel axis
     stacked = stacked.transpose(0, 3, 1, 2) if stacked.ndim == 4 else stacked[:, None]
-    return Dataset(np.ascontiguousarray(stacked), np.array(ys, dtype=np.int64), len(classes))
+    x, y = np.ascontiguousarray(stacked), np.array(ys, dtype=np.int64)
+    if numbered:  # folders named by label: a folder without some class is still right
+        return Dataset(x, y, max(labels) + 1)
+    return Dataset(x, y, len(classes), tuple(classes))
 
 
 # grayscale modes past 8 bits, by the value read as white: integer ones (PNG's 16-bit,
@@ -278,66 +285,6 @@ def _image(image: Any, file: Path) -> Any:
     except (OSError, ValueError, image.DecompressionBombError) as error:
         # UnidentifiedImageError is an OSError; a decompression bomb (a hostile file) is not
         raise ConfigError(f"folder: {file} is not an image that can be read: {error}") from error
-
-
-def model_data_problem(data: Dataset, model: ModelConfig, name: str = "data") -> str | None:
-    """Why ``data`` (the config's key ``name``) cannot feed ``model``, starting with the key
-    to fix; None when it can. Checked before anything is planned or trained."""
-    if problem := input_problem(data, model.options):
-        return f"{name}: {problem}"
-    if data.input_shape != tuple(model.input_shape):
-        return (
-            f"input_shape: the {name} has samples of shape {list(data.input_shape)}, "
-            f"the config says {list(model.input_shape)}"
-        )
-    if problem := _label_shape_problem(data, model, name):
-        return problem
-    top = int(data.y.max())
-    if top >= model.num_classes:
-        return (
-            f"num_classes: the {name} has labels up to {top}, the model {model.num_classes} "
-            f"outputs; set num_classes to {top + 1} or more"
-        )
-    return None
-
-
-def _label_shape_problem(data: Dataset, model: ModelConfig, name: str) -> str | None:
-    """Labels of another shape than the model's task takes: one a sample for classification,
-    one a position (the samples' shape) for a language model."""
-    got = list(data.y.shape[1:])
-    if model.task == "language-model":
-        want = list(data.input_shape)
-        if got != want:
-            return (
-                f"task: a language model takes a label for every position (labels of shape "
-                f"[N, {', '.join(map(str, want))}]); the {name} has labels of shape "
-                f"{[len(data), *got]}"
-            )
-        return None
-    if got:
-        return (
-            f"task: a classification model takes one label a sample (labels of shape [N]); "
-            f"the {name} has labels of shape {[len(data), *got]}: flatten them, or set "
-            "task: language-model for a label at every position"
-        )
-    return None
-
-
-def input_problem(data: Dataset, options: ModelOptions) -> str | None:
-    """Why ``data`` cannot feed a model taking ``options``' inputs (None: it can): it holds
-    no samples, or token ids outside the model's ``input_range`` (an embedding would fail
-    on them mid-round)."""
-    if not len(data):
-        return "it holds no samples"
-    if options.input_range is not None:
-        low, high = options.input_range
-        bottom, top = data.x.min(), data.x.max()
-        if bottom < low or top >= high:
-            return (
-                f"its token ids span [{bottom}, {top}], outside the model's input_range "
-                f"[{low}, {high})"
-            )
-    return None
 
 
 def _torchvision(spec: str) -> Dataset:

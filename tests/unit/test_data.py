@@ -18,6 +18,7 @@ from split_models.data import (
     model_data_problem,
     partition,
     resolve_spec,
+    shaped_for,
     trained_examples,
 )
 from split_models.errors import ConfigError
@@ -219,7 +220,8 @@ def test_data_of_another_shape_or_with_more_classes_names_the_key_to_fix() -> No
     many = from_arrays(np.zeros((4, 1, 8, 8), np.float32), np.array([0, 1, 2, 12]), 13)
     problems = [model_data_problem(d, model, "eval_data") for d in (wide, many)]
     assert problems == [
-        "input_shape: the eval_data has samples of shape [1, 28, 28], the config says [1, 8, 8]",
+        "input_shape: the eval_data has samples of shape [1, 28, 28], the config says [1, 8, 8]"
+        "; set input_shape: [1, 28, 28] (--input-shape 1,28,28)",
         "num_classes: the eval_data has labels up to 12, the model 10 outputs; set num_classes "
         "to 13 or more",
     ]
@@ -299,3 +301,68 @@ def test_a_grayscale_folder_stays_one_channel_and_bad_folders_are_named(tmp_path
     image.new("L", (8, 8)).save(tmp_path / "b" / "big.png")
     with pytest.raises(ConfigError, match=r"images differ in size \(4x4, 8x8\)"):
         load_dataset(f"folder:{tmp_path}")
+
+
+def test_an_image_folder_missing_a_class_keeps_its_labels_or_is_refused(tmp_path: Path) -> None:
+    """Labels were each folder's sorted position: an edge or test folder without class
+    'eight' read 'nine' as 8, and a run scored 0.003 with no word why."""
+    from split_models.config import ModelConfig
+
+    image = pytest.importorskip("PIL.Image")
+    model = ModelConfig(name="cnn", input_shape=(1, 4, 4), num_classes=4)
+    for folder, names in (("numbered", ("0", "1", "3")), ("named", ("cat", "dog", "fox"))):
+        for index, name in enumerate(names):
+            (tmp_path / folder / name).mkdir(parents=True)
+            image.new("L", (4, 4), 10 * index).save(tmp_path / folder / name / "a.png")
+
+    numbered = load_dataset(f"folder:{tmp_path / 'numbered'}")
+    assert list(numbered.y) == [0, 1, 3] and numbered.classes is None  # by the folders' names
+    assert model_data_problem(numbered, model) is None
+
+    named = load_dataset(f"folder:{tmp_path / 'named'}")
+    assert list(named.y) == [0, 1, 2] and named.classes == ("cat", "dog", "fox")
+    assert named.subset(np.array([2])).classes == named.classes
+    problem = model_data_problem(named, model, "local data")
+    assert problem is not None and problem.startswith("local data: its folder has 3 class folders")
+    assert "add the missing class folders (empty ones will do)" in problem
+    (tmp_path / "named" / "gnu").mkdir()  # an empty class folder keeps the numbering
+    assert model_data_problem(load_dataset(f"folder:{tmp_path / 'named'}"), model) is None
+    with pytest.raises(ConfigError, match="no such folder"):
+        load_dataset(f"folder:{tmp_path / 'nowhere'}")
+
+
+@pytest.mark.parametrize(
+    ("x", "want", "shaped"),
+    [
+        (np.zeros((5, 1, 64), np.float32), (1, 64), (1, 64)),  # Conv1d: [N, C, L]
+        (np.zeros((5, 20, 8), np.float32), (20, 8), (20, 8)),  # a GRU: [N, T, F]
+        (np.zeros((5, 28, 28), np.uint8), (1, 28, 28), (1, 28, 28)),  # greyscale images
+        (np.zeros((5, 28, 28), np.uint8), (28, 28), (28, 28)),
+        (np.zeros((5, 64), np.float32), (1, 64), (1, 64)),
+        (np.zeros((5, 3, 8), np.float32), (4, 8), (1, 3, 8)),  # no unit axis fits: as read
+    ],
+)
+def test_a_unit_axis_is_added_or_dropped_to_fit_the_input_shape(
+    tmp_path: Path, x: np.ndarray, want: tuple[int, ...], shaped: tuple[int, ...]
+) -> None:
+    """3-D arrays were always read as greyscale images, [N, 1, A, B]: 1-D and sequence
+    models could not take their data at all."""
+    np.savez(tmp_path / "d.npz", x=x, y=np.zeros(len(x), np.int64))
+    data = shaped_for(load_dataset(f"npz:{tmp_path / 'd.npz'}"), want)
+    assert data.input_shape == shaped and len(data) == 5
+
+
+def test_integer_features_for_a_float_model_and_channels_last_images_are_named() -> None:
+    from split_models.config import ModelConfig
+
+    model = ModelConfig(name="cnn", input_shape=(1, 8, 8), num_classes=10)
+    ids = from_arrays(np.zeros((4, 1, 8, 8), np.int32), np.arange(4), 10)
+    assert str(model_data_problem(ids, model)).startswith(
+        "input_dtype: the data holds integers, read as token ids, but the model takes "
+        "float32: store images as uint8"
+    )
+    rgb = ModelConfig(name="cnn", input_shape=(3, 8, 8), num_classes=10)
+    last = from_arrays(np.zeros((4, 8, 8, 3), np.float32), np.arange(4), 10)
+    assert str(model_data_problem(last, rgb)).endswith(
+        "the samples are channels-last: transpose x to [N, C, H, W]"
+    )
