@@ -63,6 +63,7 @@ from split_models.data import resolve_spec
 from split_models.errors import ConfigError
 from split_models.options import add_model_path, warn_unused_optimizer_keys
 from split_models.sections import flat_model_section
+from split_models.yamlfile import load_yaml
 from wire.topics import check_name
 
 __all__ = [
@@ -256,7 +257,7 @@ def load_run_config(path: str | Path) -> RunConfig:
     except OSError as error:
         raise ConfigError(f"run config {str(path)!r} cannot be read: {error.strerror}") from error
     try:
-        data = yaml.safe_load(text)
+        data = load_yaml(text)
     except yaml.YAMLError as error:
         raise ConfigError(f"run config {str(path)!r} is not valid YAML: {error}") from error
     folder = Path(path).parent

@@ -72,6 +72,7 @@ from split_models.data import PARTITIONS, resolve_spec
 from split_models.errors import ConfigError
 from split_models.options import OptimizerConfig, add_model_path, warn_unused_optimizer_keys
 from split_models.sections import flat_model_section
+from split_models.yamlfile import load_yaml
 from wire.topics import check_name
 
 __all__ = [
@@ -381,7 +382,7 @@ def load_sim_config(path: str | Path | None, overrides: Mapping[str, Any]) -> Si
     data = None
     if path is not None:
         try:
-            data = yaml.safe_load(Path(path).read_text())
+            data = load_yaml(Path(path).read_text())
         except OSError as error:
             raise ConfigError(f"simulation config {str(path)!r} cannot be read: {error}") from error
         except yaml.YAMLError as error:

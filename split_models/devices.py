@@ -15,6 +15,7 @@ import yaml
 
 from split_models.errors import ConfigError
 from split_models.units import parse_bandwidth, parse_flops, parse_memory
+from split_models.yamlfile import load_yaml
 
 __all__ = ["DEVICE_KINDS", "DeviceSpec", "load_devices", "parse_devices"]
 
@@ -101,6 +102,6 @@ def load_devices(path: str | Path) -> list[DeviceSpec]:
     except OSError as error:
         raise ConfigError(f"devices file {str(path)!r} cannot be read: {error.strerror}") from error
     try:
-        return parse_devices(yaml.safe_load(text))
+        return parse_devices(load_yaml(text))
     except yaml.YAMLError as error:
         raise ConfigError(f"devices file {str(path)!r} is not valid YAML: {error}") from error
