@@ -209,9 +209,11 @@ class RoundRunner:
                     f"round {number}: the broker went away during {outages} tries; see "
                     f"`edgesplit status --run {self.recorder.run_id}` and the run's events"
                 )
+        last = self.recorder.last_failure
+        hint = "; it diverged: lower the learning rate" if "not committed" in last else ""
         raise CoordinatorError(
-            f"round {number} failed {self.attempts} times (last: {self.recorder.last_failure}); "
-            f"see `edgesplit status --run {self.recorder.run_id}` and the run's events"
+            f"round {number} failed {self.attempts} times (last: {last}){hint}; see "
+            f"`edgesplit status --run {self.recorder.run_id}` and the run's events"
         )
 
     def _try(

@@ -23,8 +23,10 @@ another device sent).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
+import io
 import operator
 import threading
 from collections.abc import Callable, Hashable, Sequence
@@ -213,14 +215,16 @@ def _out_of_place(node: fx.Node) -> Any:
 def _propagate_shapes(graph_module: fx.GraphModule, example: torch.Tensor) -> None:
     was_training = graph_module.training
     graph_module.eval()
-    try:
-        with torch.no_grad():
+    try:  # ShapeProp prints the traceback of a failing node: the one line below says it
+        with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):
             ShapeProp(graph_module).propagate(example)
     except Exception as error:
+        cause = error.__cause__ if isinstance(error.__cause__, Exception) else error
         raise ModelError(
             f"model: running {graph_module.__class__.__name__} on an example batch of shape "
-            f"{list(example.shape)} ({example.dtype}) failed: {type(error).__name__}: {error}; "
-            "check input_shape and input_dtype"
+            f"{list(example.shape)} ({example.dtype}) failed: {type(cause).__name__}: {cause}; "
+            "check input_shape and input_dtype (forward takes one tensor: a model of a tuple "
+            "or dict of inputs needs a wrapper module that builds it from one)"
         ) from error
     finally:
         graph_module.train(was_training)

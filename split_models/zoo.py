@@ -9,8 +9,10 @@ arguments and returns any ``nn.Module`` (split automatically, :mod:`split_models
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
+import io
 import math
 import os
 import re
@@ -365,7 +367,16 @@ _OUTPUTS_CHECKED: set[Hashable] = set()  # user models whose output fits num_cla
 def _check_outputs(model: SplittableModel) -> None:
     """A user model whose output is not ``num_classes`` wide (a score per class, for every
     position of a language model) fails mid-round on its first loss: named here instead."""
-    tensor = primary(model.cut_values(zeros=True)[-1])
+    try:  # fx prints the traceback of a failing traced forward: the one line below says it
+        with contextlib.redirect_stderr(io.StringIO()):
+            tensor = primary(model.cut_values(zeros=True)[-1])
+    except Exception as error:  # a user's forward on one example: anything
+        raise ModelError(
+            f"model: running {model.name!r} on one example of shape "
+            f"{[1, *model.input_shape]} failed: {type(error).__name__}: {error}; forward takes "
+            "one tensor of input_shape with the batch first (a model of a tuple or dict of "
+            "inputs needs a wrapper module that builds it from one)"
+        ) from error
     want = [1, *model.label_shape, model.num_classes]
     if list(tensor.shape) != want:
         raise ModelError(

@@ -74,10 +74,13 @@ def test_cold_setups_are_measured_once_per_distinct_block_and_a_failed_block_rea
     keys = ["stem", "conv", "conv", "pool", "flat", "fc"]  # blocks 1 and 2 alike, by their key
     setups = cold_setups(section, keys, 32)
     assert len(setups) == 6 and setups[1] == setups[2]
-    assert all(0 < first <= whole < 8 * 2**20 for first, whole in setups), setups
+    # the small blocks' setups (flat, fc: a few KiB) may fit in what the heap holds and read
+    # 0 on some machines; the convolutions' always add pages
+    assert all(0 <= first <= whole < 8 * 2**20 for first, whole in setups), setups
+    assert all(first > 0 for first, _ in setups[:4]), setups
     # a block the model lacks (index 6): its child fails, the others are still measured
     measured = cold_setups(section, [*keys, "past-the-end"], 32)
-    assert measured[6] == (0, 0) and all(first > 0 for first, _ in measured[:6]), measured
+    assert measured[6] == (0, 0) and all(first > 0 for first, _ in measured[:4]), measured
 
 
 def test_a_cold_setup_counts_what_a_fresh_process_pays_not_what_the_zygote_mapped() -> None:

@@ -94,7 +94,7 @@ def _send_rogue_batch(connect: Callable[[str], Transport], trainer: EdgeTrainer,
                 "pi-01",
                 0,
                 ROUNDS,
-                {"epoch": "rogue", "cut": 1},
+                {"epoch": "0dd", "cut": 1},
                 {"x": np.zeros((4, 3), np.float32), "y": np.zeros(4, np.int64)},
             )
         ),

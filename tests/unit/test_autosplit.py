@@ -294,3 +294,13 @@ def test_a_forward_with_optional_arguments_is_traced_at_their_defaults() -> None
     assert len(blocks) == 2
     x = torch.randn(3, 4)
     torch.testing.assert_close(nn.Sequential(*blocks)(x), model(x))
+
+
+@pytest.mark.parametrize("name", ["pair_input", "dict_input"])
+def test_a_model_of_several_inputs_is_named_in_one_line(
+    name: str, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A tuple model raised an "unexpected IndexError"; both printed fx's traceback first."""
+    with pytest.raises(ModelError, match="needs a wrapper module that builds it from one"):
+        build_model(f"tests.fixtures.user_models:{name}", (1, 4, 4), 3, seed=0)
+    assert "Traceback" not in capfd.readouterr().err
