@@ -19,11 +19,9 @@ Exactness: for a threshold ``T`` the best edge choice is, per edge, the largest 
 with ``t_e <= T`` (a larger split only lowers server work). Sweeping ``T`` over all ``E * N``
 candidate edge times in sorted order therefore visits an optimal plan; the sweep is
 ``O(E N log(E N))``. Server packing is an exact DP over server subsets (up to 10 servers; beyond
-that, servers are tried in order of decreasing memory).
-
-``cuts: uniform`` (:class:`PartitionConfig`) asks for one split shared by every edge: each split
-every edge can hold is tried, ``O(E N)``. It is the classic SplitFed set-up and the baseline
-that per-device cuts are measured against (``benchmarks/heterogeneity.py --mix memory``).
+that, by decreasing memory). ``cuts: uniform`` (:class:`PartitionConfig`) asks for one split
+shared by every edge: each split every edge can hold is tried, ``O(E N)``; it is the classic
+SplitFed set-up, the baseline of per-device cuts (``benchmarks/heterogeneity.py --mix memory``).
 """
 
 from __future__ import annotations
@@ -39,7 +37,7 @@ from coordinator.plan_config import COMPRESSION_BYTES as COMPRESSION_BYTES
 from coordinator.plan_config import ENCODE_WORK
 from coordinator.plan_config import PartitionConfig as PartitionConfig
 from split_models.devices import DeviceSpec
-from split_models.errors import ConfigError, InfeasiblePlanError
+from split_models.errors import ConfigError, InfeasiblePlanError, ModelError
 from split_models.memory import estimate_segment_memory, segment_memory_table
 from split_models.plan import EdgeAssignment, Plan, ServerAssignment
 from split_models.profiler import ModelProfile
@@ -81,9 +79,10 @@ class Problem:
     @classmethod
     def build(cls, profile: ModelProfile, config: PartitionConfig) -> Problem:
         if profile.num_blocks < 2:
-            raise InfeasiblePlanError(
+            raise ModelError(
                 f"model {profile.model!r} has {profile.num_blocks} block; it needs at least 2 "
-                "to be split between edges and servers"
+                "to be split between edges and servers: use a model of several layers, name "
+                "split_points inside it, or train it whole (--method centralized or fedavg)"
             )
         if config.min_edge_blocks > profile.num_blocks - 1:
             raise ConfigError(

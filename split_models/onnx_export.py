@@ -10,9 +10,15 @@ runs with one thread and spinning disabled, so it does not fight torch's threads
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import dataclasses
 import logging
+import os
+import sys
+import tempfile
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,6 +126,28 @@ def _torchscript(module: nn.Module, example: torch.Tensor, names: list[str], pat
     )
 
 
+@contextlib.contextmanager
+def _native_stdout_quiet() -> Iterator[None]:
+    """Within the block, what native code writes to the process's stdout goes to a file that
+    is logged at debug level: torch's TorchScript exporter prints a model's whole IR graph
+    when it fails (torch 2.13's setup_onnx_logging turns its log on and never off), a page
+    of text before the dynamo exporter succeeds. Python's own prints are left alone."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 1)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(OSError, TypeError, AttributeError):  # no libc here
+                ctypes.CDLL(None).fflush(None)  # C stdio's buffer, before fd 1 goes back
+            os.dup2(saved, 1)
+            os.close(saved)
+            caught.seek(0)
+            if text := caught.read(1 << 20):
+                log.debug("the TorchScript exporter printed: %s", text.decode(errors="replace"))
+
+
 def export_checked(
     module: nn.Module,
     input_shape: tuple[int, ...],
@@ -132,7 +160,8 @@ def export_checked(
     batch sizes 1, 3 and 5, else the dynamo exporter's, whatever its check says (the
     caller judges it)."""
     try:
-        export_onnx(module, input_shape, path, input_range, exporter="torchscript")
+        with _native_stdout_quiet():  # a failing TorchScript export prints its whole IR
+            export_onnx(module, input_shape, path, input_range, exporter="torchscript")
         check = check_onnx(path, module, input_shape, (1, 3, 5), input_range=input_range)
         if check.max_abs_diff <= tolerance:
             return dataclasses.replace(check, exporter="torchscript")

@@ -88,3 +88,27 @@ def test_a_checked_export_falls_back_to_dynamo(
     monkeypatch.setattr(onnx_export, "_torchscript", broken)
     result = export_checked(module, (1, 8, 8), tmp_path / "m.onnx")
     assert result.exporter == "dynamo" and result.max_abs_diff <= 1e-4
+
+
+def test_a_failing_torchscript_export_prints_nothing(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A transformer's TorchScript export fails and printed its whole IR graph (about 100
+    long lines, from native code) before the dynamo exporter succeeded."""
+    import torch
+    from torch import nn
+
+    class Encoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True)
+            self.head = nn.Linear(16, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.layer(x).mean(1))
+
+    result = export_checked(Encoder().eval(), (5, 16), tmp_path / "t.onnx")
+
+    assert result.exporter == "dynamo" and result.max_abs_diff <= 1e-4
+    printed = capfd.readouterr()
+    assert "Torch IR graph" not in printed.out + printed.err

@@ -20,7 +20,7 @@ from coordinator.partitioner import (
     step_seconds,
 )
 from split_models.devices import DeviceSpec
-from split_models.errors import ConfigError, InfeasiblePlanError
+from split_models.errors import ConfigError, InfeasiblePlanError, ModelError
 from split_models.memory import estimate_segment_memory
 from split_models.plan import Plan
 from split_models.profiler import BlockProfile, ModelProfile, profile_model
@@ -219,6 +219,17 @@ def test_edge_too_small_names_device_need_and_fix() -> None:
     message = str(caught.value)
     assert "'pi-01'" in message and "1.0 KiB" in message and "blocks [0, 1)" in message
     assert "lower the batch size" in message
+
+
+def test_a_model_of_one_block_is_a_model_error_naming_the_ways_out() -> None:
+    whole = _small_profile()
+    one = ModelProfile("one", (1,), 10, whole.blocks[:1], {"linear": whole.heads["linear"][:2]})
+    with pytest.raises(ModelError) as caught:  # not a plan short of memory: no memory hint
+        plan_split(one, _fleet(1 << 30), PartitionConfig(batch_size=8))
+    assert str(caught.value).endswith(
+        "use a model of several layers, name split_points inside it, or train it whole "
+        "(--method centralized or fedavg)"
+    )
 
 
 def test_a_splitfed_edge_is_sized_for_the_gradient_it_receives_not_for_a_head() -> None:
