@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from coordinator.partitioner import PartitionConfig, plan_split
+from coordinator.planner import unfit_edges
 from split_models.config import ModelConfig, parse_config
 from split_models.devices import load_devices
 from split_models.errors import ConfigError
@@ -79,6 +80,10 @@ def plan_command(args: argparse.Namespace) -> int:
     model = model_section(args).build(seed=0)
     print(f"profiling {args.model} ({model.num_blocks} blocks)...", file=sys.stderr, flush=True)
     profile = profile_model(model, local_losses=(args.local_loss,), batch_size=args.batch_size)
+    unfit, line = unfit_edges(profile, devices, config)
+    if unfit and len(unfit) < sum(1 for d in devices if d.kind == "edge"):
+        print(f"warning: left out of the plan, as the coordinator would: {line}", file=sys.stderr)
+        devices = [d for d in devices if d.name not in unfit]
     plan = plan_split(profile, devices, config)
     print(json.dumps(plan.to_dict(), indent=2) if args.json else str(plan))
     return 0

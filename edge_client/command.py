@@ -24,6 +24,9 @@ log = logging.getLogger("edgesplit.edge")
 def edge_command(args: argparse.Namespace) -> int:
     configure_logging(args.verbose)
     release_freed_memory()  # freed tensors leave the resident set: the measured peak is true
+    data = load_dataset(args.data)  # bad data is named before a speed is measured
+    if not len(data):  # it would come online only to refuse every assignment
+        raise ConfigError(f"--data {args.data}: it holds no samples")
     measured = str(args.flops).strip().lower() == "auto"
     announcement = Announcement(
         device=args.id,
@@ -32,7 +35,6 @@ def edge_command(args: argparse.Namespace) -> int:
         flops=_measured_flops() if measured else _declared_flops(args.flops),
         uplink=parse_bandwidth(args.uplink, "--uplink"),
     )
-    data = load_dataset(args.data)
     config = MqttConfig.from_url(args.broker, args.broker_password, fresh_session=True)
     node = node_id_for(args.id)
     control = MqttTransport(config, f"{args.id}-control", will=node_will(node, args.id))

@@ -92,7 +92,7 @@ def _classify(error: BaseException) -> tuple[int, str]:
     """The exit code of ``error`` and its line's prefix."""
     from coordinator.errors import CoordinatorError, RunCancelled
     from split_models.errors import SplitError
-    from storage.errors import NotAStoreError, NotFoundError, StoreError
+    from storage.errors import NotAStoreError, NotFoundError, StoreError, UsageError
     from storage.errors import UnreachableError as DatabaseUnreachable
     from wire.errors import TransportError
     from wire.errors import UnreachableError as BrokerUnreachable
@@ -103,7 +103,7 @@ def _classify(error: BaseException) -> tuple[int, str]:
         return _signal_code(getattr(error, "signum", None)), "interrupted"
     if isinstance(error, DatabaseUnreachable | BrokerUnreachable):
         return EXIT_UNREACHABLE, "unreachable"
-    if isinstance(error, SplitError | NotFoundError | NotAStoreError):
+    if isinstance(error, SplitError | NotFoundError | NotAStoreError | UsageError):
         return EXIT_USAGE, "error"
     if isinstance(error, StoreError | TransportError | CoordinatorError):
         return EXIT_FAILURE, "error"

@@ -10,6 +10,7 @@ __all__ = [
     "StateError",
     "StoreError",
     "UnreachableError",
+    "UsageError",
 ]
 
 
@@ -26,6 +27,11 @@ class NotFoundError(StoreError, KeyError):
 
 class NotAStoreError(StoreError):
     """The database named is not a run store (a file of something else): a usage error."""
+
+
+class UsageError(StoreError):
+    """What the command was given does not fit the store (``--checkpoints`` missing for a
+    server database, or naming another folder than the one recorded): a usage error."""
 
 
 class StateError(StoreError):

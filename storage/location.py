@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from storage.errors import StoreError
+from storage.errors import StoreError, UsageError
 
 __all__ = ["CheckpointRoot", "choose_root", "default_root"]
 
@@ -46,7 +46,7 @@ def choose_root(
     if readonly or explicit == recorded:
         return CheckpointRoot(explicit)
     if recorded is not None and recorded_exists:
-        raise StoreError(
+        raise UsageError(
             f"--checkpoints {explicit}: this store keeps its checkpoints in {recorded}; "
             "leave out --checkpoints, or move that folder to the new place first"
         )
@@ -55,7 +55,7 @@ def choose_root(
 
 def unknown_root_error(shown: str) -> StoreError:
     """For a server database that has never been told where its checkpoints go."""
-    return StoreError(
+    return UsageError(
         f"--checkpoints: the database at {shown} records no checkpoint folder yet; give one "
         "with --checkpoints DIR (a folder every coordinator, status and export of this "
         "database can reach, e.g. a shared volume)"

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from storage import open_store
@@ -42,6 +43,18 @@ def test_a_bad_config_exits_2(tmp_path: Path) -> None:
 
     assert done.returncode == 2
     assert _one_line_error(done).startswith("edgesplit coordinator: error:")
+
+
+def test_an_edge_with_no_samples_exits_2_before_it_connects(tmp_path: Path) -> None:
+    """It came online and refused every assignment; a file of NaN was refused at start."""
+    empty = tmp_path / "empty.npz"
+    np.savez(empty, x=np.zeros((0, 1, 8, 8), np.float32), y=np.zeros(0, np.int64))
+    broker = f"mqtt://127.0.0.1:{free_port()}"  # nothing listens there: it must not get that far
+
+    done = run_cli("edge", "--id", "pi-01", "--data", f"npz:{empty}", "--broker", broker)
+
+    assert done.returncode == 2, done.stderr
+    assert _one_line_error(done).endswith(f"--data npz:{empty}: it holds no samples")
 
 
 def test_an_unreachable_broker_exits_3(tmp_path: Path) -> None:

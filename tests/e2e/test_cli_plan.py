@@ -66,6 +66,14 @@ def test_infeasible_plan_exits_2_naming_the_device(tmp_path: Path) -> None:
     assert "tiny-01" in done.stderr and "lower the batch size" in done.stderr
     assert done.stdout == ""
 
+    # beside an edge that fits, it is left out, as the coordinator leaves it out
+    roomy = "  - {name: pi-01, kind: edge, memory: 512MiB, flops: 1e9, uplink: 1Mbit}\n"
+    devices.write_text(devices.read_text() + roomy)
+    done = run("plan", "--model", "cnn", "--devices", str(devices), "--json")
+    assert done.returncode == 0, done.stderr
+    assert [edge["name"] for edge in json.loads(done.stdout)["edges"]] == ["pi-01"]
+    assert "warning: left out of the plan, as the coordinator would: edge 'tiny-01'" in done.stderr
+
 
 @pytest.mark.parametrize(
     ("content", "message"),

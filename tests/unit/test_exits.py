@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -34,3 +35,19 @@ def test_the_second_signal_lets_the_stop_finish_and_a_third_quits(
     assert stopped == ["cancelled"]
     assert "stopping already" in capfd.readouterr().err
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL, "the handler is put back"
+
+
+def test_a_store_given_the_wrong_checkpoint_folder_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A PostgreSQL store told no --checkpoints exited 1, as a runtime failure."""
+    from edgesplit.exits import EXIT_FAILURE, EXIT_USAGE, exit_for
+    from storage.errors import StateError, UsageError
+    from storage.location import choose_root, unknown_root_error
+
+    assert exit_for("coordinator", unknown_root_error("postgresql://db/runs")) == EXIT_USAGE
+    with pytest.raises(UsageError) as moved:
+        choose_root(Path("/new"), Path("/old"), None, recorded_exists=True)
+    assert exit_for("coordinator", moved.value) == EXIT_USAGE
+    assert exit_for("coordinator", StateError("round 3 is committed")) == EXIT_FAILURE
+    assert "give one with --checkpoints DIR" in capsys.readouterr().err
