@@ -154,6 +154,14 @@ def _print_summary(summary: dict[str, object], out: object) -> None:
             + ("  does not fit its budget" if client.get("fits") is False else "")
             + (_held(hosts[client["name"]]) if client["name"] in hosts else "")
         )
+    from simulation.config import BASELINES
+
+    idle = [c["name"] for c in clients if not c["blocks"]]
+    if idle and summary.get("method") not in BASELINES:
+        print(
+            f"note: {len(idle)} of {len(clients)} {'hosts' if hosts else 'clients'} took no "
+            "part: their memory holds no segment of this model (the warning above says why)"
+        )
     print(
         f"final accuracy {_accuracy(summary['final_accuracy'])}, "
         f"wall {summary['total_wall_seconds']:.1f} s "

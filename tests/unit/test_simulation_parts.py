@@ -152,3 +152,32 @@ def test_progress_prints_a_line_per_round_without_a_terminal() -> None:
         results = [_Result("a", 10), _Result("gpu-a", 10)]
         progress.round_committed(1, {"accuracy": 0.5, "loss": 1.25}, results, servers=["gpu-a"])
     assert "round 1/2: accuracy 0.5000, loss 1.2500, 1/1 clients trained" in buffer.getvalue()
+
+
+@pytest.mark.parametrize(("method", "noted"), [("splitfed", True), ("fedavg", False)])
+def test_the_summary_says_how_many_clients_took_no_part(
+    method: str, noted: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Clients too small for any segment are left out with a warning at the start; the end
+    of a long run says it again, beside the accuracy it qualifies."""
+    from simulation.command import _print_summary
+
+    def client(name: str, blocks: list[int] | None) -> dict[str, object]:
+        return {"name": name, "profile": "p", "blocks": blocks, "budget_bytes": 1 << 20}
+
+    summary = {
+        "run_id": "sim-1",
+        "method": method,
+        "final_accuracy": 0.5,
+        "total_wall_seconds": 1.0,
+        "total_simulated_seconds": 1.0,
+        "rounds": [],
+        "clients": [
+            {**client("client-000", None), "estimated_peak_bytes": None, "examples": 0},
+            {**client("client-001", [0, 2]), "estimated_peak_bytes": 1 << 19, "examples": 9},
+        ],
+    }
+    _print_summary(summary, "out")
+    printed = capsys.readouterr().out
+    note = "note: 1 of 2 clients took no part: their memory holds no segment of this model"
+    assert (note in printed) is noted
