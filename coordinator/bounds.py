@@ -1,19 +1,18 @@
 """Bounds on what an edge's reply may claim (issue 16: a device account may lie).
 
 **Examples** (its weight in the mean). An edge's ``num-examples`` is capped before aggregation
-by two rules, the tighter named in the ``examples-capped`` event that says when one bites:
+by one of two rules, named in the ``examples-capped`` event that says when one bites:
 
 - ``server-count`` (split modes): every example an edge trains on streams its activations to a
   GPU server, which reports per sender the examples it trained this round (its reply's
   :data:`~wire.flower.TRAINED_RECORD`, over every local epoch, as the edge counts them; a
   batch it refused counts not). An edge is weighted by at most the sum over the servers.
   GPU servers are trusted accounts; their counts are still checked for shape and type.
-- ``peer-median`` (also alone, where there are no server counts: the whole-model baselines):
-  an edge is weighted by at most ``factor`` times the median of the other edges' weights (as
-  the servers' counts capped them: junk batches streamed to raise a count do not lift it).
-  It needs one peer at least (with a single edge its weight is its own); it bounds a liar's
-  share of the mean to about ``factor / (factor + n - 1)`` among ``n`` edges, and trims an
-  honest edge holding more than ``factor`` times its peers' median.
+- ``peer-median`` (no server counts: the whole-model baselines): an edge is weighted by at most
+  ``factor`` times the median of the other edges' claims. It needs one peer at least (with a
+  single edge its weight is its own); it bounds a liar's share of the mean to about
+  ``factor / (factor + n - 1)`` among ``n`` edges, and trims an honest edge holding more than
+  ``factor`` times its peers' median.
 
 **Tensors.** A reply may hold only tensors its train message gave the device, each in the
 shape it was given (:func:`foreign_tensors`): an edge writing a block it was not given (the GPU
@@ -94,25 +93,23 @@ def cap_examples(
     claims: Mapping[str, float], trained: Mapping[str, int] | None, factor: float = EXAMPLES_BOUND
 ) -> list[Cap]:
     """The edges (``claims``: name -> claimed examples) whose claim is above what they may
-    claim: what the GPU servers ``trained`` of them (``server-count``), and ``factor`` times
-    the median of the other edges' claims so capped (``peer-median``; 0: off): an edge that
-    streams junk batches to raise its server count is still bounded by its peers. One cap an
-    edge, the tighter."""
-    weights, caps = dict(claims), {}
+    claim: what the GPU servers ``trained`` of them (``server-count``) or, without those
+    counts, ``factor`` times the median of the other edges' claims (``peer-median``; 0:
+    off)."""
     if trained is not None:
-        weights = {d: min(c, float(trained.get(d, 0))) for d, c in claims.items()}
-        caps = {
-            d: Cap(d, c, weights[d], "server-count")
-            for d, c in sorted(claims.items())
-            if c > weights[d]
-        }
-    if factor <= 0 or len(weights) < 2:
-        return list(caps.values())
-    for device, weight in sorted(weights.items()):
-        allowed = factor * float(np.median([c for d, c in weights.items() if d != device]))
-        if weight > allowed:
-            caps[device] = Cap(device, claims[device], allowed, "peer-median")
-    return [caps[d] for d in sorted(caps)]
+        return [
+            Cap(device, claim, float(trained.get(device, 0)), "server-count")
+            for device, claim in sorted(claims.items())
+            if claim > trained.get(device, 0)
+        ]
+    if factor <= 0 or len(claims) < 2:
+        return []
+    caps = []
+    for device, claim in sorted(claims.items()):
+        allowed = factor * float(np.median([c for d, c in claims.items() if d != device]))
+        if claim > allowed:
+            caps.append(Cap(device, claim, allowed, "peer-median"))
+    return caps
 
 
 def foreign_tensors(given: Mapping[str, Any], sent: Mapping[str, Any]) -> str | None:

@@ -52,18 +52,6 @@ def test_server_count_caps_a_claim_at_what_the_servers_trained() -> None:
     assert "liar claimed 1000000000 examples; weighted by 288 (server-count" in str(caps[0])
 
 
-def test_junk_batches_that_raise_a_server_count_are_still_bounded_by_the_peers() -> None:
-    """A liar streaming junk batches had the GPU servers count them, and was weighted by all
-    of them (review finding): the peers' median bounds it too."""
-    claims = {"a": 100.0, "b": 120.0, "c": 110.0, "liar": 1e6}
-    trained = {"a": 100, "b": 120, "c": 110, "liar": 50_000}
-    caps = cap_examples(claims, trained, factor=10)
-    assert [(c.device, c.allowed, c.rule) for c in caps] == [("liar", 1100.0, "peer-median")]
-    assert cap_examples(claims, trained, factor=0)[0].rule == "server-count", "0: servers only"
-    honest = cap_examples({"a": 100.0, "b": 900.0}, {"a": 100, "b": 900}, factor=10)
-    assert honest == [], "a skewed but honest split keeps its weights"
-
-
 def test_peer_median_caps_a_claim_far_above_the_other_edges() -> None:
     claims = {"a": 100.0, "b": 120.0, "c": 110.0, "liar": 1e9}
     caps = cap_examples(claims, None, factor=10)
