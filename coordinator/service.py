@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import signal
@@ -55,6 +56,7 @@ from split_models.segment import Segment
 from split_models.weights import norm_keys, segment_state
 from split_models.zoo import SplittableModel
 from storage.base import RunStore
+from storage.errors import StoreError
 from storage.records import Event
 from wire.errors import TransportError
 from wire.flower import TransportGrid, array_record, numpy_arrays
@@ -205,6 +207,14 @@ class Coordinator:
                 return self._train()
         except KeyboardInterrupt as stop:
             raise self._cancelled(stop) from None
+        except (CoordinatorError, SplitError, StoreError, TransportError):
+            raise  # recorded where raised, or the store or broker: it resumes once they are back
+        except Exception as error:  # a bug, or the user's model failing mid-round: said
+            with contextlib.suppress(StoreError):
+                why = f"unexpected {type(error).__name__}: {error}"[:500]
+                _failed(self.store, self.config.run_id, why)
+            _say_ended(self._guard)
+            raise
         finally:
             if own:
                 lease.release()

@@ -150,3 +150,25 @@ def test_a_signal_after_the_last_round_still_writes_the_outputs(
     assert (out / "rounds.csv").read_text().count("\n") == 3
     assert (out / "plan.txt").read_text().strip()
     assert not list(out.glob("*.tmp"))
+
+
+def test_a_run_that_fails_unexpectedly_is_marked_failed_saying_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It stayed 'training' for good: a status that no coordinator would ever change."""
+    from coordinator import service
+
+    def broken(*_args: Any) -> dict[str, float]:
+        raise RuntimeError("Input type (long int) and bias type (float) should be the same")
+
+    monkeypatch.setattr(service, "evaluate_weights", broken)
+    out = tmp_path / "sim"
+    with pytest.raises(RuntimeError, match="bias type"):
+        _simulate(out)
+    with open_store(f"sqlite:///{out / 'runs.db'}") as store:
+        (run,) = store.list_runs()
+        failed = [e.detail for e in store.events(run.run_id) if e.kind == "run-failed"]
+    assert run.status == "failed"
+    assert failed == [
+        "unexpected RuntimeError: Input type (long int) and bias type (float) should be the same"
+    ]
