@@ -26,6 +26,7 @@ from wire.chunks import Reassembler, is_chunk, split
 from wire.codec import MAX_MESSAGE_BYTES, Envelope, TensorSpec, decode, encode, read_header
 from wire.errors import WireError
 from wire.logs import warn
+from wire.recent import recent_entry
 from wire.transport import Transport
 
 __all__ = ["Channel", "ChannelStats", "Rejection"]
@@ -194,31 +195,16 @@ class Channel:
 
         self.transport.subscribe(topic_filter, receive)
 
-    def _stream(self, key: int) -> _Seen:
-        """What was seen of stream ``key``; the least recently heard of more than
-        :data:`_STREAMS` is forgotten (a sender minting epochs or names cannot grow this)."""
-        seen = self._seen.get(key)
-        if seen is None:
-            seen = self._seen[key] = _Seen()
-            while len(self._seen) > _STREAMS:
-                self._seen.popitem(last=False)
-        else:
-            self._seen.move_to_end(key)
-        return seen
-
     def _reassemble(self, topic: str, payload: bytes) -> bytes | None:
         """The whole message: ``payload`` itself, or once its last chunk came (else None)."""
         if not is_chunk(payload):
             return payload
         with self._lock:
-            reassembler = self._reassemblers.get(topic)
-            if reassembler is None:
-                reassembler = Reassembler(self.max_message_bytes, self._reassembly_timeout)
-                self._reassemblers[topic] = reassembler
-                while len(self._reassemblers) > _SOURCES:  # the least recently heard goes
-                    self._reassemblers.popitem(last=False)
-            self._reassemblers.move_to_end(topic)
+            reassembler = recent_entry(self._reassemblers, topic, self._new_reassembler, _SOURCES)
             return reassembler.feed(payload)
+
+    def _new_reassembler(self) -> Reassembler:
+        return Reassembler(self.max_message_bytes, self._reassembly_timeout)
 
     def _accept(
         self,
@@ -239,7 +225,9 @@ class Channel:
         # account's (ACL), so a forged sender cannot mark another's batches as seen
         key = hash((topic, envelope.sender, epoch, envelope.kind))
         with self._lock:
-            first = self._stream(key).first_time(envelope.seq)
+            # the least recently heard of more than _STREAMS is forgotten: a sender minting
+            # epochs or names cannot grow this
+            first = recent_entry(self._seen, key, _Seen, _STREAMS).first_time(envelope.seq)
             if not first:
                 self.stats.duplicates += 1
                 return None

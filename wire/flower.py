@@ -32,6 +32,7 @@ from wire.chunks import Reassembler, split
 from wire.errors import WireError
 from wire.logs import warn
 from wire.presence import incarnation_of, new_incarnation
+from wire.recent import recent_entry
 from wire.transport import Transport, Will
 
 __all__ = [
@@ -132,13 +133,11 @@ class _Frames:
         self._lock = threading.Lock()
 
     def _reassembler(self, source: str) -> Reassembler:
-        found = self._reassemblers.get(source)
-        if found is None:
-            found = self._reassemblers[source] = Reassembler(MAX_MESSAGE_BYTES)
-            while len(self._reassemblers) > _SOURCES:  # the least recently heard goes
-                self._reassemblers.popitem(last=False)
-        self._reassemblers.move_to_end(source)
-        return found
+        return recent_entry(self._reassemblers, source, self._new_reassembler, _SOURCES)
+
+    @staticmethod
+    def _new_reassembler() -> Reassembler:
+        return Reassembler(MAX_MESSAGE_BYTES)
 
     def send(self, topic: str, message: Message) -> None:
         data = message_to_proto(message).SerializeToString()
