@@ -57,6 +57,8 @@ def array_numpy(array: Array) -> np.ndarray:
     that many bytes (every edgesplit sender's); else Flower's own parser: 0.5 ms an array
     (a coordinator of 1,000 clients pays it per tensor and reply), and ``ast.literal_eval``,
     which on CPython 3.11.7 raised "AST constructor recursion depth mismatch" in threads."""
+    if array.stype != "numpy.ndarray":
+        raise ValueError(f"an array of stype {array.stype!r}, expected 'numpy.ndarray'")
     try:
         dtype = np.dtype(array.dtype)
         shape = tuple(int(n) for n in array.shape)
@@ -64,8 +66,6 @@ def array_numpy(array: Array) -> np.ndarray:
         return _parsed(array)
     if dtype.kind not in "biufc" or dtype.hasobject or min(shape, default=0) < 0:
         return _parsed(array)
-    if array.stype != "numpy.ndarray":
-        return _parsed(array)  # which refuses it
     header = _npy_header(dtype, shape)
     data = array.data
     count = math.prod(shape)  # exact: a hostile shape cannot overflow it
@@ -78,8 +78,6 @@ def _parsed(array: Array) -> np.ndarray:
     """Flower's parser (``np.load``), once the ``.npy`` header's dtype and shape are known to
     describe exactly the bytes that follow it: ``np.load`` allocates the header's shape
     before it reads, so a header claiming 2**50 floats would ask for 4 PiB."""
-    if array.stype != "numpy.ndarray":
-        raise ValueError(f"an array of stype {array.stype!r}, expected 'numpy.ndarray'")
     stream = io.BytesIO(array.data)
     version = np.lib.format.read_magic(stream)
     readers = {
