@@ -188,11 +188,7 @@ def _split_aware(base: type[FedAvg], mode: str) -> type[FedAvg]:
             self.notes, self.clips = [], []
             replicas, metrics = _bound_updates(self, valid), _train_metrics(self, valid)
             if mode == "per_group":
-                merged = {k: np.array(v, copy=True) for k, v in self._current.items()}
-                for indices, keys in key_groups(replicas).items():
-                    group = [{k: replicas[i][k] for k in keys} for i in indices]
-                    merged.update(self._robust(server_round, [valid[i] for i in indices], group))
-                return array_record(merged), metrics
+                return array_record(_per_group(self, server_round, valid, replicas)), metrics
             mean = split_weighted_mean(replicas, [_weight(m) for m in valid], self._current)
             if mode == "mean":
                 return array_record(mean), metrics
@@ -201,6 +197,21 @@ def _split_aware(base: type[FedAvg], mode: str) -> type[FedAvg]:
 
     SplitAware.__name__ = SplitAware.__qualname__ = f"SplitAware{base.__name__}"
     return SplitAware
+
+
+def _per_group(
+    strategy: Any, server_round: int, valid: list[Message], replicas: list[dict[str, np.ndarray]]
+) -> dict[str, np.ndarray]:
+    """The round's weights with each group of replicas holding the same tensors aggregated by
+    ``strategy``'s rule, in the model's dtypes as the mean keeps them: Flower's rules return
+    BatchNorm's int64 batch count as float64, which the next round's replies (int64 again)
+    would not match."""
+    merged = {k: np.array(v, copy=True) for k, v in strategy._current.items()}
+    for indices, keys in key_groups(replicas).items():
+        group = [{k: replicas[i][k] for k in keys} for i in indices]
+        robust = strategy._robust(server_round, [valid[i] for i in indices], group)
+        merged.update({k: v.astype(merged[k].dtype, copy=False) for k, v in robust.items()})
+    return merged
 
 
 # what normalisation layers track rather than learn: a server step (momentum, moments) on

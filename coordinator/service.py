@@ -53,7 +53,7 @@ from split_models.isolated import profile_in_fresh_process
 from split_models.mirror import head_mirrors, with_mirrored_heads
 from split_models.profiler import ModelProfile
 from split_models.segment import Segment
-from split_models.weights import norm_keys, segment_state
+from split_models.weights import in_dtypes_of, norm_keys, segment_state
 from split_models.zoo import SplittableModel
 from storage.base import RunStore
 from storage.errors import StoreError
@@ -261,7 +261,8 @@ class Coordinator:
         model = config.model.build(seed=config.training.seed)
         stored = {} if resumed is None else resumed.weights[WEIGHTS_SEGMENT]
         seed = config.training.seed
-        weights = initial_weights(model, config.training.local_loss, cuts, seed, stored) | stored
+        fresh = initial_weights(model, config.training.local_loss, cuts, seed, stored)
+        weights = fresh | in_dtypes_of(fresh, stored)
         self.runner.recorder.keep_local(
             local_keys(config, model), None if resumed is None else resumed.weights
         )

@@ -16,7 +16,7 @@ from torch import nn
 from split_models.errors import ModelError
 from split_models.segment import Segment
 
-__all__ = ["load_segment_state", "norm_keys", "segment_state"]
+__all__ = ["in_dtypes_of", "load_segment_state", "norm_keys", "segment_state"]
 
 
 def _named_tensors(segment: Segment) -> list[tuple[nn.Module, dict[str, tuple[str, torch.Tensor]]]]:
@@ -96,3 +96,12 @@ def load_segment_state(segment: Segment, arrays: Mapping[str, np.ndarray]) -> No
 def _legacy_scalar(array: np.ndarray, shape: tuple[int, ...]) -> bool:
     """Checkpoints written before 0-d tensors kept their shape hold them as shape (1,)."""
     return shape == () and array.shape == (1,)
+
+
+def in_dtypes_of(
+    model: Mapping[str, np.ndarray], stored: Mapping[str, np.ndarray]
+) -> dict[str, np.ndarray]:
+    """``stored`` weights in ``model``'s dtypes (those it lacks as they are): a run committed
+    by a robust rule before it kept them holds BatchNorm's int64 batch count as float64,
+    which devices send back as int64 and the coordinator would refuse as another dtype."""
+    return {k: v.astype(model[k].dtype, copy=False) if k in model else v for k, v in stored.items()}

@@ -269,3 +269,29 @@ def test_options_at_the_edges_of_their_ranges_build() -> None:
     build_strategy("fedprox", proximal_mu=0)
     build_strategy("multikrum", num_malicious_nodes=0, num_nodes_to_select=1)
     build_strategy("fedavg", fraction_train=1, fraction_evaluate=0.0)
+
+
+@pytest.mark.parametrize("name", ["krum", "multikrum", "fedmedian", "fedtrimmedavg", "bulyan"])
+def test_robust_rules_keep_every_tensor_in_the_models_dtype(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Flower's rules returned BatchNorm's int64 batch count as float64; the next round's
+    replies, int64 again, were refused as another dtype and a krum run with a BatchNorm
+    model failed its second round."""
+    for field in ("_run_id", "_node_id", "_task_id"):  # a grid sets them; no grid here
+        monkeypatch.setattr(TaskIdentity, field, 1)
+    bn = "block0.1."
+    weights = {bn + "weight": np.ones(3, np.float32), bn + "num_batches_tracked": np.array(4)}
+    strategy = build_strategy(name)
+    strategy._current = dict(weights)  # what configure_train sets
+    trained = [  # seven replicas: enough for every rule, none falls back to the median
+        {bn + "weight": np.full(3, 1 + i / 10, np.float32), bn + "num_batches_tracked": np.array(9)}
+        for i in range(7)
+    ]
+
+    arrays, _ = strategy.aggregate_train(1, _replies(trained))
+
+    assert arrays is not None and not strategy.notes
+    got = {k: v.numpy() for k, v in arrays.items()}
+    assert {k: v.dtype for k, v in got.items()} == {k: v.dtype for k, v in weights.items()}
+    assert int(got[bn + "num_batches_tracked"]) == 9

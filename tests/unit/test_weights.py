@@ -99,3 +99,23 @@ def test_checkpoints_written_with_scalars_as_shape_1_still_load() -> None:
     legacy["block0.1.num_batches_tracked"] = np.array([7], dtype=np.int64)
     load_segment_state(segment, legacy)
     assert int(segment.module[0][1].num_batches_tracked) == 7
+
+
+def test_stored_weights_are_brought_to_the_models_dtypes() -> None:
+    """A run a robust rule committed before it kept dtypes holds an int64 batch count as
+    float64: resumed as stored, every device's int64 reply would be refused."""
+    from split_models.weights import in_dtypes_of
+
+    model = {"bn.num_batches_tracked": np.array(4), "bn.weight": np.ones(2, np.float32)}
+    stored = {
+        "bn.num_batches_tracked": np.array(9.0),
+        "bn.weight": np.full(2, 0.5, np.float32),
+        "head5.w": np.zeros(1, np.float64),  # not in the model: as it is
+    }
+    brought = in_dtypes_of(model, stored)
+    assert {k: v.dtype for k, v in brought.items()} == {
+        "bn.num_batches_tracked": np.int64,
+        "bn.weight": np.float32,
+        "head5.w": np.float64,
+    }
+    assert int(brought["bn.num_batches_tracked"]) == 9
