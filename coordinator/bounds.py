@@ -12,7 +12,8 @@ by one of two rules, named in the ``examples-capped`` event that says when one b
   ``factor`` times the median of the other edges' claims. It needs one peer at least (with a
   single edge its weight is its own); it bounds a liar's share of the mean to about
   ``factor / (factor + n - 1)`` among ``n`` edges, and trims an honest edge holding more than
-  ``factor`` times its peers' median.
+  ``factor`` times its peers' median. A federated evaluation's claimed test examples (nobody
+  counts them) are capped by this rule too.
 
 **Tensors.** A reply may hold only tensors its train message gave the device, each in the
 shape it was given (:func:`foreign_tensors`): an edge writing a block it was not given (the GPU

@@ -359,19 +359,22 @@ class RoundRunner:
             for m in configured
         }
         replies = self.collect(messages, self.deadline / 2, observed=False)
-        counted = []
+        counted: dict[str, Message] = {}
         for device, reply in sorted(replies.items()):
             if reply.has_error():
                 log.warning("federated evaluation on %s failed: %s", device, reply.error.reason)
             elif (problem := malformed_evaluation(reply)) is not None:
                 log.warning("federated evaluation on %s left out: %s", device, problem)
             elif _examples(reply) > 0:
-                counted.append(reply)
+                counted[device] = reply
+        _bound_evaluation(counted, float(getattr(self.strategy, "examples_bound", EXAMPLES_BOUND)))
+        if not counted:
+            return {}
         with flower_quiet():
-            metrics = self.strategy.aggregate_evaluate(number, counted) if counted else None
+            metrics = self.strategy.aggregate_evaluate(number, [*counted.values()])
         if metrics is None:
             return {}
-        examples = sum(_examples(r) for r in counted)
+        examples = sum(_examples(r) for r in counted.values())
         return {
             "federated_accuracy": float(metrics["accuracy"]),  # type: ignore[arg-type]
             "federated_loss": float(metrics["loss"]),  # type: ignore[arg-type]
@@ -454,6 +457,16 @@ def _bound_examples(
         replace(r, examples=int(capped[r.device].allowed)) if r.device in capped else r
         for r in outcome.results
     ]
+
+
+def _bound_evaluation(replies: Mapping[str, Message], factor: float) -> None:
+    """Each device's claimed test examples (its weight in the federated accuracy and loss)
+    capped at ``factor`` times its peers' median claim: no GPU server counts what a device
+    evaluates, and one claiming a billion examples would set the reported figures alone."""
+    claims = {d: _examples(reply) for d, reply in replies.items()}
+    for cap in cap_examples(claims, None, factor):
+        replies[cap.device].content.metric_records["metrics"][WEIGHT_KEY] = cap.allowed
+        log.warning("federated evaluation on %s: %s", cap.device, cap)
 
 
 def _examples(reply: Message) -> float:

@@ -187,3 +187,36 @@ def test_weights_that_do_not_decode_to_what_was_given_fail_that_device_only(
     assert "as int64, it was given float32" in failures["an integer tensor declared float"]
     assert "cannot be read" in failures["a header for 2**50 floats"]
     assert all(len(why) <= 500 for why in failures.values())
+
+
+def test_a_device_claiming_huge_test_data_does_not_set_the_federated_accuracy_alone(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from flwr.serverapp.strategy import FedAvg
+
+    from coordinator.runner import _bound_evaluation
+
+    for field in ("_run_id", "_node_id", "_task_id"):  # a grid sets them; no grid here
+        monkeypatch.setattr(TaskIdentity, field, 1)
+
+    def evaluated(examples: int, accuracy: float) -> Message:
+        metrics = {"num-examples": examples, "accuracy": accuracy, "loss": 1.0 - accuracy}
+        return Message(RecordDict({"metrics": MetricRecord(metrics)}), 1, "evaluate")  # type: ignore[arg-type]
+
+    replies = {"a": evaluated(100, 0.9), "b": evaluated(120, 0.92), "c": evaluated(110, 0.91)}
+    honest = FedAvg().aggregate_evaluate(1, list(replies.values()))
+    replies["liar"] = evaluated(10**12, 0.0)
+
+    _bound_evaluation(replies, 10.0)
+    judged = FedAvg().aggregate_evaluate(1, list(replies.values()))
+
+    assert replies["liar"].content.metric_records["metrics"]["num-examples"] == 1100
+    assert judged is not None and honest is not None
+    # weighted by 1100 (10x its peers' median) instead of 1e12: its share of the mean is
+    # 1100 / 1430, no longer 1 - 3e-10 (the bound's share among n devices: 10 / (10 + n - 1))
+    assert judged["accuracy"] == pytest.approx((90 + 110.4 + 100.1) / 1430)
+    assert judged["accuracy"] < honest["accuracy"], "its capped claim still counts"
+    assert "liar claimed 1000000000000 examples; weighted by 1100" in caplog.text
+    untouched = {"a": evaluated(100, 0.9), "b": evaluated(120, 0.92)}
+    _bound_evaluation(untouched, 0.0)  # the bound off (examples_bound: 0)
+    assert untouched["a"].content.metric_records["metrics"]["num-examples"] == 100
