@@ -359,15 +359,7 @@ class RoundRunner:
             for m in configured
         }
         replies = self.collect(messages, self.deadline / 2, observed=False)
-        counted: dict[str, Message] = {}
-        for device, reply in sorted(replies.items()):
-            if reply.has_error():
-                log.warning("federated evaluation on %s failed: %s", device, reply.error.reason)
-            elif (problem := malformed_evaluation(reply)) is not None:
-                log.warning("federated evaluation on %s left out: %s", device, problem)
-            elif _examples(reply) > 0:
-                counted[device] = reply
-        _bound_evaluation(counted, float(getattr(self.strategy, "examples_bound", EXAMPLES_BOUND)))
+        counted = _usable_evaluations(replies, self.strategy)
         if not counted:
             return {}
         with flower_quiet():
@@ -457,6 +449,21 @@ def _bound_examples(
         replace(r, examples=int(capped[r.device].allowed)) if r.device in capped else r
         for r in outcome.results
     ]
+
+
+def _usable_evaluations(replies: Mapping[str, Message], strategy: FedAvg) -> dict[str, Message]:
+    """The evaluation ``replies`` that can be counted, by device, their claimed examples
+    bounded (:func:`_bound_evaluation`); the others are named in a warning."""
+    counted: dict[str, Message] = {}
+    for device, reply in sorted(replies.items()):
+        if reply.has_error():
+            log.warning("federated evaluation on %s failed: %s", device, reply.error.reason)
+        elif (problem := malformed_evaluation(reply)) is not None:
+            log.warning("federated evaluation on %s left out: %s", device, problem)
+        elif _examples(reply) > 0:
+            counted[device] = reply
+    _bound_evaluation(counted, float(getattr(strategy, "examples_bound", EXAMPLES_BOUND)))
+    return counted
 
 
 def _bound_evaluation(replies: Mapping[str, Message], factor: float) -> None:
