@@ -131,7 +131,7 @@ class MqttTransport(Transport):
         self._draining = False
         self.bundles_sent = self.bundled = 0  # bundles published, payloads they carried
         self.malformed = 0  # bundles received whose frame was broken (dropped whole)
-        self.mailbox = Mailbox(self.client_id)
+        self.mailbox = Mailbox(self.client_id, config.inbound_bound)
         self._closed = False
         self.refused: collections.Counter[str] = collections.Counter()  # PUBACK >= 0x80
         # Messages of a resumed session can arrive before their handler is registered again:

@@ -3,6 +3,7 @@ client id an account may use, and URLs with their password hidden for logs."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlparse
@@ -33,10 +34,22 @@ def redact_url(url: str) -> str:
     return parsed._replace(netloc=f"{user}:***@{host}").geturl()
 
 
+_UNITS = {"": 1, "K": 1024, "M": 1024 * 1024, "G": 1024 * 1024 * 1024}
+
+
+def _size(text: str) -> int:
+    """Bytes from ``text``: a count with an optional KiB, MiB or GiB (or K, M, G) suffix."""
+    match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(?:i?B)?\s*", text, re.IGNORECASE)
+    if match is None:
+        raise ValueError(f"broker URL: inbound={text!r}, expected bytes such as 1073741824 or 4GiB")
+    return int(match[1]) * _UNITS[match[2].upper()]
+
+
 @dataclass(frozen=True)
 class MqttConfig:
     """Where and how to connect. ``from_url`` reads ``mqtt://user:pass@host:port`` and
-    ``mqtts://...?ca=FILE&cert=FILE&key=FILE`` (TLS)."""
+    ``mqtts://...?ca=FILE&cert=FILE&key=FILE`` (TLS); ``?inbound=4GiB`` sets
+    ``max_inbound_bytes``."""
 
     host: str = "127.0.0.1"
     port: int = 1883
@@ -62,6 +75,9 @@ class MqttConfig:
     # (``wire.bundles``); 0 sends every payload on its own.
     bundle_bytes: int = 1024 * 1024
     bundle_after: int = 4
+    # What may wait for a slow handler before the topic holding the most loses messages
+    # (wire.transport.Mailbox; 0: unbounded)
+    max_inbound_bytes: int = 1024 * 1024 * 1024
 
     def __post_init__(self) -> None:
         if self.max_queued < 0:
@@ -70,8 +86,17 @@ class MqttConfig:
             raise ValueError(f"bundle_bytes: must be >= 0 (0: no bundles), got {self.bundle_bytes}")
         # a bundle stays far below what one message may carry (its frame adds up to 16 KiB)
         object.__setattr__(self, "bundle_bytes", min(self.bundle_bytes, self.max_payload // 2))
+        if self.max_inbound_bytes < 0:
+            raise ValueError(
+                f"max_inbound_bytes: must be >= 0 (0: unbounded), got {self.max_inbound_bytes}"
+            )
         if self.bundle_after < 1:
             raise ValueError(f"bundle_after: must be >= 1, got {self.bundle_after}")
+
+    @property
+    def inbound_bound(self) -> int | None:
+        """``max_inbound_bytes`` for a :class:`~wire.transport.Mailbox` (None: unbounded)."""
+        return self.max_inbound_bytes or None
 
     @classmethod
     def from_url(cls, url: str, password: str | None = None, **overrides: Any) -> MqttConfig:
@@ -105,4 +130,6 @@ class MqttConfig:
             cert_file=query.get("cert"),
             key_file=query.get("key"),
         )
+        if "inbound" in query:  # max_inbound_bytes, e.g. ?inbound=4GiB (0: unbounded)
+            parsed_config = replace(parsed_config, max_inbound_bytes=_size(query["inbound"]))
         return replace(parsed_config, **overrides)

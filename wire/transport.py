@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from wire.errors import TransportClosed, TransportError
+from wire.logs import warn
 
 __all__ = [
     "Handler",
@@ -119,13 +120,25 @@ def _deliver(handler: Handler, topic: str, payload: bytes) -> None:
         log.exception("handler for %s failed", topic)
 
 
+_ITEM_BYTES = 128  # what a queued delivery costs besides its payload (tuple, deque slot)
+
+
 class Mailbox:
     """A subscriber's ordered deliveries. Its thread runs only while there is something to
     deliver (it ends after a short idle spell), so a process hosting thousands of idle
-    clients holds no thread for them, and a handler that blocks stalls its own client only."""
+    clients holds no thread for them, and a handler that blocks stalls its own client only.
 
-    def __init__(self, name: str) -> None:
-        self._name = name
+    ``max_bytes`` (None: unbounded) bounds what waits for a slow handler: past it, a message
+    is dropped (counted in ``dropped``, by topic, with a warning) when its topic holds the
+    most, so a sender that floods its own topics (a device ignoring its credits: the broker's
+    ACL binds each device to its topics) loses its messages and the others keep theirs. What
+    a stream drops shows as batches missing at the end of the round, which is then redone."""
+
+    def __init__(self, name: str, max_bytes: int | None = None) -> None:
+        self._name, self._max_bytes = name, max_bytes
+        self._bytes = 0
+        self._by_topic: collections.Counter[str] = collections.Counter()
+        self.dropped: collections.Counter[str] = collections.Counter()
         self._items: collections.deque[tuple[Handler, str, bytes]] = collections.deque()
         self._condition = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -140,9 +153,25 @@ class Mailbox:
 
     def put_all(self, handler: Handler, topic: str, payloads: Sequence[bytes]) -> None:
         """Queue ``payloads`` (a bundle's parts) for ``handler`` in order, with one wake-up."""
+        size = sum(len(payload) + _ITEM_BYTES for payload in payloads)
         with self._condition:
             if self._stopped:
                 return
+            if self._over(topic, size):
+                self.dropped[topic] += len(payloads)
+                warn(
+                    log,
+                    ("mailbox", self._name, topic),
+                    "%s dropped a message on %s: %d bytes wait for its handler, most of them "
+                    "on that topic (the bound is %d; a broker URL's ?inbound=4GiB raises it)",
+                    self._name,
+                    topic,
+                    self._bytes,
+                    self._max_bytes,
+                )
+                return
+            self._bytes += size
+            self._by_topic[topic] += size
             self._items.extend((handler, topic, payload) for payload in payloads)
             if self._thread is None:
                 self._thread = threading.Thread(
@@ -151,6 +180,17 @@ class Mailbox:
                 self._thread.start()
             else:
                 self._condition.notify()
+
+    def _over(self, topic: str, size: int) -> bool:
+        """Past the bound, ``topic`` adding ``size`` bytes would hold the most."""
+        if self._max_bytes is None or self._bytes + size <= self._max_bytes:
+            return False
+        return self._by_topic[topic] + size >= max(self._by_topic.values(), default=0)
+
+    @property
+    def queued_bytes(self) -> int:
+        with self._condition:
+            return self._bytes
 
     def _run(self) -> None:
         while True:
@@ -161,6 +201,10 @@ class Mailbox:
                     self._thread = None
                     return
                 handler, topic, payload = self._items.popleft()
+                self._bytes -= len(payload) + _ITEM_BYTES
+                self._by_topic[topic] -= len(payload) + _ITEM_BYTES
+                if self._by_topic[topic] <= 0:
+                    del self._by_topic[topic]
             _deliver(handler, topic, payload)
 
     def stop(self, timeout: float = 10.0) -> None:

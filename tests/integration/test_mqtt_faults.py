@@ -166,3 +166,39 @@ def test_an_agent_is_seen_again_after_a_broker_restart_that_lost_everything() ->
         assert late.wait_for_nodes(1, timeout=10) == [announcement.node_id]
         for transport in (coordinator, control, stream):
             transport.close()
+
+
+def test_a_flood_past_the_inbound_bound_drops_only_the_flooding_topic(broker: Broker) -> None:
+    config = MqttConfig.from_url(broker.url)
+    flooder = MqttTransport(replace(config, bundle_bytes=0), "flood-tx")
+    honest = MqttTransport(replace(config, bundle_bytes=0), "honest-tx")
+    server = MqttTransport(replace(config, max_inbound_bytes=256 * 1024), "bounded-rx")
+    release, got = threading.Event(), {"act/flood": 0, "act/honest": 0}
+
+    def busy(topic: str, payload: bytes) -> None:  # a GPU server training a long step
+        release.wait(30)
+        got[topic] += 1
+
+    try:
+        server.subscribe("act/+", busy)
+        time.sleep(0.3)
+        for seq in range(200):  # 200 x 8 KiB, ignoring any credit
+            flooder.publish("act/flood", bytes(8192))
+            if seq % 20 == 0:
+                honest.publish("act/honest", bytes(8192))
+        deadline = time.monotonic() + 30
+        while server.mailbox.dropped["act/flood"] < 150 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.mailbox.queued_bytes <= 256 * 1024 + 10 * (8192 + 128)
+        release.set()
+        while time.monotonic() < deadline and (
+            got["act/honest"] < 10 or got["act/flood"] + server.mailbox.dropped["act/flood"] < 200
+        ):
+            time.sleep(0.05)
+        assert got["act/honest"] == 10, "the honest sender lost nothing"
+        assert got["act/flood"] + server.mailbox.dropped["act/flood"] == 200
+        assert server.mailbox.dropped["act/flood"] > 150
+    finally:
+        release.set()
+        for transport in (flooder, honest, server):
+            transport.close()

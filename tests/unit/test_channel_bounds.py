@@ -3,6 +3,8 @@ a sender writes: epochs are short hex, and the least recently heard streams are 
 
 from __future__ import annotations
 
+import collections
+import threading
 import time
 
 import pytest
@@ -50,3 +52,43 @@ def test_a_sender_minting_epochs_cannot_grow_what_a_receiver_remembers(
     send("0")  # long forgotten: heard again (a repeat this old is the price of the bound)
     _wait(lambda: len(heard) == 201)
     assert len(heard) == 201
+
+
+def test_a_flooded_mailbox_drops_the_flooding_topic_and_keeps_the_others() -> None:
+    from wire.transport import Mailbox
+
+    release, delivered = threading.Event(), collections.defaultdict(list)
+
+    def handler(topic: str, payload: bytes) -> None:
+        release.wait(10)
+        delivered[topic].append(payload)
+
+    mailbox = Mailbox("gpu-0", max_bytes=20_000)
+    for seq in range(100):  # a device ignoring its credits, while the handler is busy
+        mailbox.put(handler, "act/flood", seq.to_bytes(4, "big") * 250)
+        if seq % 10 == 0:
+            mailbox.put(handler, "act/honest", seq.to_bytes(4, "big") * 250)
+    honest = 10 * (1000 + 128)  # past the bound only the topic holding less may grow
+    assert mailbox.queued_bytes <= 20_000 + honest, "the flood stopped at the bound"
+    release.set()
+    _wait(lambda: mailbox.queued_bytes == 0)
+
+    assert len(delivered["act/honest"]) == 10, "the other sender lost nothing"
+    assert [p[:4] for p in delivered["act/honest"]] == [
+        s.to_bytes(4, "big") for s in range(0, 100, 10)
+    ]
+    assert mailbox.dropped["act/flood"] == 100 - len(delivered["act/flood"]) > 70
+    assert "act/honest" not in mailbox.dropped
+    unbounded = Mailbox("sim")  # the in-process hub's clients: no bound
+    assert not unbounded._over("act/flood", 10**12)
+
+
+def test_the_inbound_bound_is_set_in_the_broker_url() -> None:
+    from wire.mqtt_config import MqttConfig
+
+    assert MqttConfig.from_url("mqtt://h:1883").inbound_bound == 1024**3  # the default
+    assert MqttConfig.from_url("mqtt://h?inbound=4GiB").inbound_bound == 4 * 1024**3
+    assert MqttConfig.from_url("mqtts://h?ca=c.crt&inbound=512M").inbound_bound == 512 * 1024**2
+    assert MqttConfig.from_url("mqtt://h?inbound=0").inbound_bound is None  # unbounded
+    with pytest.raises(ValueError, match="inbound='lots', expected bytes such as"):
+        MqttConfig.from_url("mqtt://h?inbound=lots")
