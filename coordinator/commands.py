@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -116,6 +117,19 @@ def profile_cache(option: str | None) -> Path | None:
     return None if option in (None, "", "none") else Path(option)
 
 
+def _store_shown(db: str) -> str:
+    """The store ``--db`` names, for the log: a SQLite file as given, said to be new when it
+    is not there yet (a PostgreSQL URL forgotten makes one), else the URL, password masked."""
+    from storage import normalise_url
+    from storage.engine import shown_url
+
+    url = normalise_url(db)
+    if url.startswith("sqlite:///"):
+        new = not Path(url.removeprefix("sqlite:///")).exists()
+        return f"SQLite file {db}" + (" (new: no such file before)" if new else "")
+    return shown_url(url)
+
+
 def coordinator_command(args: argparse.Namespace) -> int:
     """``edgesplit coordinator``: run (or resume) one run to its last round."""
     from coordinator.config import load_run_config
@@ -127,6 +141,7 @@ def coordinator_command(args: argparse.Namespace) -> int:
 
     configure_logging(args.verbose)
     config = load_run_config(args.config)
+    shown = _store_shown(args.db)
     store = open_store(args.db, args.checkpoints, password=args.db_password)
     store.check_can_commit()  # a PostgreSQL store told no checkpoint folder stops here
     broker = MqttConfig.from_url(args.broker, args.broker_password)
@@ -134,6 +149,9 @@ def coordinator_command(args: argparse.Namespace) -> int:
         # the lease first: a second coordinator of the run would knock this one off the broker
         with RunLease(store, config.run_id, ttl=args.lease_seconds) as lease:
             transport = MqttTransport(broker, f"coordinator-{config.run_id}")
+            logging.getLogger("coordinator").info(
+                "run %s: broker %s:%d, store %s", config.run_id, broker.host, broker.port, shown
+            )
             lease.on_lost.append(transport.leave)
             try:
                 ran = Coordinator(

@@ -94,7 +94,7 @@ def _classify(error: BaseException) -> tuple[int, str]:
     from split_models.errors import SplitError
     from storage.errors import NotAStoreError, NotFoundError, StoreError, UsageError
     from storage.errors import UnreachableError as DatabaseUnreachable
-    from wire.errors import TransportError
+    from wire.errors import RefusedError, TransportError
     from wire.errors import UnreachableError as BrokerUnreachable
 
     if isinstance(error, RunCancelled):
@@ -103,7 +103,7 @@ def _classify(error: BaseException) -> tuple[int, str]:
         return _signal_code(getattr(error, "signum", None)), "interrupted"
     if isinstance(error, DatabaseUnreachable | BrokerUnreachable):
         return EXIT_UNREACHABLE, "unreachable"
-    if isinstance(error, SplitError | NotFoundError | NotAStoreError | UsageError):
+    if isinstance(error, SplitError | NotFoundError | NotAStoreError | UsageError | RefusedError):
         return EXIT_USAGE, "error"
     if isinstance(error, StoreError | TransportError | CoordinatorError):
         return EXIT_FAILURE, "error"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["TransportClosed", "TransportError", "UnreachableError", "WireError"]
+__all__ = ["RefusedError", "TransportClosed", "TransportError", "UnreachableError", "WireError"]
 
 
 class WireError(ValueError):
@@ -20,6 +20,11 @@ class TransportError(RuntimeError):
 
 class UnreachableError(TransportError):
     """The MQTT broker cannot be reached (not running, wrong host or port, firewall)."""
+
+
+class RefusedError(TransportError):
+    """The MQTT broker refused this client: its account, password or name (an ACL lets a
+    device account write only under its own name)."""
 
 
 class TransportClosed(TransportError):

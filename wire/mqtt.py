@@ -30,7 +30,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from wire.bundles import Held, bundle, holdable, parts_of
-from wire.errors import TransportError, UnreachableError
+from wire.errors import RefusedError, TransportError, UnreachableError
 from wire.mqtt_config import MqttConfig, account_client_id, redact_url
 from wire.paho_decode import FastClient
 from wire.transport import Handler, Mailbox, Transport, Will, matches, split_shared
@@ -76,10 +76,16 @@ def paho_client(
 
 
 def connect_and_wait(
-    client: mqtt.Client, config: MqttConfig, connected: threading.Event, clean_start: Any
+    client: mqtt.Client,
+    config: MqttConfig,
+    connected: threading.Event,
+    clean_start: Any,
+    refusals: list[str] | None = None,
 ) -> None:
     """Connect ``client`` in the background and wait until its ``on_connect`` sets
-    ``connected``; :class:`UnreachableError` naming the broker when it cannot."""
+    ``connected``; :class:`UnreachableError` naming the broker when it cannot, and
+    :class:`RefusedError` as soon as ``on_connect`` adds the broker's refusal to ``refusals``
+    (a wrong account or password: no use waiting, nor calling it unreachable)."""
     properties = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
     properties.SessionExpiryInterval = config.session_expiry
     where = f"{config.host}:{config.port}"
@@ -94,7 +100,18 @@ def connect_and_wait(
     except (OSError, ValueError) as error:
         raise UnreachableError(f"cannot reach the MQTT broker at {where}: {error}") from error
     client.loop_start()
-    if not connected.wait(config.connect_timeout):
+    deadline = time.monotonic() + config.connect_timeout
+    while not connected.wait(0.05) and time.monotonic() < deadline and not refusals:
+        pass
+    if refusals:
+        client.loop_stop()
+        account = f"account {config.username!r}" if config.username else "no account"
+        raise RefusedError(
+            f"the MQTT broker at {where} refused the connection ({refusals[-1]}) with "
+            f"{account}: check the account and its password (--broker-password-file or "
+            "the URL)"
+        )
+    if not connected.is_set():
         client.loop_stop()
         raise UnreachableError(
             f"no connection to the MQTT broker at {where} within "
@@ -142,6 +159,7 @@ class MqttTransport(Transport):
         self._connections = 0
         self.link_epoch = 0  # one more each time the connection drops
         self.last_reconnect: float | None = None  # time.monotonic() of the latest reconnection
+        self._refusals: list[str] = []  # the broker's CONNACK refusals, while connecting
         self._client = self._build(will)
         self._connect()
 
@@ -156,7 +174,7 @@ class MqttTransport(Transport):
     def _connect(self) -> None:
         fresh = mqtt.MQTT_CLEAN_START_FIRST_ONLY if self.config.fresh_session else None
         clean = self.config.clean_start if fresh is None else fresh
-        connect_and_wait(self._client, self.config, self._connected, clean)
+        connect_and_wait(self._client, self.config, self._connected, clean, self._refusals)
 
     # ---------------------------------------------------------------- paho callbacks
     def _on_connect(
@@ -164,6 +182,7 @@ class MqttTransport(Transport):
     ) -> None:
         if reason.is_failure:
             log.error("MQTT connection refused: %s", reason)
+            self._refusals.append(str(reason))
             return
         if not flags.session_present:
             with self._lock:

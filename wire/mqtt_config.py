@@ -104,7 +104,8 @@ class MqttConfig:
         account but holds no password (the CLI reads it from a file or the environment, so
         that it is in no argv)."""
         parsed = urlparse(url)
-        if parsed.scheme not in ("mqtt", "mqtts"):
+        if parsed.scheme not in ("mqtt", "mqtts") or not parsed.netloc.rpartition("@")[2]:
+            # mqtt:/host:1883 and mqtt:host parse with no host: they must not mean localhost
             raise ValueError(
                 f"broker URL: expected mqtt://host:port or mqtts://..., got {redact_url(url)!r}"
             )

@@ -104,7 +104,10 @@ class _Connection:
         return client
 
     def _connect(self) -> None:
-        connect_and_wait(self._client, self.config, self._connected, self.config.clean_start)
+        self._refusals: list[str] = []
+        connect_and_wait(
+            self._client, self.config, self._connected, self.config.clean_start, self._refusals
+        )
 
     # ---------------------------------------------------------------- paho callbacks
     def _on_connect(
@@ -112,6 +115,7 @@ class _Connection:
     ) -> None:
         if reason.is_failure:
             log.error("MQTT connection refused: %s", reason)
+            self._refusals.append(str(reason))
             return
         if not flags.session_present:
             with self._lock:

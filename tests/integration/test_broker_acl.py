@@ -13,7 +13,7 @@ import pytest
 
 from wire import topics
 from wire.broker import Broker
-from wire.errors import TransportError
+from wire.errors import RefusedError
 from wire.mqtt import MqttConfig, MqttTransport
 from wire.roles import node_id_for
 
@@ -74,14 +74,35 @@ def test_a_chained_gpu_server_may_pass_activations_on_under_its_id(secured: Brok
     gpu.close()
 
 
-def test_anonymous_and_wrong_password_are_refused(secured: Broker) -> None:
-    with pytest.raises(TransportError, match="no connection"):
+def test_anonymous_and_wrong_password_are_refused_at_once_by_name(secured: Broker) -> None:
+    started = time.monotonic()
+    with pytest.raises(RefusedError, match=r"refused the connection \(.+\) with no account"):
         _connect(secured, None)
     config = MqttConfig.from_url(
         secured.url, connect_timeout=3.0, username="pi-01", password="wrong"
     )
-    with pytest.raises(TransportError):
+    with pytest.raises(RefusedError, match="with account 'pi-01': check the account and its"):
         MqttTransport(config, "intruder")
+    assert time.monotonic() - started < 3.0, "a refusal is not waited out as unreachable"
+
+
+def test_an_agent_announcing_under_another_accounts_name_stops_with_the_fix(
+    secured: Broker,
+) -> None:
+    from flwr.clientapp import ClientApp
+
+    from wire.roles import Announcement, go_online
+
+    posing, device = _connect(secured, "pi-01"), _connect(secured, "pi-01")
+    try:
+        started = time.monotonic()
+        with pytest.raises(RefusedError, match="give --id the account's name"):
+            go_online(Announcement("pi-02", "edge", 1 << 20, 1e9, 1e6), posing, ClientApp())
+        assert time.monotonic() - started < 5.0
+        assert go_online(Announcement("pi-01", "edge", 1 << 20, 1e9, 1e6), device, ClientApp())
+    finally:
+        posing.close()
+        device.close()
 
 
 def test_a_device_is_a_flower_node_only_under_its_own_name(secured: Broker) -> None:

@@ -87,3 +87,22 @@ def test_the_broker_config_takes_the_password_only_for_a_url_without_one() -> No
     with pytest.raises(ValueError) as error:
         MqttConfig.from_url("mqtt://pi-01:s3cret@b:notaport")
     assert "s3cret" not in str(error.value) and "pi-01:***@b:notaport" in str(error.value)
+
+
+@pytest.mark.parametrize("url", ["mqtt:/127.0.0.1:18931", "mqtt:127.0.0.1:18931", "mqtts://u@"])
+def test_a_broker_url_without_a_host_is_refused_not_read_as_localhost(url: str) -> None:
+    from wire.mqtt_config import MqttConfig
+
+    with pytest.raises(ValueError, match="expected mqtt://host:port"):
+        MqttConfig.from_url(url)  # these were 127.0.0.1:1883, another broker than meant
+
+
+def test_the_coordinator_names_a_new_sqlite_file_as_new(tmp_path: Path) -> None:
+    from coordinator.commands import _store_shown
+
+    (tmp_path / "old.db").write_bytes(b"")
+    assert _store_shown(str(tmp_path / "old.db")).endswith("old.db")
+    assert _store_shown(str(tmp_path / "triala")).endswith("triala (new: no such file before)")
+    assert _store_shown("postgresql+psycopg://u:secret@db/runs") == (
+        "postgresql+psycopg://u:***@db/runs"
+    )
