@@ -201,7 +201,7 @@ class EdgeAgent:
         """Raise :class:`AssignmentRefused` unless ``task`` of ``model`` fits this device and
         its data (the reason does not name the device: whoever shows it does)."""
         self.data = shaped_for(self.data, tuple(model.input_shape))  # [N, L] for a model of [L]
-        if problem := model_data_problem(self.data, model, "local data"):
+        if problem := model_data_problem(self.data, model, "local data", device=True):
             raise AssignmentRefused(problem)
         budget = self.budget
         if task.estimated_peak_bytes > budget:

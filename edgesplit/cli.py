@@ -256,7 +256,9 @@ def _role_parsers(commands: argparse._SubParsersAction) -> None:  # type: ignore
     edge.add_argument(
         "--id", required=True, type=_device_name, help="device name (stable across restarts)"
     )
-    edge.add_argument("--broker", default="mqtt://127.0.0.1:1883", help=broker_help)
+    edge.add_argument(
+        "--broker", default="mqtt://127.0.0.1:1883", help=f"{broker_help} (default: %(default)s)"
+    )
     _broker_password_flag(edge)
     edge.add_argument("--data", required=True, help="local training data, e.g. npz:PATH")
     edge.add_argument(
@@ -275,7 +277,9 @@ def _role_parsers(commands: argparse._SubParsersAction) -> None:  # type: ignore
     gpu.add_argument(
         "--id", required=True, type=_device_name, help="server name (stable across restarts)"
     )
-    gpu.add_argument("--broker", default="mqtt://127.0.0.1:1883", help=broker_help)
+    gpu.add_argument(
+        "--broker", default="mqtt://127.0.0.1:1883", help=f"{broker_help} (default: %(default)s)"
+    )
     _broker_password_flag(gpu)
     gpu.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps (default: cpu)")
     gpu.add_argument("--memory", default="80GiB", help="memory for training (default: %(default)s)")

@@ -14,12 +14,16 @@ if TYPE_CHECKING:
 __all__ = ["input_problem", "model_data_problem", "shaped_for"]
 
 
-def model_data_problem(data: Dataset, model: ModelConfig, name: str = "data") -> str | None:
+def model_data_problem(
+    data: Dataset, model: ModelConfig, name: str = "data", device: bool = False
+) -> str | None:
     """Why ``data`` (the config's key ``name``) cannot feed ``model``, starting with the key
-    to fix; None when it can. Checked before anything is planned or trained."""
+    to fix; None when it can. Checked before anything is planned or trained. ``device``: the
+    data is a device's own (an edge's ``--data``), which is what to fix, not the run's
+    config."""
     if problem := input_problem(data, model.options):
         return f"{name}: {problem}"
-    if problem := _shape_problem(data, tuple(model.input_shape), name):
+    if problem := _shape_problem(data, tuple(model.input_shape), name, device):
         return problem
     if problem := _dtype_problem(data, model, name):
         return problem
@@ -57,11 +61,13 @@ def shaped_for(data: Dataset, input_shape: tuple[int, ...]) -> Dataset:
     return data
 
 
-def _shape_problem(data: Dataset, want: tuple[int, ...], name: str) -> str | None:
+def _shape_problem(data: Dataset, want: tuple[int, ...], name: str, device: bool) -> str | None:
     have = data.input_shape
     if have == want:
         return None
     fix = f"set input_shape: {list(have)} (--input-shape {','.join(map(str, have))})"
+    if device:  # the run's config is the coordinator's: this device's data must match it
+        fix = f"give this device samples of shape {list(want)}, as the run's model takes"
     if len(have) == 3 and have[-1] in (1, 3, 4) and (have[-1], *have[:2]) == want:
         fix = "the samples are channels-last: transpose x to [N, C, H, W]"
     return (

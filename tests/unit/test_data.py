@@ -225,6 +225,11 @@ def test_data_of_another_shape_or_with_more_classes_names_the_key_to_fix() -> No
         "num_classes: the eval_data has labels up to 12, the model 10 outputs; set num_classes "
         "to 13 or more",
     ]
+    # an edge's own data: the run's config is not the edge's to change, its data is
+    assert model_data_problem(wide, model, "local data", device=True) == (
+        "input_shape: the local data has samples of shape [1, 28, 28], the config says "
+        "[1, 8, 8]; give this device samples of shape [1, 8, 8], as the run's model takes"
+    )
     run = RunConfig.parse(
         {
             "run_id": "r",
