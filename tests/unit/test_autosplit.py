@@ -304,3 +304,53 @@ def test_a_model_of_several_inputs_is_named_in_one_line(
     with pytest.raises(ModelError, match="needs a wrapper module that builds it from one"):
         build_model(f"tests.fixtures.user_models:{name}", (1, 4, 4), 3, seed=0)
     assert "Traceback" not in capfd.readouterr().err
+
+
+class _FunctionalDropout(nn.Module):
+    """Dropout as a function of the module's mode, the way many models write it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(64, 32), nn.Linear(32, 32), nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.dropout(torch.relu(self.a(x.flatten(1))), 0.5, self.training)
+        h = F.dropout(torch.relu(self.b(h)), p=0.3, training=self.training)
+        return self.c(h)
+
+
+def test_a_forward_passing_self_training_follows_each_blocks_mode() -> None:
+    torch.manual_seed(0)
+    model = _FunctionalDropout()
+    blocks = auto_blocks(model, torch.zeros(2, 1, 8, 8))
+    x = torch.randn(16, 1, 8, 8)
+
+    def run() -> torch.Tensor:
+        out = x
+        for block in blocks:
+            out = block(out)
+        return out
+
+    for block in blocks:
+        block.eval()
+    assert torch.equal(run(), run()), "no dropout in evaluation (a trace had fixed it on)"
+    assert torch.allclose(run(), model.eval()(x))
+    for block in blocks:
+        block.train()
+    assert not torch.equal(run(), run()), "dropout in training"
+
+
+def test_a_forward_branching_on_self_training_is_refused_by_name() -> None:
+    class Branching(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(64, 32), nn.Linear(32, 10)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x.flatten(1))
+            if self.training:
+                h = h + torch.randn_like(h)
+            return self.b(h)
+
+    with pytest.raises(ModelError, match=r"branches on self\.training"):
+        auto_blocks(Branching(), torch.zeros(2, 1, 8, 8))
