@@ -22,6 +22,7 @@ from coordinator.errors import CoordinatorError
 from coordinator.recorder import WEIGHTS_SEGMENT, Evaluate, RoundObserver, RoundRecorder
 from coordinator.runner import RoundRunner, RoundWork
 from coordinator.statistics import Recalibration
+from coordinator.stopping import mark_cancelled
 from storage.base import RunStore
 from wire.flower import TransportGrid, array_record
 
@@ -41,17 +42,20 @@ def run_federated(
     seed: int = 0,
     local_keys: frozenset[str] = frozenset(),
     recalibrate: bool = False,
+    observer: RoundObserver | None = None,
 ) -> int:
     """Train until the run has ``rounds`` committed rounds over ``devices`` (name -> node id),
     each waiting up to ``deadline`` s; return how many ran now. ``local_keys``: tensors each
-    device keeps (FedBN); ``recalibrate``: devices measure each aggregate's BatchNorm statistics."""
+    device keeps (FedBN); ``recalibrate``: devices measure each aggregate's BatchNorm
+    statistics; ``observer`` (a progress display) hears about every round. Interrupted
+    (Ctrl-C, SIGTERM), the run is marked cancelled, not left training."""
     state = store.resume(run_id)
     done = 0 if state is None else state.round.number
     weights = dict(initial) if state is None else dict(state.weights[WEIGHTS_SEGMENT])
     if done >= rounds:
         return _finished(store, run_id, 0)
     store.set_run_status(run_id, "training")
-    recorder = RoundRecorder(store, run_id, strategy, RoundObserver(), evaluate, rounds)
+    recorder = RoundRecorder(store, run_id, strategy, observer or RoundObserver(), evaluate, rounds)
     recorder.keep_local(local_keys, None if state is None else state.weights)
     recorder.take_up(state, weights)
     runner = _runner(grid, strategy, recorder, (seed, deadline), devices if recalibrate else None)
@@ -74,6 +78,9 @@ def run_federated(
             weights = runner.run(number, prepare)
     except CoordinatorError:
         store.set_run_status(run_id, "failed")
+        raise
+    except KeyboardInterrupt as stop:
+        mark_cancelled(store, run_id, f"interrupted ({stop or 'SIGINT'})")
         raise
     return _finished(store, run_id, rounds - done)
 

@@ -31,6 +31,7 @@ from flwr.serverapp.strategy import FedAvg
 
 from coordinator.aggregation import configured_strategy
 from coordinator.federated import run_federated
+from coordinator.recorder import RoundObserver
 from edge_client.agent import statistics_reply
 from simulation.config import BASELINES, Profile, SimConfig
 from split_models.config import ModelConfig, TrainingConfig
@@ -105,7 +106,8 @@ def _client(config: SimConfig, data: Dataset, reset: bool, upload: bool) -> Clie
     @app.train()
     def train(message: Message, _context: Context) -> Message:
         started = time.perf_counter()
-        load_segment_state(segment, numpy_arrays(message))
+        received = numpy_arrays(message)
+        load_segment_state(segment, received)
         if reset:  # the centralized baseline keeps its optimizer state (one client)
             segment.reset_optimizer(proximal_mu_of(message))
         segment.lr_scale = training.lr_scale(round_of(message))
@@ -119,8 +121,9 @@ def _client(config: SimConfig, data: Dataset, reset: bool, upload: bool) -> Clie
                 "wall-seconds": time.perf_counter() - started,
             }
         )
-        if upload:
+        if upload:  # the round's weights came down, its result goes up
             metrics["bytes-sent"] = sum(a.nbytes for a in arrays.values())
+            metrics["bytes-received"] = sum(a.nbytes for a in received.values())
         content = RecordDict({"arrays": array_record(arrays), "metrics": metrics})
         return Message(content, reply_to=message)
 
@@ -142,9 +145,11 @@ def _train(
     test: Dataset,
     store: RunStore,
     run_id: str,
+    observer: RoundObserver | None = None,
 ) -> None:
     """``clients`` (name -> app) as Flower nodes; FedAvg rounds over them, committed. The run
-    stores ``config`` (its ``method`` the baseline's), which ``parse_sim_config`` reads back."""
+    stores ``config`` (its ``method`` the baseline's), which ``parse_sim_config`` reads back;
+    ``observer`` (a progress display) hears about every round."""
     hub = InProcessHub()
     grid = TransportGrid(hub.connect("coordinator"))
     nodes = {name: node_id_for(name) for name in clients}
@@ -175,6 +180,7 @@ def _train(
         seed=training.seed,
         local_keys=local,
         recalibrate=training.norm == "recalibrate" and config.method == "fedavg",
+        observer=observer,
     )
 
 
@@ -187,12 +193,17 @@ def _strategy(config: SimConfig) -> FedAvg:
 
 
 def train_centralized(
-    config: SimConfig, train: Dataset, test: Dataset, store: RunStore, run_id: str
+    config: SimConfig,
+    train: Dataset,
+    test: Dataset,
+    store: RunStore,
+    run_id: str,
+    observer: RoundObserver | None = None,
 ) -> None:
     """The pooled ``train`` data on one device, ``central``, end to end."""
     config = replace(config, method="centralized")
     clients = {"central": _client(config, train, reset=False, upload=False)}
-    _train(config, clients, test, store, run_id)
+    _train(config, clients, test, store, run_id, observer)
 
 
 def whole_model_bytes(training: TrainingConfig, profile: ModelProfile, anchor: bool = False) -> int:
@@ -209,11 +220,12 @@ def train_fedavg(
     test: Dataset,
     store: RunStore,
     run_id: str,
+    observer: RoundObserver | None = None,
 ) -> None:
     """Every client of ``parts`` trains the whole model; FedAvg averages them each round."""
     config = replace(config, method="fedavg")
     clients = {name: _client(config, data, reset=True, upload=True) for name, data in parts.items()}
-    _train(config, clients, test, store, run_id)
+    _train(config, clients, test, store, run_id, observer)
 
 
 @dataclass(frozen=True)
@@ -305,6 +317,7 @@ def run_baseline(
     parts: Sequence[np.ndarray],
     store: RunStore,
     run_id: str,
+    observer: RoundObserver | None = None,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], str]:
     """Train ``config.method`` on ``data`` (train, test) into ``store``: ``fedavg`` over the
     fleet's clients, each on its part (rows of train, in client order), ``centralized`` on all
@@ -315,11 +328,11 @@ def run_baseline(
         profiles = config.fleet.client_profiles()
         whole = _whole_profile(config)
         subsets = {name: train.subset(rows) for name, rows in zip(profiles, parts, strict=True)}
-        train_fedavg(config, subsets, test, store, run_id)
+        train_fedavg(config, subsets, test, store, run_id, observer)
         clients = _client_rows(config.training, subsets, profiles, whole)
         simulated = _simulated(config.training, subsets, profiles, whole)
     elif config.method == "centralized":
-        train_centralized(config, train, test, store, run_id)
+        train_centralized(config, train, test, store, run_id, observer)
     else:
         raise ConfigError(f"method: {config.method!r} is not a baseline; use one of {BASELINES}")
     rows = [

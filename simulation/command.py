@@ -53,7 +53,7 @@ def simulate_command(args: argparse.Namespace) -> int:
     out = Path(args.out)
     title, unit = _title(config)
     with _devices_hint(config):
-        if args.quiet or config.method == "centralized":
+        if args.quiet:
             summary = simulate(
                 config, out, args.broker, observer=RoundObserver(), password=args.broker_password
             )
@@ -112,6 +112,8 @@ def _devices_hint(config: SimConfig) -> Iterator[None]:
 
 def _title(config: Any) -> tuple[str, str]:
     """The live table's title, and what its devices are (clients, or hosts of clients)."""
+    if config.method == "centralized":  # one client holding all the data
+        return f"centralized: pooled data, {config.model.name}", "clients"
     title = f"{config.method}: {config.fleet.clients} clients, {config.model.name}"
     if not config.fleet.group_clients:
         return title, "clients"

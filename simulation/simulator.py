@@ -281,7 +281,9 @@ def simulate(
     run = run_config(config, run_id, f"npz:{test_path}")
     with held_signals() as held:  # from the run's end until its outputs are written
         if prints is None:
-            summary = _baseline(config, (train, test), parts, out, (run_id, held), started)
+            summary = _baseline(
+                config, (train, test), parts, out, (run_id, held, observer), started
+            )
             write_outputs(out, summary, summary.pop("_plan_text"))
             return summary
         names = client_names(config.fleet.clients)
@@ -433,16 +435,16 @@ def _baseline(
     data: tuple[Dataset, Dataset],
     parts: list[np.ndarray],
     out: Path,
-    run: tuple[str, HeldSignals],
+    run: tuple[str, HeldSignals, RoundObserver | None],
     started: float,
 ) -> dict[str, Any]:
     if config.fleet.availability is not None:
         log.warning(
             "availability applies to the split methods; every %s client stays online", config.method
         )
-    run_id, held = run
+    run_id, held, observer = run
     with open_store(f"sqlite:///{out / 'runs.db'}") as store:
-        rows, clients, plan = run_baseline(config, data, parts, store, run_id)
+        rows, clients, plan = run_baseline(config, data, parts, store, run_id, observer)
         held.hold()  # a baseline is never resumed: its outputs are written before it stops
     return {
         "run_id": run_id,

@@ -172,3 +172,37 @@ def test_a_run_that_fails_unexpectedly_is_marked_failed_saying_why(
     assert failed == [
         "unexpected RuntimeError: Input type (long int) and bias type (float) should be the same"
     ]
+
+
+@pytest.mark.parametrize("method", ["fedavg", "centralized"])
+def test_a_baseline_shows_its_rounds_and_an_interrupt_marks_it_cancelled(
+    tmp_path: Path, method: str
+) -> None:
+    """A baseline showed no progress, stored no bytes down, and Ctrl-C left it 'training'
+    for good (a baseline is never resumed: nothing would ever change it)."""
+    from coordinator.recorder import RoundObserver
+
+    class StopAfterFirst(RoundObserver):
+        def __init__(self) -> None:
+            self.committed: list[int] = []
+
+        def round_committed(self, number: int, *_args: Any, **_kwargs: Any) -> None:
+            self.committed.append(number)
+            raise Signalled(signal.SIGINT)  # Ctrl-C while the first round is recorded
+
+    out, watching = tmp_path / method, StopAfterFirst()
+    config = parse_sim_config(
+        {"rounds": 3, "clients": 2, "measure_memory": False, "workers": 1, "method": method}
+    )
+    with pytest.raises(Signalled):
+        simulate(config, out, observer=watching)
+    assert watching.committed == [1], "the progress display hears the baseline's rounds"
+    with open_store(f"sqlite:///{out / 'runs.db'}") as store:
+        (run,) = store.list_runs()
+        (first,) = store.list_rounds(run.run_id)
+        why = [e.detail for e in store.events(run.run_id) if e.kind == "cancelled"]
+    assert run.status == "cancelled" and why == ["interrupted (SIGINT)"]
+    assert first.state == "committed"
+    if method == "fedavg":  # each client got the whole model and sent it back
+        results = [r for r in first.results if not r.failure]
+        assert results and all(r.bytes_received == r.bytes_sent > 0 for r in results)
