@@ -59,7 +59,11 @@ def _failure(message: Message, reply: Message | None, online: set[int]) -> str |
     if problem := foreign_tensors(_tensors(message), arrays):
         return problem
     if bad := non_finite_tensors(arrays):
-        return f"sent weights holding NaN or infinity ({', '.join(bad[:3])})"
+        return (
+            f"sent weights holding NaN or infinity ({', '.join(bad[:3])}): its training "
+            "diverged; a lower lr, or the optimizer's max_step (a bound on each step), keeps "
+            "it stable"
+        )
     return None
 
 

@@ -430,6 +430,9 @@ def _bound_examples(
     servers trained of it, else by its peers' claims (:func:`coordinator.bounds.cap_examples`),
     with an event. (The grid stamps each reply with the node it answers, never what it says.)"""
     work, replies, outcome = attempt
+    for result in outcome.results:  # said once per device as a warning, every round stored
+        if result.failure and result.failure.startswith("sent weights holding NaN"):
+            recorder.event(number, "device-diverged", f"{result.device} {result.failure}")
     records = [
         replies[d].content.config_records.get(TRAINED_RECORD)
         for d in outcome.ok

@@ -467,5 +467,9 @@ def test_an_edge_whose_weights_go_nan_is_left_out_and_no_nan_is_committed(
         weights = store.checkpoint("svc-1", number).weights["global"]
         assert all(np.isfinite(v).all() for v in weights.values()), number
     assert store.get_round("svc-1", 2).evaluation["accuracy"] > 0.3
+    diverged = [e for e in store.events("svc-1") if e.kind == "device-diverged"]
+    assert len(diverged) == 2, "an event each round, naming the edge and what to try"
+    assert all(e.detail.startswith("pi-02 sent weights holding NaN") for e in diverged)
+    assert "a lower lr, or the optimizer's max_step" in diverged[0].detail
     gpu = start_fleet.gpus[0]  # type: ignore[attr-defined]
     assert gpu._backs["svc-1"][1].stats.rejected["non_finite"] > 0, "NaN batches rejected"
