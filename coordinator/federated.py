@@ -9,8 +9,9 @@ the starting point and only the remaining rounds run, numbered on from where the
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import numpy as np
 from flwr.app import ArrayRecord, Message
@@ -73,16 +74,23 @@ def run_federated(
             work.messages[names[node]] = message
         return work
 
-    try:
+    with _status_on_stop(store, run_id):
         for number in range(done + 1, rounds + 1):
             weights = runner.run(number, prepare)
+    return _finished(store, run_id, rounds - done)
+
+
+@contextlib.contextmanager
+def _status_on_stop(store: RunStore, run_id: str) -> Iterator[None]:
+    """The run marked failed when a round fails, cancelled when it is interrupted."""
+    try:
+        yield
     except CoordinatorError:
         store.set_run_status(run_id, "failed")
         raise
     except KeyboardInterrupt as stop:
         mark_cancelled(store, run_id, f"interrupted ({stop or 'SIGINT'})")
         raise
-    return _finished(store, run_id, rounds - done)
 
 
 def _finished(store: RunStore, run_id: str, ran: int) -> int:

@@ -148,11 +148,16 @@ def _broker_parser(commands: argparse._SubParsersAction) -> None:  # type: ignor
     broker.add_argument("--port", type=int, default=1883, help="default: %(default)s")
 
 
-_BROKER_HELP = (
-    "MQTT broker URL, mqtt://[ACCOUNT@]host:port or mqtts://...?ca=FILE (TLS); the account's "
-    "password from --broker-password-file, EDGESPLIT_BROKER_PASSWORD or "
-    "EDGESPLIT_BROKER_PASSWORD_FILE, never on the command line"
-)
+def _broker_flags(parser: argparse.ArgumentParser) -> None:
+    """``--broker`` (a deployment's broker URL) and the file with the account's password."""
+    parser.add_argument(
+        "--broker",
+        default="mqtt://127.0.0.1:1883",
+        help="MQTT broker URL, mqtt://[ACCOUNT@]host:port or mqtts://...?ca=FILE (TLS); the "
+        "account's password from --broker-password-file, EDGESPLIT_BROKER_PASSWORD or "
+        "EDGESPLIT_BROKER_PASSWORD_FILE, never on the command line (default: %(default)s)",
+    )
+    _broker_password_flag(parser)
 
 
 def _broker_password_flag(parser: argparse.ArgumentParser) -> None:
@@ -187,7 +192,6 @@ def _db_flags(parser: argparse.ArgumentParser, default: str | None = None) -> No
 
 
 def _coordinator_parser(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    broker_help = _BROKER_HELP
     coordinator = commands.add_parser(
         "coordinator",
         help="run or resume a training run over MQTT",
@@ -196,10 +200,7 @@ def _coordinator_parser(commands: argparse._SubParsersAction) -> None:  # type: 
     )
     coordinator.add_argument("--config", required=True, help="run configuration (RUN.yaml)")
     _db_flags(coordinator, default="edgesplit.db")
-    coordinator.add_argument(
-        "--broker", default="mqtt://127.0.0.1:1883", help=f"{broker_help} (default: %(default)s)"
-    )
-    _broker_password_flag(coordinator)
+    _broker_flags(coordinator)
     coordinator.add_argument(
         "--max-attempts", type=int, default=3, help="tries per round (default: %(default)s)"
     )
@@ -245,7 +246,6 @@ def _allowed_models(parser: argparse.ArgumentParser) -> None:
 
 
 def _role_parsers(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    broker_help = _BROKER_HELP
     _coordinator_parser(commands)
     edge = commands.add_parser(
         "edge",
@@ -256,10 +256,7 @@ def _role_parsers(commands: argparse._SubParsersAction) -> None:  # type: ignore
     edge.add_argument(
         "--id", required=True, type=_device_name, help="device name (stable across restarts)"
     )
-    edge.add_argument(
-        "--broker", default="mqtt://127.0.0.1:1883", help=f"{broker_help} (default: %(default)s)"
-    )
-    _broker_password_flag(edge)
+    _broker_flags(edge)
     edge.add_argument("--data", required=True, help="local training data, e.g. npz:PATH")
     edge.add_argument(
         "--memory", default="512MiB", help="memory for training (default: %(default)s)"
@@ -277,10 +274,7 @@ def _role_parsers(commands: argparse._SubParsersAction) -> None:  # type: ignore
     gpu.add_argument(
         "--id", required=True, type=_device_name, help="server name (stable across restarts)"
     )
-    gpu.add_argument(
-        "--broker", default="mqtt://127.0.0.1:1883", help=f"{broker_help} (default: %(default)s)"
-    )
-    _broker_password_flag(gpu)
+    _broker_flags(gpu)
     gpu.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps (default: cpu)")
     gpu.add_argument("--memory", default="80GiB", help="memory for training (default: %(default)s)")
     gpu.add_argument("--flops", default="1e13", help="sustained FLOP/s (default: %(default)s)")
