@@ -277,7 +277,9 @@ def _role_parsers(commands: argparse._SubParsersAction) -> None:  # type: ignore
     _broker_flags(gpu)
     gpu.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or mps (default: cpu)")
     gpu.add_argument("--memory", default="80GiB", help="memory for training (default: %(default)s)")
-    gpu.add_argument("--flops", default="1e13", help="sustained FLOP/s (default: %(default)s)")
+    gpu.add_argument(
+        "--flops", default="auto", help="sustained FLOP/s, or auto: measured on a CPU, 1e13 else"
+    )
     _allowed_models(gpu)
     gpu.add_argument("-v", "--verbose", action="store_true")
 

@@ -18,6 +18,25 @@ __all__ = ["gpu_server_command"]
 log = logging.getLogger("edgesplit.gpu_server")
 
 
+_ACCELERATOR_FLOPS = 1e13  # what --flops auto declares for an accelerator (not measured)
+
+
+def _flops(option: str, device: str) -> float:
+    """``--flops``: a speed, or ``auto``: measured on a CPU, :data:`_ACCELERATOR_FLOPS` on an
+    accelerator. A CPU server declaring an accelerator's speed was planned as 1,000 times
+    faster than it is, and the re-plan from its measured steps then moved every cut."""
+    if str(option).strip().lower() != "auto":
+        return parse_flops(option, "--flops")
+    if device != "cpu":
+        log.info("declaring %.3g FLOP/s on %s (--flops sets it)", _ACCELERATOR_FLOPS, device)
+        return _ACCELERATOR_FLOPS
+    from split_models.calibration import measure_flops
+
+    flops = measure_flops()
+    log.info("measured %.3g FLOP/s on the CPU (--flops sets a speed instead)", flops)
+    return flops
+
+
 def gpu_server_command(args: argparse.Namespace) -> int:
     configure_logging(args.verbose)
     require_device(args.device, "--device")
@@ -25,7 +44,7 @@ def gpu_server_command(args: argparse.Namespace) -> int:
         device=args.id,
         role="gpu",
         memory=parse_memory(args.memory, "--memory"),
-        flops=parse_flops(args.flops, "--flops"),
+        flops=_flops(args.flops, args.device),
         accelerator=args.device,
     )
     config = MqttConfig.from_url(args.broker, args.broker_password, fresh_session=True)

@@ -108,3 +108,14 @@ def test_duplicate_names_and_empty_files_are_rejected(tmp_path: Path) -> None:
     broken.write_text("devices: [unclosed")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_devices(broken)
+
+
+def test_a_gpu_server_measures_its_speed_on_a_cpu_and_declares_an_accelerators() -> None:
+    """A CPU server declaring 1e13 (the old default) was planned 1,000 times faster than it
+    ran; the re-plan from its measured steps then moved every edge's cut in round 2."""
+    from gpu_server.command import _flops
+
+    measured = _flops("auto", "cpu")
+    assert 1e6 < measured < 1e13, measured
+    assert _flops("auto", "cuda:0") == 1e13
+    assert _flops("2.5e12", "cpu") == 2.5e12
