@@ -196,13 +196,15 @@ class TransportGrid(Grid):
         reply_to = message.metadata.reply_to_message_id
         with self._condition:
             addressee, _ = self._sent.get(reply_to, (None, None))
-            if addressee is None:
+            if addressee is None:  # late: a try given up, or a coordinator before this one
                 warn(
                     log,
                     (sender, "unknown"),
-                    "dropped a Flower reply of %r to unknown message %r",
+                    "dropped a Flower reply of %r to message %r: not awaited (given up, or sent "
+                    "before this coordinator started)",
                     sender,
                     reply_to,
+                    level=logging.INFO,
                 )
                 return
             if addressee != sender:

@@ -52,10 +52,13 @@ class WarningLimiter:
 _LIMITER = WarningLimiter()
 
 
-def warn(log: logging.Logger, key: Hashable, message: str, *args: object) -> None:
-    """``log.warning(message, *args)``, at most :data:`BURST` times a window for ``key``."""
+def warn(
+    log: logging.Logger, key: Hashable, message: str, *args: object, level: int = logging.WARNING
+) -> None:
+    """``log.warning(message, *args)`` (or at ``level``), at most :data:`BURST` times a
+    window for ``key``."""
     allowed, suppressed = _LIMITER.admit((log.name, key))
     if allowed:
         if suppressed:
             message += f" ({suppressed} more like it left out of the log)"
-        log.warning(message, *args)
+        log.log(level, message, *args)
