@@ -15,9 +15,9 @@ __all__ = ["check_run", "clients_of", "round_summary", "run_status", "runs_overv
 
 def round_summary(record: RoundRecord, servers: Collection[str] = ()) -> dict[str, Any]:
     """One round: state, evaluation, participants and traffic. ``participants`` and
-    ``examples`` count the edges (the clients, as a simulation's table does); the GPU
-    servers in ``servers``, which train the same examples again on the back, are shown apart
-    (``servers``, ``server_examples``). Where the edges are simulation hosts
+    ``examples`` count the edges (the clients, as a simulation's table does), and so does
+    ``failed``; the GPU servers in ``servers``, which train the same examples again on the
+    back, are shown apart (``servers``, ``servers_failed``, ``server_examples``). Where the edges are simulation hosts
     (``group_clients``), ``clients`` counts the clients they trained."""
     loss = record.evaluation.get("loss", record.metrics.get("loss"))
     edges = [r for r in record.results if r.device not in servers]
@@ -29,7 +29,8 @@ def round_summary(record: RoundRecord, servers: Collection[str] = ()) -> dict[st
         "loss": loss,
         "participants": [d for d in record.participants if d not in servers],
         "servers": [d for d in record.participants if d in servers],
-        "failed": sorted(r.device for r in record.results if r.failure),
+        "failed": sorted(r.device for r in edges if r.failure),
+        "servers_failed": sorted(r.device for r in backs if r.failure),
         "examples": sum(r.examples for r in edges if not r.failure),
         **clients_of(record),
         "server_examples": sum(r.examples for r in backs if not r.failure),

@@ -17,3 +17,28 @@ def test_a_large_fleet_is_counted_per_cut_and_a_malformed_plan_shows_nothing() -
     )
     for broken in (None, {}, {"edges": [{"name": "x"}], "servers": []}, {"edges": 3}):
         assert _plan_line(broken) is None
+
+
+def test_a_rounds_failed_count_is_of_edges_as_its_participants_are() -> None:
+    """A round read '4 participants, 3 failed' of four edges: the failed GPU servers were
+    counted among the edges' failures."""
+    from storage.records import DeviceResult, RoundRecord
+    from storage.report import round_summary
+
+    record = RoundRecord(
+        "r",
+        4,
+        "committed",
+        ("pi-01", "pi-02", "gpu-a"),
+        (
+            DeviceResult("pi-01", examples=32),
+            DeviceResult("pi-02", examples=32),
+            DeviceResult("pi-03", failure="offline"),
+            DeviceResult("gpu-a", examples=64),
+            DeviceResult("gpu-b", failure="offline"),
+        ),
+    )
+    summary = round_summary(record, servers={"gpu-a", "gpu-b"})
+    assert summary["participants"] == ["pi-01", "pi-02"] and summary["failed"] == ["pi-03"]
+    assert summary["servers"] == ["gpu-a"] and summary["servers_failed"] == ["gpu-b"]
+    assert summary["examples"] == 64 and summary["server_examples"] == 64
