@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from coordinator.store_commands import _plan_line
@@ -42,3 +44,31 @@ def test_a_rounds_failed_count_is_of_edges_as_its_participants_are() -> None:
     assert summary["participants"] == ["pi-01", "pi-02"] and summary["failed"] == ["pi-03"]
     assert summary["servers"] == ["gpu-a"] and summary["servers_failed"] == ["gpu-b"]
     assert summary["examples"] == 64 and summary["server_examples"] == 64
+
+
+def test_an_export_whose_file_fails_the_check_says_so_on_stderr(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It exited 1 with nothing on stderr: a script saw only the exit code."""
+    import argparse
+
+    from coordinator import export, store_commands
+    from storage import open_store
+
+    with open_store(str(tmp_path / "runs.db")) as store:
+        store.create_run("r", {}, seed=0)
+    results = [
+        export.ExportResult("model", (0, 6), tmp_path / "r-model.onnx", 2e-6, "dynamo"),
+        export.ExportResult("pi-01", (0, 2), tmp_path / "r-pi-01.onnx", 0.62, "torchscript"),
+    ]
+    monkeypatch.setattr(export, "export_run", lambda *_args: results)
+    args = argparse.Namespace(
+        db=str(tmp_path / "runs.db"), db_password=None, checkpoints=None, run="r",
+        out=str(tmp_path), round=None, per_device=True, allow_model_change=False,
+    )  # fmt: skip
+
+    assert store_commands.export_command(args) == 1
+    out, err = capsys.readouterr()
+    assert "r-pi-01.onnx" in out and "FAILS" in out
+    assert err.startswith("edgesplit export: error: 1 of 2 file(s) compute other outputs")
+    assert "r-pi-01.onnx" in err and "r-model.onnx" not in err
