@@ -181,3 +181,27 @@ def test_the_summary_says_how_many_clients_took_no_part(
     printed = capsys.readouterr().out
     note = "note: 1 of 2 clients took no part: their memory holds no segment of this model"
     assert (note in printed) is noted
+
+
+def test_a_baseline_names_the_split_keys_it_ignores() -> None:
+    """centralized with krum, Dirichlet, uniform cuts and int8 gave the plain centralized
+    figures without a word."""
+    from simulation.config import parse_sim_config
+    from simulation.simulator import _ignored_by_baseline
+
+    central = {
+        "method": "centralized",
+        "strategy": {"name": "krum"},
+        "partition": {"kind": "dirichlet", "alpha": 0.5},
+        "cuts": "uniform",
+        "compression": "int8",
+    }
+    assert _ignored_by_baseline(parse_sim_config(central)) == [
+        "cuts",
+        "compression",
+        "partition",
+        "strategy",
+    ]
+    fedavg = central | {"method": "fedavg"}  # its clients are split and averaged
+    assert _ignored_by_baseline(parse_sim_config(fedavg)) == ["cuts", "compression"]
+    assert _ignored_by_baseline(parse_sim_config({"method": "fedavg"})) == []
