@@ -58,6 +58,7 @@ from wire.roles import node_id_for
 from wire.transport import InProcessHub
 
 __all__ = [
+    "ignored_by_baseline",
     "model_profile",
     "run_baseline",
     "train_centralized",
@@ -361,3 +362,20 @@ def _plan_text(method: str, clients: list[dict[str, Any]], whole: _Whole) -> str
         f"{whole.need} bytes to train) on every client"
         + (f"; it does not fit {', '.join(unfit)}" if unfit else "")
     )
+
+
+def ignored_by_baseline(config: SimConfig) -> list[str]:
+    """The keys set away from their defaults that a baseline has no use for (the cut, what
+    crosses it; for centralized, one client, also how the clients are split and averaged)."""
+    default, fleet, training = SimConfig(), config.fleet, config.training
+    keys = {
+        "cuts": fleet.cuts != default.fleet.cuts,
+        "compression": training.compression != default.training.compression,
+        "local_loss": training.local_loss != default.training.local_loss,
+        "batched": fleet.batched,
+        "group_clients": fleet.group_clients,
+    }
+    if config.method == "centralized":
+        keys["partition"] = fleet.partition != default.fleet.partition
+        keys["strategy"] = config.aggregation != default.aggregation
+    return [key for key, set_ in keys.items() if set_]

@@ -30,7 +30,7 @@ from coordinator.planner import stored_plan
 from coordinator.service import Coordinator, RoundObserver
 from edge_client.agent import EdgeAgent
 from gpu_server.agent import GpuAgent
-from simulation.baselines import model_profile, run_baseline
+from simulation.baselines import ignored_by_baseline, model_profile, run_baseline
 from simulation.config import (
     BASELINES,
     GPU_NAME,
@@ -442,7 +442,7 @@ def _baseline(
         log.warning(
             "availability applies to the split methods; every %s client stays online", config.method
         )
-    if ignored := _ignored_by_baseline(config):
+    if ignored := ignored_by_baseline(config):
         log.warning("%s trains the whole model: it ignores %s", config.method, ", ".join(ignored))
     run_id, held, observer = run
     with open_store(f"sqlite:///{out / 'runs.db'}") as store:
@@ -459,23 +459,6 @@ def _baseline(
         "clients": clients,
         "_plan_text": plan,
     }
-
-
-def _ignored_by_baseline(config: SimConfig) -> list[str]:
-    """The keys set away from their defaults that a baseline has no use for (the cut, what
-    crosses it; for centralized, one client, also how the clients are split and averaged)."""
-    default, fleet, training = SimConfig(), config.fleet, config.training
-    keys = {
-        "cuts": fleet.cuts != default.fleet.cuts,
-        "compression": training.compression != default.training.compression,
-        "local_loss": training.local_loss != default.training.local_loss,
-        "batched": fleet.batched,
-        "group_clients": fleet.group_clients,
-    }
-    if config.method == "centralized":
-        keys["partition"] = fleet.partition != default.fleet.partition
-        keys["strategy"] = config.aggregation != default.aggregation
-    return [key for key, set_ in keys.items() if set_]
 
 
 _VIEWS_PER_CONNECTION = 128  # docs/benchmarks.md, "Simulation over a broker at scale"

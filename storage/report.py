@@ -17,8 +17,9 @@ def round_summary(record: RoundRecord, servers: Collection[str] = ()) -> dict[st
     """One round: state, evaluation, participants and traffic. ``participants`` and
     ``examples`` count the edges (the clients, as a simulation's table does), and so does
     ``failed``; the GPU servers in ``servers``, which train the same examples again on the
-    back, are shown apart (``servers``, ``servers_failed``, ``server_examples``). Where the edges are simulation hosts
-    (``group_clients``), ``clients`` counts the clients they trained."""
+    back, are shown apart (``servers``, ``servers_failed``, ``server_examples``). Where the
+    edges are simulation hosts (``group_clients``), ``clients`` counts the clients they
+    trained."""
     loss = record.evaluation.get("loss", record.metrics.get("loss"))
     edges = [r for r in record.results if r.device not in servers]
     backs = [r for r in record.results if r.device in servers]

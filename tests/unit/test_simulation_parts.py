@@ -186,8 +186,8 @@ def test_the_summary_says_how_many_clients_took_no_part(
 def test_a_baseline_names_the_split_keys_it_ignores() -> None:
     """centralized with krum, Dirichlet, uniform cuts and int8 gave the plain centralized
     figures without a word."""
+    from simulation.baselines import ignored_by_baseline
     from simulation.config import parse_sim_config
-    from simulation.simulator import _ignored_by_baseline
 
     central = {
         "method": "centralized",
@@ -196,12 +196,12 @@ def test_a_baseline_names_the_split_keys_it_ignores() -> None:
         "cuts": "uniform",
         "compression": "int8",
     }
-    assert _ignored_by_baseline(parse_sim_config(central)) == [
+    assert ignored_by_baseline(parse_sim_config(central)) == [
         "cuts",
         "compression",
         "partition",
         "strategy",
     ]
     fedavg = central | {"method": "fedavg"}  # its clients are split and averaged
-    assert _ignored_by_baseline(parse_sim_config(fedavg)) == ["cuts", "compression"]
-    assert _ignored_by_baseline(parse_sim_config({"method": "fedavg"})) == []
+    assert ignored_by_baseline(parse_sim_config(fedavg)) == ["cuts", "compression"]
+    assert ignored_by_baseline(parse_sim_config({"method": "fedavg"})) == []
