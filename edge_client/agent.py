@@ -36,7 +36,7 @@ from edge_client.trainer import (
 from split_models.activations import activation_arrays
 from split_models.config import ModelConfig, TrainingConfig
 from split_models.cpu import process_cpu_share
-from split_models.data import Dataset, model_data_problem, shaped_for
+from split_models.data import Dataset, model_data_problem, scale_warning, shaped_for
 from split_models.errors import ConfigError
 from split_models.evaluation import (
     MAX_STATISTIC_SAMPLES,
@@ -167,6 +167,7 @@ class EdgeAgent:
         if announcement.examples is None:  # the planner spreads weight traffic over them
             announcement = dataclasses.replace(announcement, examples=len(data))
         self.announcement, self.data = announcement, data
+        self._scale_said = False  # the data's scale warned of once, not every assignment
         self.device = announcement.device
         self.budget = announcement.memory if budget is None else budget
         # The peak is the process's high-water mark: meaningful only with one agent a process
@@ -203,6 +204,9 @@ class EdgeAgent:
         self.data = shaped_for(self.data, tuple(model.input_shape))  # [N, L] for a model of [L]
         if problem := model_data_problem(self.data, model, "local data", device=True):
             raise AssignmentRefused(problem)
+        if (warning := scale_warning(self.data, "local data")) and not self._scale_said:
+            self._scale_said = True
+            log.warning("%s", warning)
         budget = self.budget
         if task.estimated_peak_bytes > budget:
             raise AssignmentRefused(

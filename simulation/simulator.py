@@ -44,7 +44,14 @@ from simulation.pool import SegmentPool
 from simulation.report import client_rows, round_rows, write_outputs
 from simulation.resume import fingerprint, resumable_run, start_run
 from simulation.shield import HeldSignals, held_signals
-from split_models.data import Dataset, load_dataset, model_data_problem, partition, shaped_for
+from split_models.data import (
+    Dataset,
+    load_dataset,
+    model_data_problem,
+    partition,
+    scale_warning,
+    shaped_for,
+)
 from split_models.errors import ConfigError
 from split_models.measure import measure_in_fresh_process
 from split_models.plan import EdgeAssignment, Plan
@@ -342,6 +349,8 @@ def _check_data(config: SimConfig, *sets: Dataset) -> None:
     for name, data in zip(("data", held_out), sets, strict=False):
         if problem := model_data_problem(data, config.model, name):
             raise ConfigError(problem)
+        if warning := scale_warning(data, name):
+            log.warning("%s", warning)
 
 
 def _split_learning(

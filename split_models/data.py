@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from split_models.data_checks import input_problem, model_data_problem, shaped_for
+from split_models.data_checks import input_problem, model_data_problem, scale_warning, shaped_for
 from split_models.errors import ConfigError
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
     "model_data_problem",
     "partition",
     "resolve_spec",
+    "scale_warning",
     "shaped_for",
     "shuffle_rng",
     "trained_examples",

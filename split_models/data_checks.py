@@ -6,12 +6,14 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 if TYPE_CHECKING:
     from split_models.config import ModelConfig
     from split_models.data import Dataset
     from split_models.options import ModelOptions
 
-__all__ = ["input_problem", "model_data_problem", "shaped_for"]
+__all__ = ["input_problem", "model_data_problem", "scale_warning", "shaped_for"]
 
 
 def model_data_problem(
@@ -130,3 +132,22 @@ def input_problem(data: Dataset, options: ModelOptions) -> str | None:
                 f"[{low}, {high})"
             )
     return None
+
+
+_LARGE_FEATURE = 100.0  # float features beyond this are most likely unscaled pixel values
+
+
+def scale_warning(data: Dataset, name: str = "data") -> str | None:
+    """A word for float features far from the usual scale (pixels kept at 0-255): taken as
+    they are, they make the first steps huge and a run can end at chance blaming its
+    learning rate. uint8 images are scaled to [0, 1] when loaded; float arrays are not."""
+    if data.x.dtype.kind != "f" or not len(data):
+        return None
+    top = float(np.nanmax(np.abs(data.x)))
+    if not top > _LARGE_FEATURE:
+        return None
+    return (
+        f"{name}: float features reach {top:.4g}, taken as they are (uint8 images are scaled "
+        "to [0, 1], float arrays are not): scale them if they are pixel values, or training "
+        "may diverge"
+    )

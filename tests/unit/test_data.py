@@ -371,3 +371,16 @@ def test_integer_features_for_a_float_model_and_channels_last_images_are_named()
     assert str(model_data_problem(last, rgb)).endswith(
         "the samples are channels-last: transpose x to [N, C, H, W]"
     )
+
+
+def test_float_features_at_pixel_scale_are_warned_of() -> None:
+    """Float images kept at 0-255 ended a run at chance, the warning blaming the lr."""
+    from split_models.data import scale_warning
+
+    pixels = np.random.default_rng(0).integers(0, 256, (8, 1, 4, 4))
+    raw = from_arrays(pixels.astype(np.float32), np.arange(8) % 2, 2)
+    said = scale_warning(raw, "data")
+    assert said is not None and said.startswith("data: float features reach 255")
+    assert "scale them if they are pixel values" in said
+    assert scale_warning(from_arrays(pixels.astype(np.float32) / 255, np.arange(8) % 2, 2)) is None
+    assert scale_warning(from_arrays(pixels, np.arange(8) % 2, 2)) is None  # token ids
