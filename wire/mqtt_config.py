@@ -48,7 +48,7 @@ def _size(text: str) -> int:
 @dataclass(frozen=True)
 class MqttConfig:
     """Where and how to connect. ``from_url`` reads ``mqtt://user:pass@host:port`` and
-    ``mqtts://...?ca=FILE&cert=FILE&key=FILE`` (TLS); ``?inbound=4GiB`` sets
+    ``mqtts://...?ca=FILE&cert=FILE&key=FILE`` (TLS); ``?inbound=2GiB`` sets
     ``max_inbound_bytes``."""
 
     host: str = "127.0.0.1"
@@ -75,9 +75,9 @@ class MqttConfig:
     # (``wire.bundles``); 0 sends every payload on its own.
     bundle_bytes: int = 1024 * 1024
     bundle_after: int = 4
-    # What may wait for a slow handler before the topic holding the most loses messages
+    # What may wait for a slow handler on one topic before its messages are dropped
     # (wire.transport.Mailbox; 0: unbounded)
-    max_inbound_bytes: int = 1024 * 1024 * 1024
+    max_inbound_bytes: int = 512 * 1024 * 1024
 
     def __post_init__(self) -> None:
         if self.max_queued < 0:
@@ -131,6 +131,6 @@ class MqttConfig:
             cert_file=query.get("cert"),
             key_file=query.get("key"),
         )
-        if "inbound" in query:  # max_inbound_bytes, e.g. ?inbound=4GiB (0: unbounded)
+        if "inbound" in query:  # max_inbound_bytes, e.g. ?inbound=2GiB (0: unbounded)
             parsed_config = replace(parsed_config, max_inbound_bytes=_size(query["inbound"]))
         return replace(parsed_config, **overrides)

@@ -281,7 +281,7 @@ class SharedView(Transport):
     def __init__(self, connection: _Connection, name: str, will: Will | None = None) -> None:
         self.client_id, self.will = name, will
         self.max_payload = connection.config.max_payload
-        self.mailbox = Mailbox(name, connection.config.inbound_bound)
+        self.mailbox = Mailbox(name)  # a simulation's own clients: trusted, not bounded
         self.hooks: list[Callable[[], None]] = []
         self._connection = connection
         self._filters: set[str] = set()

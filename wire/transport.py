@@ -128,11 +128,12 @@ class Mailbox:
     deliver (it ends after a short idle spell), so a process hosting thousands of idle
     clients holds no thread for them, and a handler that blocks stalls its own client only.
 
-    ``max_bytes`` (None: unbounded) bounds what waits for a slow handler: past it, a message
-    is dropped (counted in ``dropped``, by topic, with a warning) when its topic holds the
-    most, so a sender that floods its own topics (a device ignoring its credits: the broker's
-    ACL binds each device to its topics) loses its messages and the others keep theirs. What
-    a stream drops shows as batches missing at the end of the round, which is then redone."""
+    ``max_bytes`` (None: unbounded) bounds what may wait for a slow handler on one topic: a
+    message past it is dropped (counted in ``dropped``, by topic, with a warning). The
+    broker's ACL binds each device to its own topics, so a sender that floods them (a device
+    ignoring its credits) loses its own messages, costs at most the bound per topic, and the
+    others keep theirs. What a stream drops shows as batches missing at the end of the
+    round, which is then redone. An honest sender holds at most its credit window there."""
 
     def __init__(self, name: str, max_bytes: int | None = None) -> None:
         self._name, self._max_bytes = name, max_bytes
@@ -162,11 +163,11 @@ class Mailbox:
                 warn(
                     log,
                     ("mailbox", self._name, topic),
-                    "%s dropped a message on %s: %d bytes wait for its handler, most of them "
-                    "on that topic (the bound is %d; a broker URL's ?inbound=4GiB raises it)",
+                    "%s dropped a message on %s: %d bytes on that topic wait for its handler "
+                    "(the bound is %d; a broker URL's ?inbound=2GiB raises it)",
                     self._name,
                     topic,
-                    self._bytes,
+                    self._by_topic[topic],
                     self._max_bytes,
                 )
                 return
@@ -182,10 +183,8 @@ class Mailbox:
                 self._condition.notify()
 
     def _over(self, topic: str, size: int) -> bool:
-        """Past the bound, ``topic`` adding ``size`` bytes would hold the most."""
-        if self._max_bytes is None or self._bytes + size <= self._max_bytes:
-            return False
-        return self._by_topic[topic] + size >= max(self._by_topic.values(), default=0)
+        """``topic`` would hold more than the bound with ``size`` bytes more."""
+        return self._max_bytes is not None and self._by_topic[topic] + size > self._max_bytes
 
     @property
     def queued_bytes(self) -> int:

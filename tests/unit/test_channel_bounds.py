@@ -68,7 +68,7 @@ def test_a_flooded_mailbox_drops_the_flooding_topic_and_keeps_the_others() -> No
         mailbox.put(handler, "act/flood", seq.to_bytes(4, "big") * 250)
         if seq % 10 == 0:
             mailbox.put(handler, "act/honest", seq.to_bytes(4, "big") * 250)
-    honest = 10 * (1000 + 128)  # past the bound only the topic holding less may grow
+    honest = 10 * (1000 + 128)  # under the bound: all of it waits
     assert mailbox.queued_bytes <= 20_000 + honest, "the flood stopped at the bound"
     release.set()
     _wait(lambda: mailbox.queued_bytes == 0)
@@ -79,6 +79,14 @@ def test_a_flooded_mailbox_drops_the_flooding_topic_and_keeps_the_others() -> No
     ]
     assert mailbox.dropped["act/flood"] == 100 - len(delivered["act/flood"]) > 70
     assert "act/honest" not in mailbox.dropped
+    many = Mailbox("gpu-1", max_bytes=20_000)  # many honest senders: each under the bound
+    release.clear()
+    for sender in range(40):
+        for _ in range(4):  # a window of 4 batches each: 180 KB wait in all
+            many.put(handler, f"act/pi-{sender:02}", bytes(1000))
+    assert many.queued_bytes > 20_000 * 4 and not many.dropped, "the bound is per topic"
+    release.set()
+    _wait(lambda: many.queued_bytes == 0)
     unbounded = Mailbox("sim")  # the in-process hub's clients: no bound
     assert not unbounded._over("act/flood", 10**12)
 
@@ -86,7 +94,7 @@ def test_a_flooded_mailbox_drops_the_flooding_topic_and_keeps_the_others() -> No
 def test_the_inbound_bound_is_set_in_the_broker_url() -> None:
     from wire.mqtt_config import MqttConfig
 
-    assert MqttConfig.from_url("mqtt://h:1883").inbound_bound == 1024**3  # the default
+    assert MqttConfig.from_url("mqtt://h:1883").inbound_bound == 512 * 1024**2  # the default
     assert MqttConfig.from_url("mqtt://h?inbound=4GiB").inbound_bound == 4 * 1024**3
     assert MqttConfig.from_url("mqtts://h?ca=c.crt&inbound=512M").inbound_bound == 512 * 1024**2
     assert MqttConfig.from_url("mqtt://h?inbound=0").inbound_bound is None  # unbounded
