@@ -29,7 +29,7 @@ import inspect
 import io
 import operator
 import threading
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +38,7 @@ from torch import fx, nn
 from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
 
 from split_models.errors import ModelError
+from split_models.trace_modes import following_mode
 
 __all__ = ["auto_blocks", "disable_inplace", "split_point"]
 
@@ -166,66 +167,9 @@ def _trace(module: nn.Module) -> fx.GraphModule:
         ) from error
     finally:
         module.train(was)
-    graph = _following_mode(graphs[0], graphs[1], name)
+    graph = following_mode(graphs[0], graphs[1], name)
     _drop_concrete_arguments(graph, name)
     return fx.GraphModule(module, graph, class_name=name)
-
-
-def _following_mode(training: fx.Graph, evaluating: fx.Graph, name: str) -> fx.Graph:
-    """``training`` (a trace in train mode), where ``forward`` passed ``self.training`` to a
-    function (``F.dropout(x, p, self.training)``), reading the block's mode when it runs:
-    a trace holds the value it saw, which left dropout on in evaluation and export. A forward
-    that takes another path in each mode (``if self.training:``) cannot be one graph."""
-    pairs = list(zip(training.nodes, evaluating.nodes, strict=False))
-    same = len(training.nodes) == len(evaluating.nodes) and all(
-        a.op == b.op and a.target == b.target for a, b in pairs
-    )
-    flag: fx.Node | None = None
-    for ours, theirs in pairs if same else ():
-        args = [*ours.args, *ours.kwargs.values()]
-        other = [*theirs.args, *theirs.kwargs.values()]
-        if fx.node.map_arg(args, _named) == fx.node.map_arg(other, _named):
-            continue
-        if not all(a == b or (a is True and b is False) for a, b in _constants(args, other)):
-            same = False
-            break
-        if flag is None:
-            with training.inserting_before(ours):
-                flag = training.get_attr("training")
-        ours.args = tuple(
-            flag if a is True and b is False else a
-            for a, b in zip(ours.args, theirs.args, strict=True)
-        )
-        ours.kwargs = {
-            k: flag if v is True and theirs.kwargs.get(k) is False else v
-            for k, v in ours.kwargs.items()
-        }
-    if not same:
-        raise ModelError(
-            f"model: {name}.forward computes something else in training than in evaluation "
-            "(it branches on self.training), and a traced graph holds one of the two: use "
-            "modules that follow train() and eval() (nn.Dropout, nn.BatchNorm2d) or move the "
-            "branch into a submodule of its own (a block that is never cut)"
-        )
-    return training
-
-
-def _named(node: fx.Node) -> str:
-    return node.name
-
-
-def _constants(args: list[Any], other: list[Any]) -> Iterator[tuple[Any, Any]]:
-    """The pairs of values at the same places of two nodes' arguments (nodes by name)."""
-    if len(args) != len(other):
-        yield args, other
-        return
-    for a, b in zip(args, other, strict=True):
-        if isinstance(a, list | tuple) and isinstance(b, list | tuple):
-            yield from _constants([*a], [*b])
-        elif isinstance(a, fx.Node) and isinstance(b, fx.Node):
-            yield a.name, b.name
-        else:
-            yield a, b
 
 
 def _drop_concrete_arguments(graph: fx.Graph, name: str) -> None:

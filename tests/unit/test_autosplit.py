@@ -354,3 +354,37 @@ def test_a_forward_branching_on_self_training_is_refused_by_name() -> None:
 
     with pytest.raises(ModelError, match=r"branches on self\.training"):
         auto_blocks(Branching(), torch.zeros(2, 1, 8, 8))
+
+
+def test_a_value_chosen_by_the_mode_is_chosen_when_the_block_runs() -> None:
+    """nanoGPT's ``dropout_p=self.dropout if self.training else 0``: traced in train mode,
+    attention kept its dropout in evaluation; refusing the model would be no better."""
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv, self.out, self.dropout = nn.Linear(16, 48), nn.Linear(16 * 4, 10), 0.5
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q, k, v = self.qkv(x.squeeze(1)).chunk(3, dim=-1)
+            p = self.dropout if self.training else 0.0
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p)
+            return self.out(y.flatten(1))
+
+    torch.manual_seed(0)
+    model = Attention()
+    blocks = auto_blocks(model, torch.zeros(2, 1, 4, 16))
+    x = torch.randn(8, 1, 4, 16)
+
+    def run() -> torch.Tensor:
+        out = x
+        for block in blocks:
+            out = block(out)
+        return out
+
+    for block in blocks:
+        block.eval()
+    assert torch.equal(run(), run()) and torch.allclose(run(), model.eval()(x), atol=1e-6)
+    for block in blocks:
+        block.train()
+    assert not torch.equal(run(), run()), "attention dropout in training"

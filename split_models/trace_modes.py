@@ -1,0 +1,79 @@
+"""A traced graph that follows its block's train or eval mode where ``forward`` read it.
+
+``torch.fx`` records the value ``self.training`` had while tracing, so a model passing it to a
+function (``F.dropout(x, p, self.training)``, ``dropout_p=p if self.training else 0``) kept
+dropout on in evaluation and export. The model is traced in both modes
+(:func:`split_models.autosplit.auto_blocks`); where the two graphs differ only in such values,
+the graph reads the block's own ``training`` flag when it runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import fx
+
+from split_models.errors import ModelError
+
+__all__ = ["by_mode", "following_mode"]
+
+
+def following_mode(training: fx.Graph, evaluating: fx.Graph, name: str) -> fx.Graph:
+    """``training`` (a trace in train mode), where ``forward`` passed a value of its mode to
+    a function (``F.dropout(x, p, self.training)``, ``dropout_p=p if self.training else 0``),
+    reading the block's mode when it runs: a trace holds the value it saw, which left dropout
+    on in evaluation and export. A forward that takes another path in each mode
+    (``if self.training:``) cannot be one graph."""
+    pairs = list(zip(training.nodes, evaluating.nodes, strict=False))
+    same = len(training.nodes) == len(evaluating.nodes) and all(
+        a.op == b.op and a.target == b.target and len(a.args) == len(b.args) for a, b in pairs
+    )
+    for ours, theirs in pairs if same else ():
+        args = [_ModeValue(a, b) for a, b in zip(ours.args, theirs.args, strict=True)]
+        kwargs = {k: _ModeValue(v, theirs.kwargs.get(k)) for k, v in ours.kwargs.items()}
+        if set(kwargs) != set(theirs.kwargs) or not all(
+            v.same or v.by_mode for v in [*args, *kwargs.values()]
+        ):
+            same = False
+            break
+        ours.args = tuple(v.in_graph(training, ours) for v in args)
+        ours.kwargs = {k: v.in_graph(training, ours) for k, v in kwargs.items()}
+    if not same:
+        raise ModelError(
+            f"model: {name}.forward computes something else in training than in evaluation "
+            "(it branches on self.training), and a traced graph holds one of the two: use "
+            "modules that follow train() and eval() (nn.Dropout, nn.BatchNorm2d) or move the "
+            "branch into a submodule of its own (a block that is never cut)"
+        )
+    return training
+
+
+def by_mode(training: bool, when_training: Any, when_evaluating: Any) -> Any:
+    """The value of a block's mode (in a traced graph: what ``forward`` chose by it)."""
+    return when_training if training else when_evaluating
+
+
+class _ModeValue:
+    """An argument as traced in train mode (``ours``) and eval mode (``theirs``)."""
+
+    def __init__(self, ours: Any, theirs: Any) -> None:
+        self.ours, self.theirs = ours, theirs
+        self.same = fx.node.map_arg(ours, _named) == fx.node.map_arg(theirs, _named)
+        numbers = all(
+            isinstance(v, int | float) and not isinstance(v, bool) for v in (ours, theirs)
+        )
+        self.by_mode = not self.same and ((ours is True and theirs is False) or numbers)
+
+    def in_graph(self, graph: fx.Graph, user: fx.Node) -> Any:
+        """The argument ``user`` takes: the traced value, or one read from the mode."""
+        if not self.by_mode:
+            return self.ours
+        with graph.inserting_before(user):
+            flag = graph.get_attr("training")
+            if self.ours is True and self.theirs is False:
+                return flag
+            return graph.call_function(by_mode, (flag, self.ours, self.theirs))
+
+
+def _named(node: fx.Node) -> str:
+    return node.name
