@@ -13,7 +13,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 
 from tests.security.conftest import ProductionBroker
 from wire import topics
-from wire.errors import TransportError
+from wire.errors import RefusedError
 from wire.flower import node_will
 from wire.mqtt import MqttTransport, account_client_id
 from wire.roles import node_id_for
@@ -88,5 +88,5 @@ def test_a_wrong_password_is_still_refused_with_a_valid_client_id(
 ) -> None:
     production = production_broker
     config = replace(production.config("pi-01"), password="wrong", connect_timeout=3.0)
-    with pytest.raises(TransportError, match="no connection"):
+    with pytest.raises(RefusedError, match=r"refused the connection \(.+\) with account 'pi-01'"):
         MqttTransport(config, "pi-01-control")
