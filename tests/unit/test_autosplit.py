@@ -319,11 +319,11 @@ class _FunctionalDropout(nn.Module):
         return self.c(h)
 
 
-def test_a_forward_passing_self_training_follows_each_blocks_mode() -> None:
+def _assert_blocks_follow_their_mode(model: nn.Module, x: torch.Tensor) -> None:
+    """The model's blocks compute as the model in eval mode (no dropout: the same output
+    twice) and draw dropout in train mode (two outputs differ)."""
     torch.manual_seed(0)
-    model = _FunctionalDropout()
-    blocks = auto_blocks(model, torch.zeros(2, 1, 8, 8))
-    x = torch.randn(16, 1, 8, 8)
+    blocks = auto_blocks(model, torch.zeros(2, *x.shape[1:]))
 
     def run() -> torch.Tensor:
         out = x
@@ -334,10 +334,14 @@ def test_a_forward_passing_self_training_follows_each_blocks_mode() -> None:
     for block in blocks:
         block.eval()
     assert torch.equal(run(), run()), "no dropout in evaluation (a trace had fixed it on)"
-    assert torch.allclose(run(), model.eval()(x))
+    assert torch.allclose(run(), model.eval()(x), atol=1e-6)
     for block in blocks:
         block.train()
     assert not torch.equal(run(), run()), "dropout in training"
+
+
+def test_a_forward_passing_self_training_follows_each_blocks_mode() -> None:
+    _assert_blocks_follow_their_mode(_FunctionalDropout(), torch.randn(16, 1, 8, 8))
 
 
 def test_a_forward_branching_on_self_training_is_refused_by_name() -> None:
@@ -371,20 +375,4 @@ def test_a_value_chosen_by_the_mode_is_chosen_when_the_block_runs() -> None:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=p)
             return self.out(y.flatten(1))
 
-    torch.manual_seed(0)
-    model = Attention()
-    blocks = auto_blocks(model, torch.zeros(2, 1, 4, 16))
-    x = torch.randn(8, 1, 4, 16)
-
-    def run() -> torch.Tensor:
-        out = x
-        for block in blocks:
-            out = block(out)
-        return out
-
-    for block in blocks:
-        block.eval()
-    assert torch.equal(run(), run()) and torch.allclose(run(), model.eval()(x), atol=1e-6)
-    for block in blocks:
-        block.train()
-    assert not torch.equal(run(), run()), "attention dropout in training"
+    _assert_blocks_follow_their_mode(Attention(), torch.randn(8, 1, 4, 16))
