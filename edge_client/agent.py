@@ -167,7 +167,7 @@ class EdgeAgent:
         if announcement.examples is None:  # the planner spreads weight traffic over them
             announcement = dataclasses.replace(announcement, examples=len(data))
         self.announcement, self.data = announcement, data
-        self._scale_said = False  # the data's scale warned of once, not every assignment
+        self._scale_said = False  # the data's scale looked over (at the first assignment)
         self.device = announcement.device
         self.budget = announcement.memory if budget is None else budget
         # The peak is the process's high-water mark: meaningful only with one agent a process
@@ -204,9 +204,10 @@ class EdgeAgent:
         self.data = shaped_for(self.data, tuple(model.input_shape))  # [N, L] for a model of [L]
         if problem := model_data_problem(self.data, model, "local data", device=True):
             raise AssignmentRefused(problem)
-        if (warning := scale_warning(self.data, "local data")) and not self._scale_said:
+        if not self._scale_said:  # the data is looked over once, not at every assignment
             self._scale_said = True
-            log.warning("%s", warning)
+            if warning := scale_warning(self.data, "local data"):
+                log.warning("%s", warning)
         budget = self.budget
         if task.estimated_peak_bytes > budget:
             raise AssignmentRefused(
