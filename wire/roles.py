@@ -17,15 +17,17 @@ Every inbound announcement and task is validated; a bad one raises :class:`WireE
 
 from __future__ import annotations
 
+import collections
 import functools
 import hashlib
 import json
 import math
+import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any
 
-from wire.errors import WireError
+from wire.errors import RefusedError, TransportError, WireError
 from wire.topics import announcement as announcement_topic
 from wire.topics import check_name
 from wire.transport import Transport
@@ -336,6 +338,7 @@ def go_online(announcement: Announcement, control: Transport, app: ClientApp) ->
     persistence forgets retained messages)."""
     from wire.flower import FlowerNode
 
+    before = collections.Counter(getattr(control, "refused", ()))
     node = FlowerNode(control, announcement.node_id, app, name=announcement.device)
 
     def announce() -> None:
@@ -343,5 +346,28 @@ def go_online(announcement: Announcement, control: Transport, app: ClientApp) ->
         control.publish(topic, announcement.to_json(), retain=True)
 
     announce()
+    _check_accepted(control, announcement.device, before)
     control.on_reconnect(announce)
     return node
+
+
+def _check_accepted(control: Transport, device: str, before: collections.Counter[str]) -> None:
+    """:class:`RefusedError` when the broker refused what ``device`` said of itself (an ACL
+    lets a device account write only under its own name; ``before``: the transport's
+    refusals before): it could take no part, and would only retry for good."""
+    if not hasattr(control, "refused"):  # no acknowledgements (in-process): nothing to ask
+        return
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline and not control.refused - before:
+        try:  # until the broker acknowledged what was said, or refused some of it
+            control.flush(0.2)
+            break
+        except TransportError:
+            continue
+    if refused := control.refused - before:
+        account = getattr(getattr(control, "config", None), "username", None)
+        raise RefusedError(
+            f"the broker refused {device!r}'s announcement ({', '.join(sorted(refused))}) "
+            f"under account {account!r}: a device account may write only under its own "
+            f"name, so give --id the account's name or connect with {device!r}'s account"
+        )

@@ -86,6 +86,25 @@ def test_anonymous_and_wrong_password_are_refused_at_once_by_name(secured: Broke
     assert time.monotonic() - started < 3.0, "a refusal is not waited out as unreachable"
 
 
+def test_an_agent_announcing_under_another_accounts_name_stops_with_the_fix(
+    secured: Broker,
+) -> None:
+    from flwr.clientapp import ClientApp
+
+    from wire.roles import Announcement, go_online
+
+    posing, device = _connect(secured, "pi-01"), _connect(secured, "pi-01")
+    try:
+        started = time.monotonic()
+        with pytest.raises(RefusedError, match="give --id the account's name"):
+            go_online(Announcement("pi-02", "edge", 1 << 20, 1e9, 1e6), posing, ClientApp())
+        assert time.monotonic() - started < 5.0
+        assert go_online(Announcement("pi-01", "edge", 1 << 20, 1e9, 1e6), device, ClientApp())
+    finally:
+        posing.close()
+        device.close()
+
+
 def test_a_device_is_a_flower_node_only_under_its_own_name(secured: Broker) -> None:
     from flwr.app import ConfigRecord, Context, Message, RecordDict
     from flwr.clientapp import ClientApp
