@@ -33,7 +33,15 @@ from wire.bundles import Held, bundle, holdable, parts_of
 from wire.errors import RefusedError, TransportError, UnreachableError
 from wire.mqtt_config import MqttConfig, account_client_id, redact_url
 from wire.paho_decode import FastClient
-from wire.transport import Handler, Mailbox, Transport, Will, matches, split_shared
+from wire.transport import (
+    ENTRY_BYTES,
+    Handler,
+    Mailbox,
+    Transport,
+    Will,
+    matches,
+    split_shared,
+)
 
 __all__ = [
     "MqttConfig",
@@ -46,7 +54,6 @@ __all__ = [
 
 _UNCLAIMED_BYTES = 256 * 1024 * 1024
 # what a kept message costs beyond its payload (a bundle of 4,096 tiny parts is 4,096 entries)
-_ENTRY_BYTES = 128
 _UNCLAIMED_COUNT = 65_536
 
 log = logging.getLogger(__name__)
@@ -387,12 +394,12 @@ class MqttTransport(Transport):
     def _keep_unclaimed(self, topic: str, payload: bytes) -> None:
         """Hold a message no handler wants yet; beyond the bound, drop the oldest loudly."""
         self._unclaimed.append((topic, payload))
-        self._unclaimed_bytes += len(payload) + _ENTRY_BYTES
+        self._unclaimed_bytes += len(payload) + ENTRY_BYTES
         while self._unclaimed and (
             self._unclaimed_bytes > _UNCLAIMED_BYTES or len(self._unclaimed) > _UNCLAIMED_COUNT
         ):
             dropped_topic, dropped = self._unclaimed.popleft()
-            self._unclaimed_bytes -= len(dropped) + _ENTRY_BYTES
+            self._unclaimed_bytes -= len(dropped) + ENTRY_BYTES
             log.error("dropped an unclaimed message on %s: no handler subscribed", dropped_topic)
 
     def subscribe(self, topic_filter: str, handler: Handler) -> None:
@@ -403,7 +410,7 @@ class MqttTransport(Transport):
                 self._unclaimed = collections.deque(
                     (t, p) for t, p in self._unclaimed if not matches(plain, t)
                 )
-                self._unclaimed_bytes = sum(len(p) + _ENTRY_BYTES for _, p in self._unclaimed)
+                self._unclaimed_bytes = sum(len(p) + ENTRY_BYTES for _, p in self._unclaimed)
             for topic, payload in claimed:
                 self.mailbox.put(handler, topic, payload)
             identifier = self._handlers.get(topic_filter, (self._next_id, handler))[0]

@@ -120,7 +120,7 @@ def _deliver(handler: Handler, topic: str, payload: bytes) -> None:
         log.exception("handler for %s failed", topic)
 
 
-_ITEM_BYTES = 128  # what a queued delivery costs besides its payload (tuple, deque slot)
+ENTRY_BYTES = 128  # what a queued message costs besides its payload (tuple, deque slot)
 
 
 class Mailbox:
@@ -137,7 +137,6 @@ class Mailbox:
 
     def __init__(self, name: str, max_bytes: int | None = None) -> None:
         self._name, self._max_bytes = name, max_bytes
-        self._bytes = 0
         self._by_topic: collections.Counter[str] = collections.Counter()
         self.dropped: collections.Counter[str] = collections.Counter()
         self._items: collections.deque[tuple[Handler, str, bytes]] = collections.deque()
@@ -154,7 +153,7 @@ class Mailbox:
 
     def put_all(self, handler: Handler, topic: str, payloads: Sequence[bytes]) -> None:
         """Queue ``payloads`` (a bundle's parts) for ``handler`` in order, with one wake-up."""
-        size = sum(len(payload) + _ITEM_BYTES for payload in payloads)
+        size = sum(len(payload) + ENTRY_BYTES for payload in payloads)
         with self._condition:
             if self._stopped:
                 return
@@ -171,7 +170,6 @@ class Mailbox:
                     self._max_bytes,
                 )
                 return
-            self._bytes += size
             self._by_topic[topic] += size
             self._items.extend((handler, topic, payload) for payload in payloads)
             if self._thread is None:
@@ -189,7 +187,7 @@ class Mailbox:
     @property
     def queued_bytes(self) -> int:
         with self._condition:
-            return self._bytes
+            return sum(self._by_topic.values())
 
     def _run(self) -> None:
         while True:
@@ -200,8 +198,7 @@ class Mailbox:
                     self._thread = None
                     return
                 handler, topic, payload = self._items.popleft()
-                self._bytes -= len(payload) + _ITEM_BYTES
-                self._by_topic[topic] -= len(payload) + _ITEM_BYTES
+                self._by_topic[topic] -= len(payload) + ENTRY_BYTES
                 if self._by_topic[topic] <= 0:
                     del self._by_topic[topic]
             _deliver(handler, topic, payload)
