@@ -15,9 +15,10 @@ from coordinator.recorder import Outcome
 from storage.records import DeviceResult
 from wire.flower import numpy_arrays
 
-__all__ = ["malformed", "malformed_evaluation", "outcome_of"]
+__all__ = ["DIVERGED", "malformed", "malformed_evaluation", "outcome_of"]
 
 _COUNTS = ("cut-bytes-sent", "cut-bytes-received", "clients")  # stored per device, as metrics
+DIVERGED = "sent weights holding NaN or infinity"  # how a device's failure says it diverged
 _STORED = ("wall-seconds", "bytes-sent", "bytes-received")  # stored as sent: finite, >= 0
 _REPLY_NUMBERS = ("loss", *_STORED, "peak-memory", *_COUNTS)
 _LARGEST = 2.0**53  # no count or size above this is true, and a store's integer holds it
@@ -60,7 +61,7 @@ def _failure(message: Message, reply: Message | None, online: set[int]) -> str |
         return problem
     if bad := non_finite_tensors(arrays):
         return (
-            f"sent weights holding NaN or infinity ({', '.join(bad[:3])}): its training "
+            f"{DIVERGED} ({', '.join(bad[:3])}): its training "
             "diverged; a lower lr, or the optimizer's max_step (a bound on each step), keeps "
             "it stable"
         )

@@ -38,7 +38,7 @@ from coordinator.outage import (
     wait_for_more,
 )
 from coordinator.recorder import Outcome, RoundRecorder
-from coordinator.replies import malformed_evaluation, outcome_of
+from coordinator.replies import DIVERGED, malformed_evaluation, outcome_of
 from storage.records import RoundRecord
 from wire.flower import TRAINED_RECORD, TransportGrid, array_record
 from wire.presence import WillGrace
@@ -292,6 +292,7 @@ class RoundRunner:
         new one is judged against."""
         _name_nodes(self.strategy, work)
         ok = sorted(outcome.ok)
+        _name_diverged(self.recorder, number, outcome)
         _bound_examples(self.recorder, self.strategy, number, (work, replies, outcome))
         merged = self.recorder.aggregate(number, [replies[d] for d in ok], ok)
         if merged is None:
@@ -430,9 +431,6 @@ def _bound_examples(
     servers trained of it, else by its peers' claims (:func:`coordinator.bounds.cap_examples`),
     with an event. (The grid stamps each reply with the node it answers, never what it says.)"""
     work, replies, outcome = attempt
-    for result in outcome.results:  # said once per device as a warning, every round stored
-        if result.failure and result.failure.startswith("sent weights holding NaN"):
-            recorder.event(number, "device-diverged", f"{result.device} {result.failure}")
     records = [
         replies[d].content.config_records.get(TRAINED_RECORD)
         for d in outcome.ok
@@ -452,6 +450,14 @@ def _bound_examples(
         replace(r, examples=int(capped[r.device].allowed)) if r.device in capped else r
         for r in outcome.results
     ]
+
+
+def _name_diverged(recorder: RoundRecorder, number: int, outcome: Outcome) -> None:
+    """A ``device-diverged`` event for each device whose weights held NaN or infinity (a
+    warning the first time, stored every round)."""
+    for result in outcome.results:
+        if result.failure and result.failure.startswith(DIVERGED):
+            recorder.event(number, "device-diverged", f"{result.device} {result.failure}")
 
 
 def _usable_evaluations(replies: Mapping[str, Message], strategy: FedAvg) -> dict[str, Message]:
