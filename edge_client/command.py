@@ -6,12 +6,12 @@ import argparse
 import logging
 
 from edge_client.agent import EdgeAgent
-from split_models.calibration import measure_flops
+from split_models.calibration import flops_option, measure_flops
 from split_models.data import load_dataset
 from split_models.errors import ConfigError
 from split_models.measure import release_freed_memory
 from split_models.runtime import configure_logging, wait_for_stop
-from split_models.units import parse_bandwidth, parse_flops, parse_memory
+from split_models.units import parse_bandwidth, parse_memory
 from wire.flower import node_will
 from wire.mqtt import MqttConfig, MqttTransport, redact_url
 from wire.roles import Announcement, node_id_for
@@ -27,12 +27,13 @@ def edge_command(args: argparse.Namespace) -> int:
     data = load_dataset(args.data)  # bad data is named before a speed is measured
     if not len(data):  # it would come online only to refuse every assignment
         raise ConfigError(f"--data {args.data}: it holds no samples")
-    measured = str(args.flops).strip().lower() == "auto"
+    declared = flops_option(args.flops)
+    measured = declared is None
     announcement = Announcement(
         device=args.id,
         role="edge",
         memory=parse_memory(args.memory, "--memory"),
-        flops=_measured_flops() if measured else _declared_flops(args.flops),
+        flops=_measured_flops() if declared is None else declared,
         uplink=parse_bandwidth(args.uplink, "--uplink"),
     )
     config = MqttConfig.from_url(args.broker, args.broker_password, fresh_session=True)
@@ -55,17 +56,6 @@ def edge_command(args: argparse.Namespace) -> int:
         stream.close()
 
     return wait_for_stop(stop)
-
-
-def _declared_flops(value: str) -> float:
-    """``--flops`` as a number of FLOP/s; a clear error naming ``auto`` otherwise."""
-    try:
-        return parse_flops(value, "--flops")
-    except ConfigError:
-        raise ConfigError(
-            f"--flops: expected auto (measured at start, the default) or a sustained number "
-            f"of FLOP/s such as 2e9, got {value!r}"
-        ) from None
 
 
 def _measured_flops() -> float:

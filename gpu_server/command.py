@@ -7,8 +7,9 @@ import logging
 from dataclasses import replace
 
 from gpu_server.agent import GpuAgent
+from split_models.calibration import flops_option, measure_flops
 from split_models.runtime import configure_logging, require_device, wait_for_stop
-from split_models.units import parse_flops, parse_memory
+from split_models.units import parse_memory
 from wire.flower import node_will
 from wire.mqtt import MqttConfig, MqttTransport, redact_url
 from wire.roles import Announcement, node_id_for
@@ -25,13 +26,11 @@ def _flops(option: str, device: str) -> float:
     """``--flops``: a speed, or ``auto``: measured on a CPU, :data:`_ACCELERATOR_FLOPS` on an
     accelerator. A CPU server declaring an accelerator's speed was planned as 1,000 times
     faster than it is, and the re-plan from its measured steps then moved every cut."""
-    if str(option).strip().lower() != "auto":
-        return parse_flops(option, "--flops")
+    if (declared := flops_option(option)) is not None:
+        return declared
     if device != "cpu":
         log.info("declaring %.3g FLOP/s on %s (--flops sets it)", _ACCELERATOR_FLOPS, device)
         return _ACCELERATOR_FLOPS
-    from split_models.calibration import measure_flops
-
     flops = measure_flops()
     log.info("measured %.3g FLOP/s on the CPU (--flops sets a speed instead)", flops)
     return flops

@@ -15,11 +15,13 @@ import time
 
 import torch
 
+from split_models.errors import ConfigError
 from split_models.flops import count_flops
 from split_models.segment import Segment
+from split_models.units import parse_flops
 from split_models.zoo import build_model
 
-__all__ = ["measure_flops"]
+__all__ = ["flops_option", "measure_flops"]
 
 _SHAPE = (1, 28, 28)  # an MNIST-sized image: the workload of the zoo's default model
 _WARM_UP_STEPS = 2
@@ -42,3 +44,17 @@ def measure_flops(seconds: float = 0.5, batch: int = 32) -> float:
         segment.train_step(inputs, labels)
         steps += 1
     return 3.0 * batch * per_sample * steps / elapsed
+
+
+def flops_option(value: str) -> float | None:
+    """An agent's ``--flops``: a sustained number of FLOP/s, or None for ``auto`` (measure
+    it); a clear error naming ``auto`` for anything else."""
+    if str(value).strip().lower() == "auto":
+        return None
+    try:
+        return parse_flops(value, "--flops")
+    except ConfigError:
+        raise ConfigError(
+            f"--flops: expected auto (measured at start, the default) or a sustained number "
+            f"of FLOP/s such as 2e9, got {value!r}"
+        ) from None
