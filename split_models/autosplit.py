@@ -38,7 +38,7 @@ from torch import fx, nn
 from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
 
 from split_models.errors import ModelError
-from split_models.trace_modes import following_mode
+from split_models.trace_modes import following_mode, kept_modes, traced_in_both_modes
 
 __all__ = ["auto_blocks", "disable_inplace", "split_point"]
 
@@ -152,12 +152,8 @@ def _trace(module: nn.Module) -> fx.GraphModule:
                 "or wrap the model in a module whose forward takes the input alone"
             )
         concrete[extra.name] = extra.default
-    was = module.training
     try:  # in both modes: what forward reads of self.training is fixed in a trace
-        graphs = [
-            fx.Tracer().trace(module.train(mode), concrete_args=concrete or None)
-            for mode in (True, False)
-        ]
+        graphs = traced_in_both_modes(module, concrete)
     except Exception as error:  # fx raises TraceError, TypeError, RuntimeError, NotImplementedError
         raise ModelError(
             f"model: cannot trace {name}.forward with torch.fx to split it: "
@@ -165,8 +161,6 @@ def _trace(module: nn.Module) -> fx.GraphModule:
             "loop on a tensor's values) cannot be traced: move it into a submodule of its own "
             "(a block that is never cut), or return an nn.Sequential or a list of blocks"
         ) from error
-    finally:
-        module.train(was)
     graph = following_mode(graphs[0], graphs[1], name)
     _drop_concrete_arguments(graph, name)
     return fx.GraphModule(module, graph, class_name=name)
@@ -221,11 +215,9 @@ def _out_of_place(node: fx.Node) -> Any:
 
 
 def _propagate_shapes(graph_module: fx.GraphModule, example: torch.Tensor) -> None:
-    was_training = graph_module.training
-    graph_module.eval()
     try:  # ShapeProp prints the traceback of a failing node: the one line below says it
-        with torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):
-            ShapeProp(graph_module).propagate(example)
+        with kept_modes(graph_module), torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):
+            ShapeProp(graph_module.eval()).propagate(example)
     except Exception as error:
         cause = error.__cause__ if isinstance(error.__cause__, Exception) else error
         raise ModelError(
@@ -234,8 +226,6 @@ def _propagate_shapes(graph_module: fx.GraphModule, example: torch.Tensor) -> No
             "check input_shape and input_dtype (forward takes one tensor: a model of a tuple "
             "or dict of inputs needs a wrapper module that builds it from one)"
         ) from error
-    finally:
-        graph_module.train(was_training)
 
 
 def _state_ids(module: nn.Module, node: fx.Node) -> set[int]:
@@ -244,9 +234,11 @@ def _state_ids(module: nn.Module, node: fx.Node) -> set[int]:
         used = module.get_submodule(str(node.target))
         return {id(t) for t in (*used.parameters(), *used.buffers())}
     ids = set()
-    for arg in node.all_input_nodes:
-        if arg.op == "get_attr":
-            ids.add(id(_attribute(module, str(arg.target))))
+    for arg in node.all_input_nodes:  # tensors only: a block's mode flag is no shared state
+        if arg.op == "get_attr" and isinstance(
+            used := _attribute(module, str(arg.target)), torch.Tensor
+        ):
+            ids.add(id(used))
     return ids
 
 

@@ -9,13 +9,48 @@ the graph reads the block's own ``training`` flag when it runs.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
-from torch import fx
+from torch import fx, nn
 
 from split_models.errors import ModelError
 
-__all__ = ["by_mode", "following_mode"]
+__all__ = ["by_mode", "following_mode", "kept_modes", "traced_in_both_modes"]
+
+
+@contextlib.contextmanager
+def kept_modes(module: nn.Module) -> Iterator[None]:
+    """Put every submodule of ``module`` back in the mode it had (``module.train(was)`` would
+    put a frozen part kept in eval mode in train mode with the rest)."""
+    modes = {part: part.training for part in module.modules()}
+    try:
+        yield
+    finally:
+        for part, training in modes.items():
+            part.training = training
+
+
+def traced_in_both_modes(module: nn.Module, concrete: dict[str, Any]) -> tuple[fx.Graph, fx.Graph]:
+    """Traces of ``module`` in train and in eval mode, each submodule left in the mode it had
+    (a frozen backbone kept in eval stays so). fx keeps a tensor made in ``forward``
+    (``torch.tensor(2.0)``) on ``module`` as ``_tensor_constant0``: both traces name it alike,
+    and the train trace's constants stay on ``module``, as one trace leaves them."""
+    known = set(vars(module))
+    graphs: list[fx.Graph] = []
+    kept: dict[str, Any] = {}
+    try:
+        with kept_modes(module):
+            for mode in (True, False):
+                graphs.append(fx.Tracer().trace(module.train(mode), concrete_args=concrete or None))
+                added = {name: vars(module).pop(name) for name in set(vars(module)) - known}
+                kept = added if mode else kept
+    finally:
+        for name in set(vars(module)) - known:
+            del vars(module)[name]
+        vars(module).update(kept)
+    return graphs[0], graphs[1]
 
 
 def following_mode(training: fx.Graph, evaluating: fx.Graph, name: str) -> fx.Graph:
@@ -42,8 +77,8 @@ def following_mode(training: fx.Graph, evaluating: fx.Graph, name: str) -> fx.Gr
         raise ModelError(
             f"model: {name}.forward computes something else in training than in evaluation "
             "(it branches on self.training), and a traced graph holds one of the two: use "
-            "modules that follow train() and eval() (nn.Dropout, nn.BatchNorm2d) or move the "
-            "branch into a submodule of its own (a block that is never cut)"
+            "modules that follow train() and eval() (nn.Dropout, nn.BatchNorm2d), or return "
+            "the model as an nn.Sequential or a list of blocks, which run as they are (untraced)"
         )
     return training
 

@@ -376,3 +376,42 @@ def test_a_value_chosen_by_the_mode_is_chosen_when_the_block_runs() -> None:
             return self.out(y.flatten(1))
 
     _assert_blocks_follow_their_mode(Attention(), torch.randn(8, 1, 4, 16))
+
+
+def test_the_mode_flag_is_no_shared_weight_so_layers_using_it_may_be_cut_apart() -> None:
+    """Every ``F.dropout(..., self.training)`` read one flag, which was taken for a weight
+    shared by all of them: no cut between the first and the last dropout was legal."""
+    blocks = auto_blocks(_FunctionalDropout(), torch.zeros(2, 1, 8, 8))
+    assert len(blocks) == 3, [str(block.graph) for block in blocks]
+
+
+def test_tensors_made_in_forward_are_one_constant_in_both_traces() -> None:
+    """The eval trace named ``torch.tensor(2.0)`` ``_tensor_constant1`` (the train trace had
+    taken ``_tensor_constant0``), and the model was refused as branching on its mode."""
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(64, 32), nn.Linear(32, 10)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(x.flatten(1)) * torch.tensor(2.0) + torch.ones(32))
+
+    model, x = Scaled(), torch.randn(4, 1, 8, 8)
+    blocks = auto_blocks(model, torch.zeros(2, 1, 8, 8))
+    out = x
+    for block in blocks:
+        out = block(out)
+    assert torch.allclose(out, model(x))
+    assert sorted(n for n in vars(model) if n.startswith("_tensor_constant")) == [
+        "_tensor_constant0",
+        "_tensor_constant1",
+    ]
+
+
+def test_tracing_leaves_each_submodule_in_the_mode_it_had() -> None:
+    """A frozen part kept in eval mode was put back in train mode with the model."""
+    model = _FunctionalDropout()
+    model.b.eval()
+    auto_blocks(model, torch.zeros(2, 1, 8, 8))
+    assert model.training and model.a.training and not model.b.training
