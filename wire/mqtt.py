@@ -48,6 +48,7 @@ __all__ = [
     "MqttTransport",
     "account_client_id",
     "connect_and_wait",
+    "note_refusal",
     "paho_client",
     "redact_url",
 ]
@@ -82,6 +83,19 @@ def paho_client(
     return client
 
 
+# CONNACK refusals no retry changes (protocol, client id, account or password, ban); a busy,
+# unavailable or rate-limiting broker (0x88, 0x89, 0x9F) is waited for until connect_timeout
+_DENIED = frozenset({0x84, 0x85, 0x86, 0x87, 0x8A, 0x8C})
+
+
+def note_refusal(reason: Any, refusals: list[str]) -> None:
+    """Log the broker's refusal of a connection; one that no retry changes goes into
+    ``refusals``, which makes :func:`connect_and_wait` raise :class:`RefusedError`."""
+    log.error("MQTT connection refused: %s", reason)
+    if getattr(reason, "value", None) in _DENIED:
+        refusals.append(str(reason))
+
+
 def connect_and_wait(
     client: mqtt.Client,
     config: MqttConfig,
@@ -92,7 +106,8 @@ def connect_and_wait(
     """Connect ``client`` in the background and wait until its ``on_connect`` sets
     ``connected``; :class:`UnreachableError` naming the broker when it cannot, and
     :class:`RefusedError` as soon as ``on_connect`` adds the broker's refusal to ``refusals``
-    (a wrong account or password: no use waiting, nor calling it unreachable)."""
+    (:func:`note_refusal`: a wrong account or password: no use waiting, nor calling it
+    unreachable)."""
     properties = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
     properties.SessionExpiryInterval = config.session_expiry
     where = f"{config.host}:{config.port}"
@@ -110,7 +125,7 @@ def connect_and_wait(
     deadline = time.monotonic() + config.connect_timeout
     while not connected.wait(0.05) and time.monotonic() < deadline and not refusals:
         pass
-    if refusals:
+    if refusals and not connected.is_set():
         client.loop_stop()
         account = f"account {config.username!r}" if config.username else "no account"
         raise RefusedError(
@@ -188,8 +203,7 @@ class MqttTransport(Transport):
         self, client: mqtt.Client, _userdata: Any, flags: Any, reason: Any, _properties: Any
     ) -> None:
         if reason.is_failure:
-            log.error("MQTT connection refused: %s", reason)
-            self._refusals.append(str(reason))
+            note_refusal(reason, self._refusals)
             return
         if not flags.session_present:
             with self._lock:

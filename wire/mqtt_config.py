@@ -86,9 +86,11 @@ class MqttConfig:
             raise ValueError(f"bundle_bytes: must be >= 0 (0: no bundles), got {self.bundle_bytes}")
         # a bundle stays far below what one message may carry (its frame adds up to 16 KiB)
         object.__setattr__(self, "bundle_bytes", min(self.bundle_bytes, self.max_payload // 2))
-        if self.max_inbound_bytes < 0:
+        if self.max_inbound_bytes < 0 or 0 < self.max_inbound_bytes < self.max_payload:
             raise ValueError(
-                f"max_inbound_bytes: must be >= 0 (0: unbounded), got {self.max_inbound_bytes}"
+                f"max_inbound_bytes: what may wait per topic must hold one message "
+                f"({self.max_payload} bytes, max_payload), or be 0 (unbounded); got "
+                f"{self.max_inbound_bytes} (a URL's ?inbound takes 512MiB or 2GiB)"
             )
         if self.bundle_after < 1:
             raise ValueError(f"bundle_after: must be >= 1, got {self.bundle_after}")
@@ -104,8 +106,9 @@ class MqttConfig:
         account but holds no password (the CLI reads it from a file or the environment, so
         that it is in no argv)."""
         parsed = urlparse(url)
-        if parsed.scheme not in ("mqtt", "mqtts") or not parsed.netloc.rpartition("@")[2]:
-            # mqtt:/host:1883 and mqtt:host parse with no host: they must not mean localhost
+        if parsed.scheme not in ("mqtt", "mqtts") or not parsed.hostname:
+            # mqtt:/host:1883, mqtt:host and mqtt://:1883 parse with no host: they must not
+            # mean localhost
             raise ValueError(
                 f"broker URL: expected mqtt://host:port or mqtts://..., got {redact_url(url)!r}"
             )
@@ -116,7 +119,7 @@ class MqttConfig:
         except ValueError as error:
             raise ValueError(f"broker URL {redact_url(url)!r}: {error}") from None
         parsed_config = cls(
-            host=parsed.hostname or "127.0.0.1",
+            host=parsed.hostname,
             port=port or (8883 if tls else 1883),
             username=unquote(parsed.username) if parsed.username else None,
             password=(

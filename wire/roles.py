@@ -351,6 +351,10 @@ def go_online(announcement: Announcement, control: Transport, app: ClientApp) ->
     return node
 
 
+# what an ACL answers a device that writes under another's name
+_DENIALS = ("Not authorized", "Topic name invalid")
+
+
 def _check_accepted(control: Transport, device: str, before: collections.Counter[str]) -> None:
     """:class:`RefusedError` when the broker refused what ``device`` said of itself (an ACL
     lets a device account write only under its own name; ``before``: the transport's
@@ -358,16 +362,24 @@ def _check_accepted(control: Transport, device: str, before: collections.Counter
     if not hasattr(control, "refused"):  # no acknowledgements (in-process): nothing to ask
         return
     deadline = time.monotonic() + 10.0
-    while time.monotonic() < deadline and not control.refused - before:
+    while time.monotonic() < deadline and not _denied(control, before):
         try:  # until the broker acknowledged what was said, or refused some of it
             control.flush(0.2)
             break
         except TransportError:
             continue
-    if refused := control.refused - before:
+    if refused := _denied(control, before):
         account = getattr(getattr(control, "config", None), "username", None)
         raise RefusedError(
             f"the broker refused {device!r}'s announcement ({', '.join(sorted(refused))}) "
             f"under account {account!r}: a device account may write only under its own "
             f"name, so give --id the account's name or connect with {device!r}'s account"
         )
+
+
+def _denied(control: Transport, before: collections.Counter[str]) -> collections.Counter[str]:
+    """The refusals an ACL gives since ``before`` ("Not authorized", "Topic name invalid"; a
+    full quota or a busy broker is no reason to stop), read from a copy: the network thread
+    counts into ``control.refused`` meanwhile."""
+    now = collections.Counter(getattr(control, "refused", ())) - before
+    return collections.Counter({k: v for k, v in now.items() if k in _DENIALS})

@@ -44,7 +44,13 @@ from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from wire.bundles import parts_of
 from wire.errors import TransportClosed, TransportError
-from wire.mqtt import MqttConfig, account_client_id, connect_and_wait, paho_client
+from wire.mqtt import (
+    MqttConfig,
+    account_client_id,
+    connect_and_wait,
+    note_refusal,
+    paho_client,
+)
 from wire.transport import Handler, Mailbox, Transport, Will, matches, split_shared
 
 __all__ = ["SharedMqtt", "SharedView"]
@@ -114,8 +120,7 @@ class _Connection:
         self, _client: mqtt.Client, _userdata: Any, flags: Any, reason: Any, _props: Any
     ) -> None:
         if reason.is_failure:
-            log.error("MQTT connection refused: %s", reason)
-            self._refusals.append(str(reason))
+            note_refusal(reason, self._refusals)
             return
         if not flags.session_present:
             with self._lock:

@@ -133,7 +133,9 @@ class Mailbox:
     broker's ACL binds each device to its own topics, so a sender that floods them (a device
     ignoring its credits) loses its own messages, costs at most the bound per topic, and the
     others keep theirs. What a stream drops shows as batches missing at the end of the
-    round, which is then redone. An honest sender holds at most its credit window there."""
+    round, which is then redone. An honest sender holds at most its credit window there. A
+    message on a topic with nothing waiting is always queued, so the bound never refuses a
+    lone message, however large."""
 
     def __init__(self, name: str, max_bytes: int | None = None) -> None:
         self._name, self._max_bytes = name, max_bytes
@@ -181,8 +183,10 @@ class Mailbox:
                 self._condition.notify()
 
     def _over(self, topic: str, size: int) -> bool:
-        """``topic`` would hold more than the bound with ``size`` bytes more."""
-        return self._max_bytes is not None and self._by_topic[topic] + size > self._max_bytes
+        """``topic`` would hold more than the bound with ``size`` bytes more (a message on a
+        topic with nothing waiting always gets in: the broker bounds one message)."""
+        waiting = self._by_topic[topic]
+        return self._max_bytes is not None and waiting > 0 and waiting + size > self._max_bytes
 
     @property
     def queued_bytes(self) -> int:

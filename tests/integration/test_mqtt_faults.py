@@ -172,7 +172,8 @@ def test_a_flood_past_the_inbound_bound_drops_only_the_flooding_topic(broker: Br
     config = MqttConfig.from_url(broker.url)
     flooder = MqttTransport(replace(config, bundle_bytes=0), "flood-tx")
     honest = MqttTransport(replace(config, bundle_bytes=0), "honest-tx")
-    server = MqttTransport(replace(config, max_inbound_bytes=256 * 1024), "bounded-rx")
+    bounded = replace(config, max_payload=256 * 1024, max_inbound_bytes=256 * 1024)
+    server = MqttTransport(bounded, "bounded-rx")
     release, got = threading.Event(), {"act/flood": 0, "act/honest": 0}
 
     def busy(topic: str, payload: bytes) -> None:  # a GPU server training a long step

@@ -100,3 +100,27 @@ def test_the_inbound_bound_is_set_in_the_broker_url() -> None:
     assert MqttConfig.from_url("mqtt://h?inbound=0").inbound_bound is None  # unbounded
     with pytest.raises(ValueError, match="inbound='lots', expected bytes such as"):
         MqttConfig.from_url("mqtt://h?inbound=lots")
+    with pytest.raises(ValueError, match="must hold one message"):
+        MqttConfig.from_url("mqtt://h?inbound=512")  # 512 bytes, meant as MiB: all dropped
+
+
+def test_a_lone_message_passes_the_bound_however_large() -> None:
+    """A model-sized message (a retry for a busy GPU server) on a topic with nothing waiting
+    is kept: the bound is for what piles up behind a slow handler."""
+    from wire.transport import Mailbox
+
+    busy, release, delivered = threading.Event(), threading.Event(), []
+
+    def handler(_topic: str, payload: bytes) -> None:
+        busy.set()
+        release.wait(10)
+        delivered.append(len(payload))
+
+    mailbox = Mailbox("gpu-0", max_bytes=1000)
+    mailbox.put(handler, "flower/in", bytes(1))  # the handler is busy with this one
+    assert busy.wait(10)
+    mailbox.put(handler, "flower/in", bytes(5000))
+    mailbox.put(handler, "flower/in", bytes(10))  # behind a message past the bound: dropped
+    release.set()
+    _wait(lambda: mailbox.queued_bytes == 0 and len(delivered) == 2)
+    assert delivered == [1, 5000] and mailbox.dropped["flower/in"] == 1

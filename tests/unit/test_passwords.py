@@ -89,7 +89,9 @@ def test_the_broker_config_takes_the_password_only_for_a_url_without_one() -> No
     assert "s3cret" not in str(error.value) and "pi-01:***@b:notaport" in str(error.value)
 
 
-@pytest.mark.parametrize("url", ["mqtt:/127.0.0.1:18931", "mqtt:127.0.0.1:18931", "mqtts://u@"])
+@pytest.mark.parametrize(
+    "url", ["mqtt:/127.0.0.1:18931", "mqtt:127.0.0.1:18931", "mqtts://u@", "mqtt://:1883"]
+)
 def test_a_broker_url_without_a_host_is_refused_not_read_as_localhost(url: str) -> None:
     from wire.mqtt_config import MqttConfig
 
@@ -103,6 +105,7 @@ def test_the_coordinator_names_a_new_sqlite_file_as_new(tmp_path: Path) -> None:
     (tmp_path / "old.db").write_bytes(b"")
     assert _store_shown(str(tmp_path / "old.db")).endswith("old.db")
     assert _store_shown(str(tmp_path / "triala")).endswith("triala (new: no such file before)")
+    assert _store_shown("memory").startswith("memory (nothing is kept")  # no "SQLite file"
     assert _store_shown("postgresql+psycopg://u:secret@db/runs") == (
         "postgresql+psycopg://u:***@db/runs"
     )
