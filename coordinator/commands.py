@@ -120,14 +120,14 @@ def profile_cache(option: str | None) -> Path | None:
 def _store_shown(db: str) -> str:
     """The store ``--db`` names, for the log: a SQLite file as given, said to be new when it
     is not there yet (a PostgreSQL URL forgotten makes one), else the URL, password masked."""
-    from storage import normalise_url
+    from storage import MEMORY_URLS, normalise_url, sqlite_file
     from storage.engine import shown_url
 
-    url = normalise_url(db)
-    if url.startswith("sqlite:///"):
-        new = not Path(url.removeprefix("sqlite:///")).exists()
-        return f"SQLite file {db}" + (" (new: no such file before)" if new else "")
-    return shown_url(url)
+    if db in MEMORY_URLS:
+        return "memory (nothing is kept once the coordinator stops)"
+    if (file := sqlite_file(db)) is not None:
+        return f"SQLite file {db}" + ("" if file.exists() else " (new: no such file before)")
+    return shown_url(normalise_url(db))
 
 
 def coordinator_command(args: argparse.Namespace) -> int:

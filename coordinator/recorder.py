@@ -76,6 +76,7 @@ class Outcome:
     ok: list[str]
     reported: dict[str, dict[str, float]] = field(default_factory=dict)
     started: float = 0.0
+    diverged: list[str] = field(default_factory=list)  # sent NaN or infinite weights
 
 
 class RoundRecorder:

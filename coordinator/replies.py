@@ -44,7 +44,13 @@ def outcome_of(
             outcome.ok.append(device)
         else:
             outcome.results.append(DeviceResult(device, failure=failure))
+            if failure.startswith(DIVERGED) and not _has_error(replies.get(device)):
+                outcome.diverged.append(device)  # found here: a device's own error cannot say so
     return outcome
+
+
+def _has_error(reply: Message | None) -> bool:
+    return reply is None or reply.has_error()
 
 
 def _failure(message: Message, reply: Message | None, online: set[int]) -> str | None:
@@ -101,6 +107,9 @@ def malformed_evaluation(reply: Message) -> str | None:
             return f"sent metric {name} {value!r}, expected a number"
         if not math.isfinite(value) or value < 0 or (name == "accuracy" and value > 1):
             return f"sent metric {name} {value!r}, out of range"
+    if not float(metrics["num-examples"]) < _LARGEST:  # type: ignore[arg-type]
+        # checked a number above; two claims of 1e308 sum to infinity
+        return f"sent num-examples {metrics['num-examples']!r}, expected a count below 2**53"
     return None
 
 

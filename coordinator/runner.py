@@ -38,7 +38,7 @@ from coordinator.outage import (
     wait_for_more,
 )
 from coordinator.recorder import Outcome, RoundRecorder
-from coordinator.replies import DIVERGED, malformed_evaluation, outcome_of
+from coordinator.replies import malformed_evaluation, outcome_of
 from storage.records import RoundRecord
 from wire.flower import TRAINED_RECORD, TransportGrid, array_record
 from wire.presence import WillGrace
@@ -456,8 +456,9 @@ def _name_diverged(recorder: RoundRecorder, number: int, outcome: Outcome) -> No
     """A ``device-diverged`` event for each device whose weights held NaN or infinity (a
     warning the first time, stored every round)."""
     for result in outcome.results:
-        if result.failure and result.failure.startswith(DIVERGED):
-            recorder.event(number, "device-diverged", f"{result.device} {result.failure}")
+        if result.device in outcome.diverged:
+            detail = f"{result.device} {result.failure}"
+            recorder.event(number, "device-diverged", detail, device=result.device)
 
 
 def _usable_evaluations(replies: Mapping[str, Message], strategy: FedAvg) -> dict[str, Message]:

@@ -111,7 +111,9 @@ def status_command(args: argparse.Namespace) -> int:
         )
     if status["rounds"]:
         grouped = any("clients" in r for r in status["rounds"])  # simulation hosts' clients
-        print(_table(status["rounds"], _ROUND_COLUMNS + ["clients"] * grouped))
+        servers_failed = any(r.get("servers_failed") for r in status["rounds"])
+        extra = ["clients"] * grouped + ["servers_failed"] * servers_failed
+        print(_table(status["rounds"], _ROUND_COLUMNS + extra))
     if status["events"]:
         counts = ", ".join(f"{kind} {n}" for kind, n in status["events"].items())
         print(f"events: {counts} (edgesplit runs events {args.run})")

@@ -143,7 +143,11 @@ def scale_warning(data: Dataset, name: str = "data") -> str | None:
     learning rate. uint8 images are scaled to [0, 1] when loaded; float arrays are not."""
     if data.x.dtype.kind != "f" or not len(data):
         return None
-    top = float(np.nanmax(np.abs(data.x)))
+    rows = max(1, (64 << 20) // max(1, data.x[:1].nbytes))  # 64 MB at a time: x is not copied
+    top = max(
+        float(np.nanmax(np.abs(data.x[start : start + rows])))
+        for start in range(0, len(data.x), rows)
+    )
     if not top > _LARGE_FEATURE:
         return None
     return (

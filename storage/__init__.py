@@ -35,6 +35,7 @@ from storage.records import (
 )
 
 __all__ = [
+    "MEMORY_URLS",
     "CheckpointError",
     "CheckpointRef",
     "CheckpointWriteError",
@@ -54,6 +55,7 @@ __all__ = [
     "StoreError",
     "normalise_url",
     "open_store",
+    "sqlite_file",
 ]
 
 
@@ -64,6 +66,18 @@ def normalise_url(url: str) -> str:
     return f"sqlite:///{Path(url).expanduser().resolve()}"
 
 
+MEMORY_URLS = ("memory://", "memory")  # the in-memory store (tests, trials)
+
+
+def sqlite_file(url: str) -> Path | None:
+    """The file a store URL or plain path names when it is a SQLite file, else None (the
+    in-memory store, PostgreSQL)."""
+    if url in MEMORY_URLS:
+        return None
+    url = normalise_url(url)
+    return Path(url.removeprefix("sqlite:///")) if url.startswith("sqlite:///") else None
+
+
 def open_store(
     url: str,
     checkpoint_dir: str | Path | None = None,
@@ -72,14 +86,13 @@ def open_store(
 ) -> RunStore:
     """Open (and, unless ``readonly``, migrate) the store at ``url``; ``password`` is the
     database user's when the URL holds none (ignored for SQLite and memory)."""
-    if url in ("memory://", "memory"):
+    if url in MEMORY_URLS:
         return InMemoryRunStore()
     from storage.sql import SqlRunStore
 
-    url = normalise_url(url)
-    folder = Path(url.removeprefix("sqlite:///")) if url.startswith("sqlite:///") else None
+    folder = sqlite_file(url)
     if folder is not None and folder.is_dir():  # SQLite says only "disk I/O error"
         inside = folder / "runs.db"
         hint = f": give the file, {inside}" if inside.is_file() else ": give the database file"
         raise StoreError(f"{folder} is a folder, not a SQLite database{hint}")
-    return SqlRunStore(url, checkpoint_dir, password=password, readonly=readonly)
+    return SqlRunStore(normalise_url(url), checkpoint_dir, password=password, readonly=readonly)

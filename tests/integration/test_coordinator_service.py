@@ -472,6 +472,7 @@ def test_an_edge_whose_weights_go_nan_is_left_out_and_no_nan_is_committed(
     # edge and what to try
     assert {e.round for e in diverged} == {1, 2}, diverged
     assert all(e.detail.startswith("pi-02 sent weights holding NaN") for e in diverged)
+    assert {e.device for e in diverged} == {"pi-02"}
     assert "a lower lr, or the optimizer's max_step" in diverged[0].detail
     gpu = start_fleet.gpus[0]  # type: ignore[attr-defined]
     assert gpu._backs["svc-1"][1].stats.rejected["non_finite"] > 0, "NaN batches rejected"

@@ -8,11 +8,11 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from flwr.app import Array, ArrayRecord, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, Error, Message, MetricRecord, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
 from coordinator.recorder import Outcome
-from coordinator.replies import _result, malformed, malformed_evaluation, outcome_of
+from coordinator.replies import DIVERGED, _result, malformed, malformed_evaluation, outcome_of
 from wire.flower import array_record
 
 pytestmark = pytest.mark.unit
@@ -52,6 +52,8 @@ def test_a_good_reply_passes_and_evaluation_replies_are_checked_too() -> None:
     lying = _reply({"num-examples": 4, "accuracy": 7.0, "loss": 1.0})
     assert "out of range" in str(malformed_evaluation(lying))  # type: ignore[arg-type]
     assert "no metrics" in str(malformed_evaluation(_reply(None)))  # type: ignore[arg-type]
+    huge = _reply({"num-examples": 1e308, "accuracy": 0.5, "loss": 1.0})  # two sum to inf
+    assert "below 2**53" in str(malformed_evaluation(huge))  # type: ignore[arg-type]
 
 
 def test_counts_a_reply_reports_are_kept_only_when_they_are_counts() -> None:
@@ -187,6 +189,29 @@ def test_weights_that_do_not_decode_to_what_was_given_fail_that_device_only(
     assert "as int64, it was given float32" in failures["an integer tensor declared float"]
     assert "cannot be read" in failures["a header for 2**50 floats"]
     assert all(len(why) <= 500 for why in failures.values())
+
+
+def test_only_weights_that_hold_nan_make_a_device_diverged_not_its_own_word(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A device whose error reason copies the divergence text was named in a
+    ``device-diverged`` event (with a lower-lr advice) though it sent no weights."""
+    for field in ("_run_id", "_node_id", "_task_id"):
+        monkeypatch.setattr(TaskIdentity, field, 1)
+    nan = {name: np.full_like(value, np.nan) for name, value in GIVEN.items()}
+    messages, replies = {}, {}
+    for node, device in enumerate(("nan", "liar"), start=1):
+        messages[device] = Message(RecordDict({"arrays": array_record(GIVEN)}), node, "train")
+    content = RecordDict(
+        {"arrays": array_record(nan), "metrics": MetricRecord({"num-examples": 4})}
+    )
+    replies["nan"] = Message(content, reply_to=messages["nan"])
+    said = Error(code=1, reason=f"{DIVERGED} (everything): {'x' * 400}")
+    replies["liar"] = Message(said, reply_to=messages["liar"])
+
+    outcome = outcome_of(messages, replies, 0.0, set(), 1.0)  # type: ignore[arg-type]
+
+    assert outcome.ok == [] and outcome.diverged == ["nan"]
 
 
 def test_a_device_claiming_huge_test_data_does_not_set_the_federated_accuracy_alone(

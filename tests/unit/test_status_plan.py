@@ -72,3 +72,31 @@ def test_an_export_whose_file_fails_the_check_says_so_on_stderr(
     assert "r-pi-01.onnx" in out and "FAILS" in out
     assert err.startswith("edgesplit export: error: 1 of 2 file(s) compute other outputs")
     assert "r-pi-01.onnx" in err and "r-model.onnx" not in err
+
+
+def test_a_failed_gpu_server_shows_in_the_status_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Failed servers were moved out of ``failed`` (edges only) into ``servers_failed``,
+    which the table never showed: a round whose server was lost read as all well."""
+    import argparse
+
+    import numpy as np
+
+    from coordinator import store_commands
+    from storage import open_store
+    from storage.records import DeviceResult
+
+    with open_store(str(tmp_path / "runs.db")) as store:
+        store.create_run("r", {}, seed=0)
+        store.set_plan("r", {"edges": [], "servers": [{"name": "gpu-b", "blocks": [2, 6]}]})
+        store.open_round("r", 1, ["pi-01", "gpu-b"])
+        results = [DeviceResult("pi-01", examples=32), DeviceResult("gpu-b", failure="offline")]
+        store.record_results("r", 1, results)
+        store.commit_round("r", 1, {"global": {"w": np.zeros(2, np.float32)}})
+    args = argparse.Namespace(
+        db=str(tmp_path / "runs.db"), db_password=None, checkpoints=None, run="r", json=False
+    )
+    assert store_commands.status_command(args) == 0
+    header, row = capsys.readouterr().out.splitlines()[-2:]
+    assert header.split()[-1] == "servers_failed" and row.split()[-1] == "1", (header, row)
