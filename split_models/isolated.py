@@ -12,14 +12,19 @@ machine. With a ``cache`` folder, a profile is kept as JSON under a key of every
 depends on (the model section, local losses, batch size, the torch and Python versions, the
 machine and its CPU capability, and the source of ``split_models``), so the next coordinator
 or simulation of the same model on the same host and code reads it instead of measuring
-again; a changed input or code is a new key. A model given by import path is never cached
-(its code is not part of the key).
+again; a changed input or code is a new key. For a model given by import path (a user's
+model), the key holds the sources beside its module (the module and the ``.py`` files in its
+folder) and the network it builds (modules with their settings, tensor names and shapes): code
+elsewhere that changes what the model computes without changing these (a helper in another
+package) needs ``--profile-cache none`` once.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -27,7 +32,7 @@ import platform
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from split_models.config import ModelConfig, config_to_dict, parse_config
@@ -51,16 +56,36 @@ def profile_in_fresh_process(
     """:func:`~split_models.profiler.profile_model` of ``model.build()`` in a child process,
     or the one ``cache`` holds for the same inputs; a bad model or shape raises
     :class:`ConfigError` with the child's message."""
-    if ":" in model.name:  # a user's model by import path: its code is not in the key
-        cache = None
-    key = _cache_key(model, local_losses, batch_size) if cache is not None else ""
-    if cache is not None and (kept := _cached(cache / f"{key}.json")) is not None:
-        log.info("profile of %s read from the profile cache %s", model.name, cache)
-        return kept
-    profile = _measure(model, tuple(local_losses), batch_size, timeout)
-    if cache is not None:
+    key = _cache_key(model, local_losses, batch_size) if cache is not None else None
+    if cache is None or key is None:  # no cache, or a user's model not built here: measured
+        return _measure(model, tuple(local_losses), batch_size, timeout)
+    with _measuring(cache, key):  # a second process of the same model waits, then reads
+        if (kept := _cached(cache / f"{key}.json")) is not None:
+            log.info("profile of %s read from the profile cache %s", model.name, cache)
+            return kept
+        profile = _measure(model, tuple(local_losses), batch_size, timeout)
         _keep(cache, f"{key}.json", profile)
     return profile
+
+
+@contextlib.contextmanager
+def _measuring(cache: Path, key: str) -> Iterator[None]:
+    """Hold ``key``'s lock in ``cache`` (two simulations or coordinators of one model started
+    together measured it twice, each on a loaded machine); no lock where none can be made."""
+    try:
+        cache.mkdir(mode=0o700, parents=True, exist_ok=True)
+        handle = open(cache / f"{key}.lock", "a")  # noqa: SIM115 (closed below)
+    except OSError:
+        yield
+        return
+    with handle:
+        try:
+            import fcntl
+
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except (ImportError, OSError):
+            pass  # no flock (Windows, some network file systems): measured twice at worst
+        yield
 
 
 def _measure(
@@ -88,13 +113,19 @@ def _measure(
     return ModelProfile.from_dict(json.loads(done.stdout))
 
 
-def _cache_key(model: ModelConfig, local_losses: Iterable[str], batch_size: int | None) -> str:
+def _cache_key(
+    model: ModelConfig, local_losses: Iterable[str], batch_size: int | None
+) -> str | None:
     import torch
 
     source = hashlib.sha256()
     for path in sorted(Path(__file__).parent.glob("*.py")):
         source.update(path.read_bytes())
+    user_code = _user_code(model) if ":" in model.name else ""
+    if user_code is None:
+        return None
     inputs = {
+        "user_code": user_code,
         "model": config_to_dict(model),
         "local_losses": sorted(local_losses),
         "batch_size": batch_size,
@@ -105,6 +136,26 @@ def _cache_key(model: ModelConfig, local_losses: Iterable[str], batch_size: int 
         "source": source.hexdigest(),
     }
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def _user_code(model: ModelConfig) -> str | None:
+    """A digest of what a model given by import path is: the sources beside its module (the
+    module and the ``.py`` files in its folder) and the network it builds (its modules with
+    their settings, and its tensors' names, shapes and dtypes). None when it cannot be built
+    here: the child then measures it, and says what is wrong."""
+    digest = hashlib.sha256()
+    try:
+        spec = importlib.util.find_spec(model.name.partition(":")[0])
+        if spec is not None and spec.origin and spec.origin.endswith(".py"):
+            for path in sorted(Path(spec.origin).parent.glob("*.py")):
+                digest.update(path.name.encode() + b"\0" + path.read_bytes())
+        built = model.build(seed=0)
+        digest.update(repr(built).encode())
+        for name, tensor in built.blocks.state_dict().items():
+            digest.update(f"{name} {tuple(tensor.shape)} {tensor.dtype}\n".encode())
+    except Exception:  # the user's code: whatever it raises, the child reports it
+        return None
+    return digest.hexdigest()
 
 
 def _cached(path: Path) -> ModelProfile | None:

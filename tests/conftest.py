@@ -11,14 +11,21 @@ import shutil  # noqa: E402
 import tempfile  # noqa: E402
 import uuid  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-# Every coordinator and simulation the tests start (their CLI reads EDGESPLIT_PROFILE_CACHE)
-# measures each model profile once per test session, not once per process (20-30 s each on
-# two cores); the profiling itself is tested where it is called directly.
-_PROFILES = tempfile.mkdtemp(prefix="edgesplit-test-profiles-")
-os.environ.setdefault("EDGESPLIT_PROFILE_CACHE", _PROFILES)
+from simulation.baselines import use_profile_cache  # noqa: E402
+
+# Every coordinator and simulation the tests start, in-process or by the CLI (which reads
+# EDGESPLIT_PROFILE_CACHE), measures each model profile once per test session, not once per
+# process (6-50 s each on two cores): the xdist workers inherit the folder their controller
+# made, which alone removes it. The profiling itself is tested where it is called directly.
+_OWN_PROFILES = "EDGESPLIT_PROFILE_CACHE" not in os.environ
+if _OWN_PROFILES:
+    os.environ["EDGESPLIT_PROFILE_CACHE"] = tempfile.mkdtemp(prefix="edgesplit-test-profiles-")
+_PROFILES = os.environ["EDGESPLIT_PROFILE_CACHE"]
+use_profile_cache(Path(_PROFILES))
 
 
 # Modules holding the suite's longest tests (30-170 s each on two cores): collected first, so
@@ -45,7 +52,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    shutil.rmtree(_PROFILES, ignore_errors=True)
+    if _OWN_PROFILES:
+        shutil.rmtree(_PROFILES, ignore_errors=True)
 
 
 POSTGRES_ADMIN_URL = os.environ.get(

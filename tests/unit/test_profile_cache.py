@@ -1,6 +1,6 @@
 """The profile cache: a model is measured once per inputs, host and code; any changed input is
-measured again, a user's model by import path never comes from the cache, and an unreadable
-entry is measured again."""
+measured again, a user's model by import path is kept under its code and network, and an
+unreadable entry is measured again."""
 
 from __future__ import annotations
 
@@ -58,10 +58,61 @@ def test_an_unreadable_entry_is_measured_again(
     assert len(measured) == 2
 
 
-def test_a_model_given_by_import_path_is_never_cached(
-    tmp_path: Path, measured: list[tuple[str, int | None]]
+def test_a_users_model_is_cached_under_its_code_and_network(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, measured: list[tuple[str, int | None]]
 ) -> None:
-    users = ModelConfig("tests.fixtures.user_models:small_cnn", (1, 8, 8), 10)
-    isolated.profile_in_fresh_process(users, ("linear",), 16, cache=tmp_path)
-    isolated.profile_in_fresh_process(users, ("linear",), 16, cache=tmp_path)
-    assert len(measured) == 2 and not list(tmp_path.iterdir())
+    """A user's model (always an import path) was measured on every run: 50 s for a
+    MobileNetV3 each time. It is kept under its sources and the network it builds."""
+    code = tmp_path / "code"
+    code.mkdir()
+    model_file = code / "my_net.py"
+    model_file.write_text(
+        "from torch import nn\n\n\ndef net(input_shape, num_classes):\n"
+        "    return nn.Sequential(nn.Flatten(), nn.Linear(64, WIDTH), nn.ReLU(),"
+        " nn.Linear(WIDTH, num_classes))\n\n\nWIDTH = 16\n"
+    )
+    monkeypatch.syspath_prepend(str(code))
+    users = ModelConfig("my_net:net", (1, 8, 8), 10)
+    cache = tmp_path / "cache"
+    isolated.profile_in_fresh_process(users, ("linear",), 16, cache=cache)
+    isolated.profile_in_fresh_process(users, ("linear",), 16, cache=cache)
+    assert len(measured) == 1, "read back from the cache"
+    (code / "helpers.py").write_text("SCALE = 2\n")  # a file beside it changed
+    isolated.profile_in_fresh_process(users, ("linear",), 16, cache=cache)
+    assert len(measured) == 2
+    broken = ModelConfig("my_net:missing", (1, 8, 8), 10)  # not built here: the child says
+    isolated.profile_in_fresh_process(broken, ("linear",), 16, cache=cache)
+    isolated.profile_in_fresh_process(broken, ("linear",), 16, cache=cache)
+    assert len(measured) == 4 and len(list(cache.glob("*.json"))) == 2
+
+
+def test_two_processes_profiling_one_model_at_once_measure_it_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, measured: list[tuple[str, int | None]]
+) -> None:
+    """Two simulations of one model started together each measured it (50 s apiece for a
+    MobileNetV3, each slowed by the other): the second now waits for the first's profile."""
+    import threading
+    import time
+
+    slow = isolated._measure
+
+    def measure(*args: object) -> ModelProfile:
+        time.sleep(0.5)  # the other caller arrives while this one measures
+        return slow(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(isolated, "_measure", measure)
+    profiles: list[ModelProfile] = []
+    callers = [
+        threading.Thread(
+            target=lambda: profiles.append(
+                isolated.profile_in_fresh_process(MLP, ("linear",), 16, cache=tmp_path)
+            )
+        )
+        for _ in range(2)
+    ]
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join(30)
+    assert measured == [("mlp", 16)] and len(profiles) == 2
+    assert profiles[0].to_dict() == profiles[1].to_dict()
