@@ -77,6 +77,7 @@ class Outcome:
     reported: dict[str, dict[str, float]] = field(default_factory=dict)
     started: float = 0.0
     diverged: list[str] = field(default_factory=list)  # sent NaN or infinite weights
+    silent: list[str] = field(default_factory=list)  # sent no reply (offline, or too late)
 
 
 class RoundRecorder:

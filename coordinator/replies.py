@@ -46,6 +46,8 @@ def outcome_of(
             outcome.results.append(DeviceResult(device, failure=failure))
             if failure.startswith(DIVERGED) and not _has_error(replies.get(device)):
                 outcome.diverged.append(device)  # found here: a device's own error cannot say so
+            if replies.get(device) is None:
+                outcome.silent.append(device)
     return outcome
 
 

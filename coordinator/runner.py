@@ -292,7 +292,7 @@ class RoundRunner:
         new one is judged against."""
         _name_nodes(self.strategy, work)
         ok = sorted(outcome.ok)
-        _name_diverged(self.recorder, number, outcome)
+        _name_failed(self.recorder, number, outcome)
         _bound_examples(self.recorder, self.strategy, number, (work, replies, outcome))
         merged = self.recorder.aggregate(number, [replies[d] for d in ok], ok)
         if merged is None:
@@ -452,13 +452,17 @@ def _bound_examples(
     ]
 
 
-def _name_diverged(recorder: RoundRecorder, number: int, outcome: Outcome) -> None:
-    """A ``device-diverged`` event for each device whose weights held NaN or infinity (a
-    warning the first time, stored every round)."""
+def _name_failed(recorder: RoundRecorder, number: int, outcome: Outcome) -> None:
+    """A ``device-diverged`` event for each device whose weights held NaN or infinity, and a
+    ``device-silent`` one for each that sent no reply (offline, or past the deadline): the
+    run's events show when a device was lost and for how long (a warning the first time,
+    stored every round)."""
     for result in outcome.results:
+        detail = f"{result.device} {result.failure}"
         if result.device in outcome.diverged:
-            detail = f"{result.device} {result.failure}"
             recorder.event(number, "device-diverged", detail, device=result.device)
+        elif result.device in outcome.silent:
+            recorder.event(number, "device-silent", f"{detail}: left out", device=result.device)
 
 
 def _usable_evaluations(replies: Mapping[str, Message], strategy: FedAvg) -> dict[str, Message]:

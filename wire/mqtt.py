@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import socket
 import ssl
 import threading
 import time
@@ -135,11 +136,37 @@ def connect_and_wait(
         )
     if not connected.is_set():
         client.loop_stop()
+        if config.tls and (failure := _tls_failure(config)) is not None:
+            raise RefusedError(
+                f"TLS with the MQTT broker at {where} failed: {failure}. Check the URL's "
+                "ca= (the CA that signed the broker's certificate), that the host is the "
+                "name the certificate was made for, and cert=/key= where the broker asks "
+                "for a client certificate"
+            )
         raise UnreachableError(
             f"no connection to the MQTT broker at {where} within "
             f"{config.connect_timeout:.0f} s; is it running? "
             "(`edgesplit broker` starts one for development)"
         )
+
+
+def _tls_failure(config: MqttConfig) -> str | None:
+    """Why a TLS handshake with the broker fails (a certificate signed by another CA than
+    ``ca=``, or made for another host name), or None when it succeeds or nothing answers:
+    paho retries such a failure quietly, which read as an unreachable broker."""
+    try:
+        context = ssl.create_default_context(cafile=config.ca_file)
+        if config.cert_file:
+            context.load_cert_chain(config.cert_file, config.key_file)
+        with (
+            socket.create_connection((config.host, config.port), timeout=3) as raw,
+            context.wrap_socket(raw, server_hostname=config.host),
+        ):
+            return None
+    except ssl.SSLError as error:
+        return str(error)
+    except OSError:  # nothing answers, or a file that cannot be read: said elsewhere
+        return None
 
 
 class MqttTransport(Transport):

@@ -13,6 +13,7 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from coordinator.recorder import Outcome
 from coordinator.replies import DIVERGED, _result, malformed, malformed_evaluation, outcome_of
+from coordinator.runner import _name_failed
 from wire.flower import array_record
 
 pytestmark = pytest.mark.unit
@@ -209,9 +210,21 @@ def test_only_weights_that_hold_nan_make_a_device_diverged_not_its_own_word(
     said = Error(code=1, reason=f"{DIVERGED} (everything): {'x' * 400}")
     replies["liar"] = Message(said, reply_to=messages["liar"])
 
-    outcome = outcome_of(messages, replies, 0.0, set(), 1.0)  # type: ignore[arg-type]
+    messages["gone"] = Message(RecordDict({"arrays": array_record(GIVEN)}), 3, "train")
 
-    assert outcome.ok == [] and outcome.diverged == ["nan"]
+    outcome = outcome_of(messages, replies, 0.0, {3}, 1.0)  # type: ignore[arg-type]
+
+    assert outcome.ok == [] and outcome.diverged == ["nan"] and outcome.silent == ["gone"]
+    events: list[tuple[str, str, str | None]] = []
+    recorder = SimpleNamespace(
+        event=lambda _n, kind, detail, device: events.append((kind, detail, device))
+    )
+    _name_failed(recorder, 1, outcome)  # type: ignore[arg-type]
+    assert [(kind, device) for kind, _, device in events] == [
+        ("device-diverged", "nan"),
+        ("device-silent", "gone"),
+    ]
+    assert events[1][1] == "gone no reply before the deadline: left out"
 
 
 def test_a_device_claiming_huge_test_data_does_not_set_the_federated_accuracy_alone(
