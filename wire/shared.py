@@ -44,13 +44,8 @@ from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from wire.bundles import parts_of
 from wire.errors import TransportClosed, TransportError
-from wire.mqtt import (
-    MqttConfig,
-    account_client_id,
-    connect_and_wait,
-    note_refusal,
-    paho_client,
-)
+from wire.mqtt import MqttConfig, account_client_id
+from wire.mqtt_connect import connect_and_wait, note_refusal, paho_client
 from wire.transport import Handler, Mailbox, Transport, Will, matches, split_shared
 
 __all__ = ["SharedMqtt", "SharedView"]

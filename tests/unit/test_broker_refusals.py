@@ -12,7 +12,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.reasoncodes import ReasonCode
 
 from wire import roles
-from wire.mqtt import note_refusal
+from wire.mqtt_connect import note_refusal
 
 
 @pytest.mark.parametrize(
