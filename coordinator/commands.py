@@ -153,6 +153,7 @@ def coordinator_command(args: argparse.Namespace) -> int:
                 "run %s: broker %s:%d, store %s", config.run_id, broker.host, broker.port, shown
             )
             lease.on_lost.append(transport.leave)
+            transport.reconnect_gate = lease.lost_to
             try:
                 ran = Coordinator(
                     config,

@@ -140,6 +140,16 @@ class RunLease:
         log.error("%s", lost_error(self.run_id, self.store.lease(self.run_id)))
         return False
 
+    def lost_to(self) -> str | None:
+        """Whose the run is when no longer this coordinator's, read now; None while it is
+        (asked by its transport before reconnecting: woken from a freeze, the renewal that
+        finds the lease lost can come after paho's reconnect)."""
+        held = self.store.lease(self.run_id)
+        if held is not None and held.holder == self.holder and not self.lost.is_set():
+            return None
+        other = f"another coordinator's ({held.describe()})" if held else "no coordinator's"
+        return f"run {self.run_id} is {other} now"
+
     def check(self) -> None:
         """Raise :class:`LeaseLostError` once another coordinator took the lease over."""
         if self.lost.is_set():

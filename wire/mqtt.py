@@ -31,6 +31,7 @@ from wire.bundles import Held, bundle, holdable, parts_of
 from wire.errors import TransportError
 from wire.mqtt_config import MqttConfig, account_client_id, redact_url
 from wire.mqtt_connect import connect_and_wait, note_refusal, paho_client
+from wire.paho_decode import FastClient
 from wire.transport import (
     ENTRY_BYTES,
     Handler,
@@ -88,6 +89,11 @@ class MqttTransport(Transport):
         self.malformed = 0  # bundles received whose frame was broken (dropped whole)
         self.mailbox = Mailbox(self.client_id, config.inbound_bound)
         self._closed = False
+        # asked, once the link drops, why not to connect again (None: reconnect). A
+        # coordinator's says when its run is another's: woken from a freeze, its reconnect
+        # knocked its successor, with the same client id, off the broker before its lease
+        # thread found the run lost
+        self.reconnect_gate: Callable[[], str | None] | None = None
         self.refused: collections.Counter[str] = collections.Counter()  # PUBACK >= 0x80
         # Messages of a resumed session can arrive before their handler is registered again:
         # keep them (bounded) until a matching subscribe() comes.
@@ -101,7 +107,7 @@ class MqttTransport(Transport):
         self._client = self._build(will)
         self._connect()
 
-    def _build(self, will: Will | None) -> mqtt.Client:
+    def _build(self, will: Will | None) -> FastClient:
         client = paho_client(self.client_id, self.config, will)
         client.on_connect = self._on_connect
         client.on_disconnect = self._on_disconnect
@@ -179,8 +185,13 @@ class MqttTransport(Transport):
         if self._connected.is_set():
             self.link_epoch += 1
         self._connected.clear()
-        if reason.value != 0:
-            log.warning("MQTT connection lost (%s); reconnecting", reason)
+        if reason.value == 0 or self._closed:
+            return
+        if self.reconnect_gate is not None and (why := _why_not(self.reconnect_gate)):
+            log.warning("MQTT connection lost (%s); not reconnecting: %s", reason, why)
+            self._client.stop_reconnecting()
+            return
+        log.warning("MQTT connection lost (%s); reconnecting", reason)
 
     def _on_message(self, _client: mqtt.Client, _userdata: Any, message: mqtt.MQTTMessage) -> None:
         # With overlapping subscriptions the broker sends one copy per subscription, each
@@ -397,3 +408,13 @@ class MqttTransport(Transport):
         if sock is not None:
             sock.close()
         self.mailbox.stop()
+
+
+def _why_not(gate: Callable[[], str | None]) -> str | None:
+    """``gate()``; None (reconnect) when it fails: a store that cannot be read now says
+    nothing of whose the run is."""
+    try:
+        return gate()
+    except Exception as error:
+        log.warning("asking whether to reconnect failed (%s): reconnecting", error)
+        return None

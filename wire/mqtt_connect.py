@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 def paho_client(
     client_id: str, config: MqttConfig, will: Will | None = None, max_queued: int | None = None
-) -> mqtt.Client:
+) -> FastClient:
     """A paho MQTT v5 client for ``config``: credentials, TLS, ``will``, the reconnect
     back-off and ``max_queued`` outgoing messages (``config.max_queued`` when None); the
     caller sets its callbacks."""

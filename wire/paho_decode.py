@@ -127,6 +127,12 @@ class FastClient(mqtt.Client):
         install()
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
 
+    def stop_reconnecting(self) -> None:
+        """End the network loop at the next dropped link instead of reconnecting (paho sets
+        the state it reconnects from after ``on_disconnect``, so a ``disconnect()`` there is
+        undone)."""
+        self._reconnect_on_failure = False
+
     def _handle_publish(self) -> MQTTErrorCode:
         _local.fast = True  # read (and cleared) by the decode this call makes first
         try:

@@ -203,3 +203,33 @@ def test_a_flood_past_the_inbound_bound_drops_only_the_flooding_topic(broker: Br
         release.set()
         for transport in (flooder, honest, server):
             transport.close()
+
+
+def test_a_transport_whose_gate_says_no_does_not_knock_its_successor_off(broker: Broker) -> None:
+    """A coordinator frozen past its lease woke to a socket its successor (the same client id)
+    had taken over, and paho reconnected before the lease thread found the run lost: the
+    successor was knocked off the broker. Its gate is now asked before reconnecting."""
+    config = MqttConfig.from_url(broker.url)
+    client_id = f"coordinator-{uuid.uuid4().hex[:6]}"
+    first = MqttTransport(replace(config, reconnect_min=0, reconnect_max=1), client_id)
+    whose: list[str | None] = [None]
+    first.reconnect_gate = lambda: whose[0]
+    whose[0] = "run r is another coordinator's now"
+    successor = MqttTransport(config, client_id)  # takes the session over
+    try:
+        time.sleep(3)  # ungated, the first is back within a second and knocks it off
+        assert successor.connected and successor.link_epoch == 0, "the successor kept its link"
+        assert not first.connected
+    finally:
+        first.leave()
+        successor.close()
+    # ungated (None: reconnect), a dropped link comes back as before
+    again = MqttTransport(replace(config, reconnect_min=0, reconnect_max=1), client_id)
+    again.reconnect_gate = lambda: None
+    kicker = MqttTransport(config, client_id)
+    kicker.close()
+    deadline = time.monotonic() + 10
+    while not (again.connected and again.link_epoch == 1) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert again.connected and again.link_epoch == 1
+    again.close()
