@@ -44,7 +44,8 @@ __all__ = ["auto_blocks", "disable_inplace", "split_point"]
 
 _OPS = ("call_function", "call_method", "call_module")
 _TRACE_LOCK = threading.Lock()
-_TRACED: dict[Hashable, list[fx.Graph]] = {}  # architecture key -> its block graphs
+# architecture key -> its block graphs, and the tensor constants fx kept on the traced model
+_TRACED: dict[Hashable, tuple[list[fx.Graph], dict[str, torch.Tensor]]] = {}
 _TRACED_MAX = 32
 MAX_SIDE_TENSORS = 3  # weight-free tensors (masks, position ids) a cut may carry
 _NORMS = (
@@ -107,13 +108,20 @@ def auto_blocks(
     traces are serialised, and the roles build a model before they start training it."""
     disable_inplace(module)
     with _TRACE_LOCK:
-        graphs = _TRACED.get(key) if key is not None else None
-        if graphs is None:
+        traced = _TRACED.get(key) if key is not None else None
+        if traced is None:
+            known = set(vars(module))
             graphs = _block_graphs(module, example, split_points)
+            added = {n: v for n, v in vars(module).items() if n not in known}
+            traced = graphs, {n: v for n, v in added.items() if isinstance(v, torch.Tensor)}
             if key is not None:
                 if len(_TRACED) >= _TRACED_MAX:
                     _TRACED.pop(next(iter(_TRACED)))
-                _TRACED[key] = graphs
+                _TRACED[key] = traced
+    graphs, constants = traced
+    for name, value in constants.items():  # what fx kept of forward's tensors (torch.tensor(2.0))
+        if name not in vars(module):  # on the traced instance only: a later one gets a copy
+            setattr(module, name, value.clone())
     return [
         fx.GraphModule(module, copy.deepcopy(graph), class_name=f"Block{index}")
         for index, graph in enumerate(graphs)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import uuid
 
 import pytest
 import torch
@@ -398,11 +399,19 @@ def test_tensors_made_in_forward_are_one_constant_in_both_traces() -> None:
             return self.b(self.a(x.flatten(1)) * torch.tensor(2.0) + torch.ones(32))
 
     model, x = Scaled(), torch.randn(4, 1, 8, 8)
-    blocks = auto_blocks(model, torch.zeros(2, 1, 8, 8))
     out = x
-    for block in blocks:
+    for block in auto_blocks(model, torch.zeros(2, 1, 8, 8)):
         out = block(out)
     assert torch.allclose(out, model(x))
+    # a later instance of a traced architecture (every role builds the model more than once)
+    # failed: "'Scaled' object has no attribute '_tensor_constant0'"
+    key = ("scaled", uuid.uuid4())
+    first, later = Scaled(), Scaled()
+    auto_blocks(first, torch.zeros(2, 1, 8, 8), key=key)
+    out = x
+    for block in auto_blocks(later, torch.zeros(2, 1, 8, 8), key=key):
+        out = block(out)
+    assert torch.allclose(out, later(x))
     assert sorted(n for n in vars(model) if n.startswith("_tensor_constant")) == [
         "_tensor_constant0",
         "_tensor_constant1",
