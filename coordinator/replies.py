@@ -35,8 +35,9 @@ def outcome_of(
     bytes, a simulation host's clients); ``online``: the nodes online now."""
     outcome = Outcome([], [], {}, started)
     for device, message in messages.items():
+        reply = replies.get(device)
         try:
-            failure = _failure(message, replies.get(device), online)
+            failure = _failure(message, reply, online)
         except Exception as error:  # what no check foresaw fails its device, not the round
             failure = f"sent a reply that cannot be read ({type(error).__name__}: {error})"[:500]
         if failure is None:
@@ -44,15 +45,11 @@ def outcome_of(
             outcome.ok.append(device)
         else:
             outcome.results.append(DeviceResult(device, failure=failure))
-            if failure.startswith(DIVERGED) and not _has_error(replies.get(device)):
-                outcome.diverged.append(device)  # found here: a device's own error cannot say so
-            if replies.get(device) is None:
+            if reply is None:
                 outcome.silent.append(device)
+            elif failure.startswith(DIVERGED) and not reply.has_error():
+                outcome.diverged.append(device)  # found here: a device's own error cannot say so
     return outcome
-
-
-def _has_error(reply: Message | None) -> bool:
-    return reply is None or reply.has_error()
 
 
 def _failure(message: Message, reply: Message | None, online: set[int]) -> str | None:

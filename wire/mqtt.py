@@ -46,9 +46,6 @@ __all__ = [
     "MqttConfig",
     "MqttTransport",
     "account_client_id",
-    "connect_and_wait",
-    "note_refusal",
-    "paho_client",
     "redact_url",
 ]
 
