@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from coordinator.plan_config import CUTS, PartitionConfig
 from edgesplit import __version__
 from edgesplit.exits import EXIT_OK, exit_for, signals_interrupt, wants_traceback
+from edgesplit.passwords import read_passwords
 from edgesplit.runs_cli import export_parser, runs_parser
 from simulation.config import BASELINES, METHODS, SimConfig
 from split_models.config import MODES, TrainingConfig, default_of
@@ -330,7 +331,17 @@ def _simulate_parser(commands: argparse._SubParsersAction) -> None:  # type: ign
         "--seed", type=int, help=f"default: the config's, else {defaults.training.seed}"
     )
     _simulate_host_flags(sim)
+    _simulate_run_flags(sim)
+
+
+def _simulate_run_flags(sim: argparse.ArgumentParser) -> None:
+    """Which run it goes on with, and what it shows."""
     _profile_cache_flag(sim)
+    sim.add_argument(
+        "--allow-config-change",
+        action="store_true",
+        help="resume the cancelled run in --out though its training settings changed (an event)",
+    )
     sim.add_argument("-q", "--quiet", action="store_true", help="only the result table")
     sim.add_argument("-v", "--verbose", action="store_true", help="log every step")
 
@@ -436,7 +447,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with signals_interrupt():
             if args.command == "broker":
                 return _run_broker(args.port)
-            _read_passwords(args)
+            read_passwords(args)
             module, _, function = _COMMANDS[args.command].partition(":")
             command: Callable[[argparse.Namespace], int] = getattr(
                 importlib.import_module(module), function
@@ -451,30 +462,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stdout.flush()
             os._exit(code)
         return code
-
-
-def _read_passwords(args: argparse.Namespace) -> None:
-    """Give the command its broker and database passwords (None where the URL needs none) and
-    refuse a malformed broker URL by name, its password masked."""
-    from edgesplit.passwords import broker_password, db_password
-    from split_models.errors import ConfigError
-
-    if hasattr(args, "broker"):
-        args.broker_password = broker_password(args.broker, args.broker_password_file, os.environ)
-        if args.broker not in ("none", "embedded"):
-            from wire.mqtt import MqttConfig
-
-            try:
-                mqtt = MqttConfig.from_url(args.broker, password=args.broker_password)
-            except ValueError as error:
-                raise ConfigError(f"--broker: {error}") from None
-            files = {"ca": mqtt.ca_file, "cert": mqtt.cert_file, "key": mqtt.key_file}
-            for name, path in files.items():
-                if path and not os.access(path, os.R_OK):
-                    why = "no such file" if not os.path.exists(path) else "not readable"
-                    raise ConfigError(f"--broker: {name}={path}: {why}; fix the path in the URL")
-    if hasattr(args, "db"):
-        args.db_password = db_password(args.db, args.db_password_file, os.environ)
 
 
 def _run_broker(port: int) -> int:

@@ -10,6 +10,8 @@ password.
 
 from __future__ import annotations
 
+import argparse
+import os
 import re
 from collections.abc import Mapping
 from urllib.parse import urlparse
@@ -24,6 +26,7 @@ __all__ = [
     "broker_password",
     "db_password",
     "read_password_file",
+    "read_passwords",
 ]
 
 BROKER_PASSWORD_ENV = "EDGESPLIT_BROKER_PASSWORD"
@@ -112,3 +115,24 @@ def db_password(url: str, password_file: str | None, environ: Mapping[str, str])
     if not _wanted(url, flag, password_file, "postgresql+psycopg://USER@host/database"):
         return None
     return _from_sources(flag, password_file, DB_PASSWORD_ENV, DB_PASSWORD_FILE_ENV, environ)
+
+
+def read_passwords(args: argparse.Namespace) -> None:
+    """Give the command its broker and database passwords (None where the URL needs none) and
+    refuse a malformed broker URL by name, its password masked."""
+    if hasattr(args, "broker"):
+        args.broker_password = broker_password(args.broker, args.broker_password_file, os.environ)
+        if args.broker not in ("none", "embedded"):
+            from wire.mqtt import MqttConfig
+
+            try:
+                mqtt = MqttConfig.from_url(args.broker, password=args.broker_password)
+            except ValueError as error:
+                raise ConfigError(f"--broker: {error}") from None
+            files = {"ca": mqtt.ca_file, "cert": mqtt.cert_file, "key": mqtt.key_file}
+            for name, path in files.items():
+                if path and not os.access(path, os.R_OK):
+                    why = "no such file" if not os.path.exists(path) else "not readable"
+                    raise ConfigError(f"--broker: {name}={path}: {why}; fix the path in the URL")
+    if hasattr(args, "db"):
+        args.db_password = db_password(args.db, args.db_password_file, os.environ)

@@ -53,15 +53,15 @@ def simulate_command(args: argparse.Namespace) -> int:
     out = Path(args.out)
     title, unit = _title(config)
     with _devices_hint(config):
+        options = {
+            "password": args.broker_password,
+            "allow_config_change": args.allow_config_change,
+        }
         if args.quiet:
-            summary = simulate(
-                config, out, args.broker, observer=RoundObserver(), password=args.broker_password
-            )
+            summary = simulate(config, out, args.broker, observer=RoundObserver(), **options)
         else:
             with RoundProgress(config.training.rounds, title, unit=unit) as progress:
-                summary = simulate(
-                    config, out, args.broker, observer=progress, password=args.broker_password
-                )
+                summary = simulate(config, out, args.broker, observer=progress, **options)
     _print_summary(summary, out)
     _say_if_at_chance(summary["final_accuracy"], config.model.num_classes, _norm_hint(config))
     return 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -88,13 +89,17 @@ def _grouped(stored: Mapping[str, Any]) -> bool:
 
 
 def resumable_run(
-    config: SimConfig, out: Path, test_data: str, prints: Mapping[str, str]
+    config: SimConfig,
+    out: Path,
+    test_data: str,
+    prints: Mapping[str, str],
+    allow_config_change: bool = False,
 ) -> str | None:
     """The latest run in ``out`` to go on with (cancelled, or finished with fewer rounds than
     ``config`` asks for) that trains as ``config`` does on the data, partition and devices of
     ``prints``; None (with a warning naming why the latest was passed over) when there is
-    none."""
-    keys = (*STRUCTURE_KEYS, *TRAINING_KEYS)
+    none. ``allow_config_change``: a run whose training settings (not its network, data,
+    partition or devices) differ is gone on with too; the coordinator records the change."""
     wanted = config.training.rounds
     with open_store(f"sqlite:///{out / 'runs.db'}") as store:
         listed = store.list_runs()
@@ -104,12 +109,10 @@ def resumable_run(
             reverse=True,
         )
         _hint_orphans([r.run_id for r in listed if r.status == "training"], out)
-        passed: tuple[str, str] | None = None  # the latest run not resumed, and why
+        passed: tuple[str, str, bool] | None = None  # the latest run not resumed, why, hint
         for run in runs:
-            changed = config_changes(run.config, run_config(config, run.run_id, test_data), keys)
-            recorded = _recorded(store, run.run_id) or {}
-            other = [k for k in prints if k in recorded and recorded[k] != prints[k]]
-            if not changed and not other:
+            reasons, differ = _differences(store, run, config, test_data, prints)
+            if differ is None or (differ == "settings" and allow_config_change):
                 _check_rounds(run.run_id, run.current_round or 0, wanted)
                 if run.status == "finished":
                     log.warning(
@@ -120,16 +123,58 @@ def resumable_run(
                         wanted,
                     )
                 return run.run_id
-            reasons = [describe_changes(changed), ", ".join(f"other {k}" for k in other)]
-            if (was := _grouped(run.config)) != config.fleet.group_clients:  # its devices
-                reasons = [f"group_clients {str(was).lower()} -> {str(not was).lower()}"]
-            passed = passed or (f"{run.status} run {run.run_id}", "; ".join(filter(None, reasons)))
+            settings_only = differ == "settings"
+            passed = passed or (f"{run.status} run {run.run_id}", reasons, settings_only)
     if passed is not None:
-        latest, reason = passed
+        latest, reason, settings_only = passed
+        hint = " (--allow-config-change resumes it with these settings)" if settings_only else ""
         log.warning(
-            "not resuming %s, which trained otherwise (%s): starting a new run", latest, reason
+            "not resuming %s, which trained otherwise (%s): starting a new run%s",
+            latest,
+            reason,
+            hint,
         )
     return None
+
+
+def run_id_for(
+    config: SimConfig,
+    out: Path,
+    test_data: str,
+    prints: Mapping[str, str] | None,
+    allow_config_change: bool = False,
+) -> str:
+    """The run in ``out`` to go on with (:func:`resumable_run`; ``prints`` None: a baseline,
+    never resumed); else a new id."""
+    resumed = None
+    if prints is not None and (out / "runs.db").exists():
+        resumed = resumable_run(config, out, test_data, prints, allow_config_change)
+    return resumed or f"sim-{uuid.uuid4().hex[:8]}"
+
+
+def _differences(
+    store: RunStore,
+    run: RunRecord,
+    config: SimConfig,
+    test_data: str,
+    prints: Mapping[str, str],
+) -> tuple[str, str | None]:
+    """How ``run`` trained otherwise than ``config`` would, in words, and what differs: None
+    (nothing), "settings" (only its training settings) or "other" (its network, data,
+    partition or devices)."""
+    now = run_config(config, run.run_id, test_data)
+    network = config_changes(run.config, now, STRUCTURE_KEYS)
+    settings = config_changes(run.config, now, TRAINING_KEYS)
+    recorded = _recorded(store, run.run_id) or {}
+    other = [k for k in prints if k in recorded and recorded[k] != prints[k]]
+    reasons = [describe_changes({**network, **settings}), ", ".join(f"other {k}" for k in other)]
+    grouped = (was := _grouped(run.config)) != config.fleet.group_clients  # its devices
+    if grouped:
+        reasons = [f"group_clients {str(was).lower()} -> {str(not was).lower()}"]
+    differ = "other" if network or other else "settings" if settings else None
+    if differ == "settings" and grouped:
+        differ = "other"
+    return "; ".join(filter(None, reasons)), differ
 
 
 def _shorter(run: RunRecord, rounds: int) -> bool:

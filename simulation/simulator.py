@@ -17,7 +17,6 @@ import contextlib
 import logging
 import os
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -42,7 +41,7 @@ from simulation.config import (
 from simulation.hosts import ClientGroup, HostAgent
 from simulation.pool import SegmentPool
 from simulation.report import client_rows, round_rows, write_outputs
-from simulation.resume import fingerprint, resumable_run, start_run
+from simulation.resume import fingerprint, run_id_for, start_run
 from simulation.shield import HeldSignals, held_signals
 from split_models.data import (
     Dataset,
@@ -271,10 +270,12 @@ def simulate(
     run_id: str | None = None,
     observer: RoundObserver | None = None,
     password: str | None = None,
+    allow_config_change: bool = False,
 ) -> dict[str, Any]:
     """Run the simulation; write its outputs into ``out`` and return the summary.
     ``observer`` (a progress display) hears about every round; ``password`` is the account's
-    when ``broker`` names one without its password."""
+    when ``broker`` names one without its password; ``allow_config_change``: a cancelled run
+    in ``out`` whose training settings differ is resumed with the new ones (an event)."""
     started = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     train, test = _data(config)
@@ -284,7 +285,7 @@ def simulate(
     parts = _partition(config, train)
     baseline = config.method in BASELINES  # the whole model: never resumed, nothing to digest
     prints = None if baseline else fingerprint(train, parts, config.fleet.client_profiles())
-    run_id = run_id or _run_id(config, out, f"npz:{test_path}", prints)
+    run_id = run_id or run_id_for(config, out, f"npz:{test_path}", prints, allow_config_change)
     run = run_config(config, run_id, f"npz:{test_path}")
     with held_signals() as held:  # from the run's end until its outputs are written
         if prints is None:
@@ -297,7 +298,12 @@ def simulate(
         data = {name: train.subset(rows) for name, rows in zip(names, parts, strict=True)}
         del train  # the clients' rows are all that is held from here: the data once, not twice
         trained = _split_learning(
-            config, (run, prints), data, out, (broker, password), (observer, held)
+            config,
+            (run, prints, allow_config_change),
+            data,
+            out,
+            (broker, password),
+            (observer, held),
         )
         summary = _summary(config, run_id, started, trained)
         write_outputs(out, summary, _plan_text(trained[1]))
@@ -332,16 +338,6 @@ def _summary(config: SimConfig, run_id: str, started: float, trained: _Trained) 
     return summary
 
 
-def _run_id(config: SimConfig, out: Path, test_data: str, prints: dict[str, str] | None) -> str:
-    """The run in ``out`` to go on with (:func:`~simulation.resume.resumable_run`: cancelled,
-    or finished with fewer rounds, training as this configuration does on the same data,
-    partition and devices, ``prints``; None: a baseline, never resumed); else a new id."""
-    resumed = None
-    if prints is not None and (out / "runs.db").exists():
-        resumed = resumable_run(config, out, test_data, prints)
-    return resumed or f"sim-{uuid.uuid4().hex[:8]}"
-
-
 def _check_data(config: SimConfig, *sets: Dataset) -> None:
     """Data the model cannot take (no samples, samples of another shape, labels it has no
     output for, token ids outside its range): named before anything is planned or trained."""
@@ -355,15 +351,15 @@ def _check_data(config: SimConfig, *sets: Dataset) -> None:
 
 def _split_learning(
     config: SimConfig,
-    started: tuple[RunConfig, dict[str, str]],
+    started: tuple[RunConfig, dict[str, str], bool],
     data: dict[str, Dataset],
     out: Path,
     broker: tuple[str, str | None],
     watch: tuple[RoundObserver | None, HeldSignals],
 ) -> _Trained:
-    """Train the run of ``started`` (its config and digests) on the simulated fleet (its
-    store in ``out``, ``broker`` its URL and password, ``watch`` the observer and the signals
-    held once the run has ended); return what :data:`_Trained` lists."""
+    """Train the run of ``started`` (config, digests, whether its training settings may have
+    changed) on the simulated fleet (store in ``out``, ``broker`` URL and password, ``watch``
+    the observer and the signals held after the run); return what :data:`_Trained` lists."""
     require_device(config.fleet.client_device, "client_device")
     require_device(config.gpu.device, "gpu.device")
     profiles = config.fleet.device_profiles()
@@ -374,15 +370,16 @@ def _split_learning(
         gpu = _start_gpu_host(config, connect)
         fleet = _Fleet(config, data, profiles, connect)
         observers = _Observers(fleet, *([observer] if observer is not None else []))
-        run = started[0]
+        run, prints, allow_config_change = started
         with open_store(f"sqlite:///{out / 'runs.db'}") as store:
-            start_run(store, *started)  # a new run is created with its digests
+            start_run(store, run, prints)  # a new run is created with its digests
             coordinator = Coordinator(
                 run,
                 store,
                 connect("coordinator"),
                 observer=observers,
                 profile=lambda run: model_profile(run.model, run.training),
+                allow_config_change=allow_config_change,
             )
             fleet.coordinator = coordinator
             ran = coordinator.run()  # rounds trained now (a resumed run had others before)

@@ -25,9 +25,10 @@ pytestmark = pytest.mark.integration
 pytest.importorskip("sklearn")
 
 
-def _simulate(out: Path, **settings: Any) -> dict[str, Any]:
+def _simulate(out: Path, allow_config_change: bool = False, **settings: Any) -> dict[str, Any]:
     base = {"rounds": 2, "clients": 2, "measure_memory": False, "workers": 1}
-    return simulate(parse_sim_config({**base, **settings}), out)
+    config = parse_sim_config({**base, **settings})
+    return simulate(config, out, allow_config_change=allow_config_change)
 
 
 def _cancel(out: Path, run_id: str) -> None:
@@ -66,6 +67,33 @@ def test_a_cancelled_run_resumes_only_on_the_same_data_partition_and_devices(
     assert resumed["run_id"] == first
     assert [r["round"] for r in resumed["rounds"]] == [1, 2, 3]
     assert _kinds(out, first).count("resumed") == 1
+
+
+def test_a_changed_learning_rate_resumes_only_with_allow_config_change(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    out = tmp_path / "sim"
+    first = _simulate(out)["run_id"]
+    faster = {"rounds": 3, "optimizer": {"name": "adam", "lr": 0.005}}
+    _cancel(out, first)
+    with caplog.at_level(logging.WARNING, logger="simulation.resume"):
+        other = _simulate(out, **faster)["run_id"]  # without the flag: a new run, and why
+    assert other != first
+    assert "optimizer.lr 0.002 -> 0.005" in caplog.text, caplog.text
+    assert "--allow-config-change resumes it" in caplog.text, caplog.text
+
+    resumed = _simulate(out, allow_config_change=True, **faster)
+    assert resumed["run_id"] == first
+    assert [r["round"] for r in resumed["rounds"]] == [1, 2, 3]
+    with open_store(f"sqlite:///{out / 'runs.db'}") as store:
+        events = [e for e in store.events(first) if e.kind == "config-changed"]
+        stored = store.get_run(first).config
+    assert len(events) == 1 and "optimizer.lr 0.002 -> 0.005" in events[0].detail, events
+    assert stored["optimizer"]["lr"] == 0.005
+
+    _cancel(out, first)  # the flag never changes a run's network: another model starts anew
+    bigger = _simulate(out, allow_config_change=True, rounds=4, model="mlp")
+    assert bigger["run_id"] not in (first, other)
 
 
 def test_a_resume_that_would_end_before_the_committed_rounds_is_refused(tmp_path: Path) -> None:
