@@ -52,6 +52,7 @@ from split_models.evaluation import evaluate_weights
 from split_models.isolated import profile_in_fresh_process
 from split_models.mirror import head_mirrors, with_mirrored_heads
 from split_models.profiler import ModelProfile
+from split_models.randomness import apart
 from split_models.segment import Segment
 from split_models.weights import in_dtypes_of, norm_keys, segment_state
 from split_models.zoo import SplittableModel
@@ -89,12 +90,10 @@ def initial_weights(
     weights = segment_state(Segment.from_model(model, 0, model.num_blocks))
     have = {key.partition(".")[0] for key in known}
     for cut in sorted(set(cuts) - {c for c in cuts if f"head{c}" in have}):
-        torch.manual_seed(seed * 1000 + cut)
-        weights |= {
-            k: v
-            for k, v in segment_state(Segment.from_model(model, 0, cut, local_loss)).items()
-            if k.startswith("head")
-        }
+        with apart():  # seeded apart from a simulation's training threads
+            torch.manual_seed(seed * 1000 + cut)
+            head = Segment.from_model(model, 0, cut, local_loss)
+        weights |= {k: v for k, v in segment_state(head).items() if k.startswith("head")}
     return weights
 
 

@@ -23,6 +23,7 @@ from edge_client.source import Pace
 from split_models.activations import Activation, activation_arrays, detached, primary
 from split_models.cpu import process_cpu_share
 from split_models.data import Dataset, shuffle_rng
+from split_models.randomness import RandomStream, stream_seed
 from split_models.segment import Segment, StepResult
 from split_models.timing import LinkClock, StepClock
 from wire import topics
@@ -216,10 +217,7 @@ class EdgeTrainer:
         step = step or self.segment.train_step
         self._offline, self._pace, cancelled = offline, pace, _either(cancelled, offline)
         started, before = time.perf_counter(), self._counters()
-        self.gate.start_round(round_number, attempt)  # a retried round: a new attempt
-        self._attempt, self._sent = attempt, 0
-        self.clock.reset()
-        self.link.reset()
+        self._begin(round_number, (attempt, order), seed)
         batches = self._batches(shuffle_rng(seed, round_number, order))
         if pace is not None:
             pace.begin(len(batches))
@@ -244,6 +242,17 @@ class EdgeTrainer:
             wall_seconds=time.perf_counter() - started,
             compute={**self.clock.metrics(), **self.link.metrics()},
         )
+
+    def _begin(self, round_number: int, tries: tuple[int, int], seed: int) -> None:
+        """A round's (or a retry's) counters, credits and dropout masks: drawn from a stream
+        of this seed, device, round and batch order, whatever else the process runs."""
+        attempt, order = tries
+        self.gate.start_round(round_number, attempt)  # a retried round: a new attempt
+        self._attempt, self._sent = attempt, 0
+        self.clock.reset()
+        self.link.reset()
+        device = self.config.device
+        self.segment.random = RandomStream(stream_seed(seed, device, round_number, order))
 
     def _done(self, round_number: int, batches: int) -> None:
         """Say how many batches this try sent: every GPU server hears it, and the servers

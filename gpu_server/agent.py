@@ -28,6 +28,7 @@ from flwr.clientapp import ClientApp
 from gpu_server.trainer import BackTrainer
 from split_models.config import ModelConfig, TrainingConfig
 from split_models.errors import ConfigError
+from split_models.randomness import RandomStream, stream_seed
 from split_models.sections import task_sections
 from wire.channel import Channel
 from wire.errors import WireError
@@ -36,6 +37,7 @@ from wire.flower import (
     array_record,
     attempt_of,
     numpy_arrays,
+    order_of,
     proximal_mu_of,
     round_of,
 )
@@ -142,6 +144,7 @@ class GpuAgent:
                 task = Task.parse(str(message.content.config_records["config"]["task"]))
                 sections = task_sections(task.model, task.training, self.models)
                 mu, attempt = proximal_mu_of(message), attempt_of(message)
+                order_of(message)  # validated here: _round draws its dropout masks by it
             except (WireError, ConfigError) as error:
                 log.warning("rejected a task: %s", error)
                 return Message(Error(code=3, reason=f"bad task: {error}"), reply_to=message)
@@ -162,6 +165,13 @@ class GpuAgent:
 
         return offline
 
+    def _stream(self, message: Message, task: Task, training: TrainingConfig) -> RandomStream:
+        """Where the round's dropout masks come from: seeded by the run, this server, its
+        piece, the round and the try's batch order (a redone try draws what it replaces)."""
+        order = order_of(message)
+        seed = stream_seed(training.seed, self.device, task.start, round_of(message), order)
+        return RandomStream(seed)
+
     def _round(
         self,
         message: Message,
@@ -181,8 +191,8 @@ class GpuAgent:
         def cancelled() -> bool:  # the try was replaced, or this server is stopping
             return self.node.leaving or follow()
 
-        scale = sections[1].lr_scale(number)
-        back.begin_round(number, task.edges, weights, peers, *options, lr_scale=scale)
+        scale, random = sections[1].lr_scale(number), self._stream(message, task, sections[1])
+        back.begin_round(number, task.edges, weights, peers, *options, scale, random)
         wait = server_wait_seconds(sections[1].round_deadline_seconds)
         offline = self._offline(task, peers)
         examples, loss = back.wait_round(task.edges, wait, cancelled, offline, GAP_QUIET_SECONDS)

@@ -24,6 +24,7 @@ from gpu_server.chain import ChainLink
 from gpu_server.stage import MAX_ACTIVATION, BackStage, Fill, Part
 from split_models.activations import activation_arrays
 from split_models.cpu import process_cpu_share
+from split_models.randomness import RandomStream
 from split_models.segment import OptimizerConfig, StepResult
 from split_models.timing import StepClock
 from split_models.weights import load_segment_state, segment_state
@@ -124,6 +125,7 @@ class BackTrainer:
         proximal_mu: float = 0.0,
         attempt: int = 1,
         lr_scale: float = 1.0,
+        random: RandomStream | None = None,
     ) -> None:
         """Load the round's weights, then open every device's credit window for the round.
 
@@ -131,11 +133,12 @@ class BackTrainer:
         are granted only after the weights are in place, so no batch of the round is trained
         on the previous round's weights. ``proximal_mu``: FedProx's proximal weight, anchored
         at the round's weights. ``lr_scale``: the round's factor of the learning rate (its
-        decay across rounds).
+        decay across rounds). ``random``: the stream its dropout masks are drawn from.
         """
 
         def setup() -> None:
             self.segment.lr_scale = lr_scale
+            self.segment.random = random
             if weights is not None:
                 load_segment_state(self.segment, weights)
                 self.segment.reset_optimizer(proximal_mu)

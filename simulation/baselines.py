@@ -41,6 +41,7 @@ from split_models.evaluation import evaluate_weights
 from split_models.isolated import profile_in_fresh_process
 from split_models.memory import estimate_segment_memory
 from split_models.profiler import ModelProfile
+from split_models.randomness import RandomStream, stream_seed
 from split_models.segment import Segment
 from split_models.weights import load_segment_state, norm_keys, segment_state
 from storage.base import RunStore
@@ -99,9 +100,12 @@ def _evaluate(
     return lambda weights: evaluate_weights(model, weights, test)
 
 
-def _client(config: SimConfig, data: Dataset, reset: bool, upload: bool) -> ClientApp:
+def _client(
+    config: SimConfig, data: Dataset, reset: bool, upload: bool, name: str = "central"
+) -> ClientApp:
     """A client training the whole model on ``data`` each round; ``reset``: a fresh optimizer
-    state each round; ``upload``: its weights count as bytes sent."""
+    state each round; ``upload``: its weights count as bytes sent. ``name`` seeds its dropout
+    masks with the run's seed and the round (:mod:`split_models.randomness`)."""
     segment, app, training = _whole(config), ClientApp(), config.training
 
     @app.train()
@@ -113,6 +117,8 @@ def _client(config: SimConfig, data: Dataset, reset: bool, upload: bool) -> Clie
             segment.reset_optimizer(proximal_mu_of(message))
         segment.lr_scale = training.lr_scale(round_of(message))
         order = shuffle_rng(training.seed, round_of(message), order_of(message))
+        seed = stream_seed(training.seed, name, round_of(message), order_of(message))
+        segment.random = RandomStream(seed)
         loss = _epochs(segment, data, training, order)
         arrays = segment_state(segment)
         metrics = MetricRecord(
@@ -225,7 +231,7 @@ def train_fedavg(
 ) -> None:
     """Every client of ``parts`` trains the whole model; FedAvg averages them each round."""
     config = replace(config, method="fedavg")
-    clients = {name: _client(config, data, reset=True, upload=True) for name, data in parts.items()}
+    clients = {name: _client(config, data, True, True, name) for name, data in parts.items()}
     _train(config, clients, test, store, run_id, observer)
 
 

@@ -89,7 +89,9 @@ class SegmentStack:
             value, output = functional_call(self._loss, params, (x, y))
             return value, output
 
-        self._batched = vmap(grad_and_value(loss, has_aux=True))
+        # each client its own dropout masks, as when they train one by one (the default,
+        # 'error', failed every stacked client of a model with dropout)
+        self._batched = vmap(grad_and_value(loss, has_aux=True), randomness="different")
 
     # ---------------------------------------------------------------- slots
     def load(self, slot: int, arrays: Mapping[str, np.ndarray]) -> None:

@@ -25,6 +25,7 @@ import torch
 
 from split_models.activations import primary
 from split_models.config import ModelConfig, TrainingConfig
+from split_models.randomness import apart
 from split_models.segment import Segment
 from split_models.zoo import SplittableModel
 
@@ -41,7 +42,7 @@ def mirrored_head(model: SplittableModel, cut: int, local_loss: str) -> dict[str
     as BatchNorm's, tensors crossing the cut beside the activation)."""
     if not 0 < cut < model.num_blocks or local_loss == "supcon":
         return {}
-    with torch.random.fork_rng(devices=[]):  # a simulation's clients draw from the same RNG
+    with apart():  # apart from a simulation's training threads
         torch.manual_seed(0)
         return _mirrored(model, cut, local_loss)
 

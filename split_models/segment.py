@@ -9,6 +9,7 @@ each edge's batch from that edge's cut), optionally returning the gradient of th
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,7 @@ from split_models.errors import ModelError
 from split_models.heads import LocalHead, TaskLoss, make_head
 from split_models.options import OPTIMIZERS as OPTIMIZERS
 from split_models.options import OptimizerConfig as OptimizerConfig
+from split_models.randomness import RandomStream, apart
 from split_models.zoo import SplittableModel
 
 __all__ = ["OPTIMIZERS", "OptimizerConfig", "Segment", "StepResult", "Suspended", "step_factors"]
@@ -91,6 +93,10 @@ class Segment:
         # the round's factor of the learning rate (OptimizerConfig.round_scale), set by the
         # edge, GPU server or baseline that trains the round
         self.lr_scale = 1.0
+        # where its training draws random numbers (dropout) from, set per round by its trainer
+        # (split_models.randomness); None: torch's generator as it stands, under the lock
+        self.random: RandomStream | None = None
+        self._outside = RandomStream()
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -115,7 +121,21 @@ class Segment:
         local_loss: str = "linear",
         optimizer: OptimizerConfig | None = None,
     ) -> Segment:
-        """Segment of ``model`` sharing its parameters; the last segment gets the task loss."""
+        """Segment of ``model`` sharing its parameters; the last segment gets the task loss.
+        Its head's weights and the pass that finds its shape draw from torch's generator as it
+        stands, apart from the training threads' streams (:func:`apart`)."""
+        with apart():
+            return cls._from_model(model, start, end, local_loss, optimizer)
+
+    @classmethod
+    def _from_model(
+        cls,
+        model: SplittableModel,
+        start: int,
+        end: int,
+        local_loss: str,
+        optimizer: OptimizerConfig | None,
+    ) -> Segment:
         module = model.segment(start, end)
         head: LocalHead | TaskLoss = TaskLoss()
         side_outputs = 0
@@ -256,9 +276,10 @@ class Segment:
         self.optimizer.zero_grad(set_to_none=True)
         inputs = detached(inputs, input_gradient)
         output = inputs
-        for child in list(self.module.children())[block - self.start :]:
-            output = child(output)
-        loss = self.head.loss(primary(output), labels)
+        with self._drawing(block):
+            for child in list(self.module.children())[block - self.start :]:
+                output = child(output)
+            loss = self.head.loss(primary(output), labels)
         if finite_only and not bool(torch.isfinite(loss)):  # a step would make weights NaN
             self.optimizer.zero_grad(set_to_none=True)
             raise NonFiniteLoss(
@@ -277,7 +298,12 @@ class Segment:
         that comes from the next segment (the local head is not used)."""
         self.module.train()
         self.optimizer.zero_grad(set_to_none=True)
-        return self.module(detached(inputs))  # type: ignore[no-any-return]
+        with self._drawing("backprop"):
+            return self.module(detached(inputs))  # type: ignore[no-any-return]
+
+    def _drawing(self, way: object) -> contextlib.AbstractContextManager[None]:
+        """A forward pass entering by ``way``, drawing from this round's stream if set."""
+        return (self.random or self._outside).drawing(way)
 
     def backward_from(self, output: Activation, gradient: torch.Tensor) -> None:
         """Backprop mode, second half: back-propagate the next segment's gradient (of the

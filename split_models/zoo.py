@@ -30,6 +30,7 @@ from split_models.options import TASKS as TASKS
 from split_models.options import ZOO_NAMES as ZOO_NAMES
 from split_models.options import ModelOptions as ModelOptions
 from split_models.options import add_model_path as add_model_path
+from split_models.randomness import apart
 
 __all__ = [
     "INPUT_DTYPES",
@@ -331,7 +332,20 @@ def build_model(
     seed: int | None = None,
     options: ModelOptions | None = None,
 ) -> SplittableModel:
-    """Build a zoo model by name or a user model from ``package.module:function``."""
+    """Build a zoo model by name or a user model from ``package.module:function``: seeded,
+    apart from training threads' random numbers and leaving torch's generator as it was
+    (:func:`~split_models.randomness.apart`)."""
+    with apart():
+        return _build(name, input_shape, num_classes, seed, options)
+
+
+def _build(
+    name: str,
+    input_shape: Sequence[int],
+    num_classes: int,
+    seed: int | None,
+    options: ModelOptions | None,
+) -> SplittableModel:
     options = options or ModelOptions()
     shape = tuple(int(d) for d in input_shape)
     if not shape or min(shape) < 1:

@@ -86,6 +86,19 @@ def test_two_seeded_simulations_give_the_same_weights(
     assert not all(np.array_equal(a[k], other[k]) for k in a), "the seed matters"
 
 
+@pytest.mark.parametrize("settings", [{"workers": 1}, {"workers": 2, "deterministic": True}])
+def test_a_model_with_dropout_gives_the_same_weights_twice(
+    tmp_path: Path, settings: dict[str, Any]
+) -> None:
+    # the clients and the GPU server train in threads of one process; each draws its dropout
+    # masks from its own stream (split_models.randomness), not from torch's one generator
+    model = {"model": "tests.fixtures.user_models:with_dropout", "clients": 4, **settings}
+    first, a = _simulate(tmp_path, "a", seed=3, **model)
+    second, b = _simulate(tmp_path, "b", seed=3, **model)
+    assert [r["accuracy"] for r in first["rounds"]] == [r["accuracy"] for r in second["rounds"]]
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
 def test_a_first_round_that_blows_up_is_not_committed(tmp_path: Path) -> None:
     # Flower's FedAdagrad step of 0.1 takes the cnn to a loss of hundreds in round 1
     config = parse_sim_config(

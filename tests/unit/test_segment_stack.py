@@ -163,3 +163,15 @@ def test_a_step_group_serves_concurrent_clients_of_different_lengths() -> None:
     with pytest.raises(ValueError, match="slots are taken"):
         for _ in range(4):
             group.join(segment_state(reference[0]))
+
+
+def test_a_model_with_dropout_stacks_with_a_mask_per_slot() -> None:
+    # vmap's default refuses random operations: every stacked client of such a model failed
+    model = build_model("tests.fixtures.user_models:with_dropout", (1, 8, 8), 10, seed=0)
+    stack = SegmentStack(Segment.from_model(model, 0, 4, "linear", OptimizerConfig("sgd")), 2)
+    for slot in range(2):
+        stack.load(slot, segment_state(stack.segment))
+    inputs = torch.ones(2, 8, 1, 8, 8)  # the same batch in both slots, the same weights
+    outputs, losses = stack.step([0, 1], inputs, torch.zeros(2, 8, dtype=torch.long))
+    assert all(np.isfinite(losses))
+    assert not torch.equal(outputs[0], outputs[1]), "each slot draws a mask of its own"
