@@ -29,11 +29,13 @@ from split_models.timing import LinkClock, StepClock
 from wire import topics
 from wire.channel import Channel
 from wire.codec import Envelope
+from wire.errors import WireError
 from wire.flow import CreditGate
 from wire.presence import PeerOffline
 from wire.session import RoundAbandoned
 
 __all__ = [
+    "BatchRefused",
     "EdgeRoundReport",
     "EdgeTrainer",
     "EdgeTrainerConfig",
@@ -43,6 +45,14 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 _POLL = 0.1
+
+
+class BatchRefused(WireError):
+    """The GPU server refused a splitfed batch (its activations not finite, out of range):
+    no gradient will come for it, so the round fails now, saying why."""
+
+    def __init__(self, seq: int, why: str) -> None:
+        super().__init__("refused", f"the GPU server refused batch {seq}: {why[:500]}")
 
 
 @dataclass(frozen=True)
@@ -122,6 +132,8 @@ class EdgeTrainer:
             gradient = envelope.tensors.get("g")
             if envelope.meta.get("seq") != seq or envelope.round != round_number:
                 continue  # a gradient of an earlier batch or attempt
+            if isinstance(why := envelope.meta.get("refused"), str):
+                raise BatchRefused(seq, why)
             if gradient is None or tuple(gradient.shape) != tuple(output.shape):
                 self.rejected_gradients += 1
                 log.warning("dropped a gradient of shape %s", getattr(gradient, "shape", None))

@@ -40,6 +40,7 @@ __all__ = ["BackStats", "BackTrainer"]
 
 log = logging.getLogger(__name__)
 _NEXT_WAIT = 30.0  # seconds a chain piece waits for the next piece to begin a round
+_MAX_WHY = 500  # characters of a refused batch's reason told to its sender
 
 
 @dataclass
@@ -95,7 +96,7 @@ class BackTrainer:
         self.segment = self.stage.segment
         self.chain = None if forward is None else ChainLink(channel, run, forward, end, encoding)
         self.stream = StreamServer(channel, run, segment, self._train, window, group, ordered)
-        self.stream.on_complete = self._complete
+        self.stream.on_complete, self.stream.on_refused = self._complete, self._refuse
         self.fill = Fill(fill) if fill > 0 else None
         self.stats = BackStats(rejected=self.stream.stats.rejected)
         share = process_cpu_share(torch.get_num_threads())  # the clock: the coordinator's
@@ -282,6 +283,18 @@ class BackTrainer:
         self._round_examples += examples
         self._round_senders[sender] += examples
         self._round_losses.append(loss)
+
+    def _refuse(self, sender: str, round_number: int, seq: int, why: str) -> None:
+        """Tell ``sender`` its batch ``seq`` was refused: in splitfed it waits for that batch's
+        gradient, and would wait out the round's deadline (a local-loss edge hears nothing:
+        it does not listen for gradients)."""
+        self.stream.channel.send(
+            topics.gradients(self.stream.run, sender),
+            "gradients",
+            self.stream.run,
+            round=round_number,
+            meta={"seq": seq, "refused": why[:_MAX_WHY]},
+        )
 
     def _return_gradient(self, envelope: Envelope, result: StepResult) -> None:
         if result.input_gradient is None:

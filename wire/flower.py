@@ -428,7 +428,10 @@ class FlowerNode:
         try:
             reply = self.app(message, self._context)
         except Exception as error:  # the ClientApp failed: tell the strategy, keep running
-            log.exception("ClientApp failed on node %s", self.node_id)
+            if isinstance(error, WireError):  # a refusal that says what went wrong
+                log.warning("ClientApp failed on node %s: %s", self.node_id, error)
+            else:
+                log.exception("ClientApp failed on node %s", self.node_id)
             reply = Message(
                 Error(code=1, reason=f"{type(error).__name__}: {error}"), reply_to=message
             )

@@ -12,12 +12,13 @@ handler, the stage's compute. Around that it owns:
   bounded, until it has the round's weights.
 
 A batch rejected anywhere (codec or handler, which may raise anything) costs one batch:
-its credit returns and it is counted, so the round does not wait out its deadline for it. A
-rejection trusts only the topic for the sender (the broker's ACL binds it) and takes round,
-epoch and sequence number from its header; rejections are de-duplicated per round and
-bounded. A batch from a device that is not one of the round's senders is rejected
-(``sender``) without a credit or a count. Between its rounds a server takes no batches
-(:meth:`StreamServer.part`; the next round joins the stream again before its credits).
+its credit returns, it is counted, and ``on_refused`` hears of it (a splitfed sender awaits
+its gradient), so the round does not wait out its deadline for it. A rejection trusts only
+the topic for the sender (the ACL binds it) and takes round, epoch and sequence number from
+its header; rejections are de-duplicated per round and bounded. A batch from a device that
+is not one of the round's senders is rejected (``sender``) without a credit or a count.
+Between its rounds a server takes no batches (:meth:`StreamServer.part`; the next round
+joins the stream again before its credits).
 
 **A sender that goes offline** (its will, passed to :meth:`StreamServer.wait_round`, or
 :meth:`StreamServer.leave`) leaves the round: nobody waits for its count, every batch of it
@@ -43,7 +44,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from wire import topics
@@ -53,6 +53,7 @@ from wire.codec import Envelope
 from wire.errors import WireError
 from wire.flow import CreditGranter
 from wire.logs import warn
+from wire.stream_records import Parked, StreamStats, envelope_attempt, sender_of
 
 __all__ = ["StreamServer", "StreamStats"]
 
@@ -62,32 +63,6 @@ _MAX_PARKED, _PARKED_PER_SENDER = 1024, 32  # batches of a round this server has
 _MAX_EARLY, _EARLY_PER_SENDER = 4096, 8  # done / processed messages of rounds not begun yet
 _MAX_REJECTIONS, _REJECTIONS_PER_SENDER = 65536, 1024  # rejections counted per round
 _POLL = 0.1
-
-
-@dataclass
-class StreamStats:
-    """Batches handled per sender, rejections by reason, rounds each sender left offline."""
-
-    handled: collections.Counter[str] = field(default_factory=collections.Counter)
-    rejected: collections.Counter[str] = field(default_factory=collections.Counter)
-    left: collections.Counter[str] = field(default_factory=collections.Counter)
-
-
-@dataclass(frozen=True)
-class _Parked:
-    number: int
-    sender: str
-    envelope: Envelope | None  # None: a rejected batch, counted when the round begins
-
-
-def _device(topic: str) -> str:
-    return topic.rsplit("/", 1)[-1]
-
-
-def _attempt(envelope: Envelope) -> int:
-    """The coordinator's try an envelope says it belongs to (1 when it says none)."""
-    value = envelope.meta.get("attempt", 1)
-    return value if isinstance(value, int) and not isinstance(value, bool) else 1
 
 
 class StreamServer:
@@ -113,13 +88,15 @@ class StreamServer:
         self.granter = CreditGranter(channel, run, window)
         self.stats = StreamStats()
         self.on_complete: Callable[[int], None] | None = None  # every sender finished
+        # a batch of the round refused: (sender, round, seq, why), for a sender awaiting it
+        self.on_refused: Callable[[str, int, int, str], None] | None = None
         self._handle = handle
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._ledger = RoundLedger(0, (), self.name)
         self._attempt = 1  # the coordinator's try of the current round
         self._progress: dict[str, float] = {}  # sender -> when its latest batch or done came
-        self._parked: list[_Parked] = []
+        self._parked: list[Parked] = []
         self._early: dict[tuple[str, int, str], Any] = {}  # (what, round, who) -> value
         self._early_by: collections.Counter[str] = collections.Counter()  # entries per who
         self._rejections: set[tuple[int, str, str, int]] = set()  # (round, sender, epoch, seq)
@@ -280,7 +257,7 @@ class StreamServer:
 
     # ---------------------------------------------------------------- batches
     def _on_batch(self, topic: str, envelope: Envelope) -> None:
-        sender = _device(topic)
+        sender = sender_of(topic)
         if envelope.sender != sender:
             epoch = envelope.meta.get("epoch")
             self._reject(sender, envelope.round, (epoch, envelope.seq), "sender")
@@ -288,12 +265,12 @@ class StreamServer:
         with self._lock:
             number = self._ledger.number
             if envelope.round > number and self._may_park(sender):
-                self._parked.append(_Parked(envelope.round, sender, envelope))
+                self._parked.append(Parked(envelope.round, sender, envelope))
                 return  # handled (and its credit returned) when the round begins here
             if envelope.round == number and sender not in self._ledger.senders:
                 self._stranger(sender, number)
                 return  # no credit, no count: it is not one of the round's senders
-            if envelope.round == number and _attempt(envelope) < self._attempt:
+            if envelope.round == number and envelope_attempt(envelope) < self._attempt:
                 self.stats.rejected["stale_attempt"] += 1  # a replaced try's: no credit
                 return
             if envelope.round == number and sender in self._ledger.gone:
@@ -354,20 +331,25 @@ class StreamServer:
 
     def _handle_locked(self, sender: str, envelope: Envelope | None) -> None:
         if envelope is not None:
+            batch = (envelope.round, envelope.seq)
             try:
                 self._handle(envelope)
             except WireError as error:
-                self.rejected(sender, error)
+                self.rejected(sender, error, batch)
             except Exception as error:  # unforeseen: that batch's failure, not the round's
-                self.rejected(sender, WireError("error", f"{type(error).__name__}: {error}"))
+                unforeseen = WireError("error", f"{type(error).__name__}: {error}")
+                self.rejected(sender, unforeseen, batch)
         if self._ledger.handled(sender):
             self.stats.handled[sender] += 1
             self._progress[sender] = time.monotonic()
 
-    def rejected(self, sender: str, error: WireError) -> None:
-        """Count and log a batch of ``sender`` that was handled but not trained."""
+    def rejected(self, sender: str, error: WireError, batch: tuple[int, int] | None = None) -> None:
+        """Count and log a batch of ``sender`` that was handled but not trained (``batch``: its
+        round and sequence number, told to ``on_refused``)."""
         self.stats.rejected[error.reason] += 1
         warn(log, (sender, error.reason), "rejected activations from %s: %s", sender, error)
+        if batch is not None and self.on_refused is not None:
+            self.on_refused(sender, *batch, str(error))
 
     def _on_reject(self, rejection: Rejection) -> None:
         header = rejection.header
@@ -375,10 +357,14 @@ class StreamServer:
         if header.get("kind") != "activations" or number is None or seq is None:
             self.stats.rejected[rejection.reason] += 1
             return  # not attributable to a batch of a round: counted in the stats only
-        self._reject(_device(rejection.topic), number, (header.get("epoch"), seq), rejection.reason)
+        key = (header.get("epoch"), seq)
+        self._reject(sender_of(rejection.topic), number, key, rejection.reason, rejection.detail)
 
-    def _reject(self, sender: str, number: int, key: tuple[Any, int], reason: str) -> None:
-        """Count a batch of ``sender`` rejected before the handler, once per round."""
+    def _reject(
+        self, sender: str, number: int, key: tuple[Any, int], reason: str, detail: str = ""
+    ) -> None:
+        """Count a batch of ``sender`` rejected before the handler (``detail``: why, in
+        words), once per round."""
         with self._lock:
             current = self._ledger.number
             if number == current and sender not in self._ledger.senders:
@@ -397,9 +383,11 @@ class StreamServer:
             self._rejections_by[sender] += 1
             if number > current:
                 if self._may_park(sender):
-                    self._parked.append(_Parked(number, sender, None))
+                    self._parked.append(Parked(number, sender, None))
                 return
             handled = self._admit(sender, None)
+            if self.on_refused is not None:
+                self.on_refused(sender, number, key[1], detail or reason)
         self._credit(handled, number)
 
     # ---------------------------------------------------------------- agreement
@@ -408,12 +396,14 @@ class StreamServer:
         if isinstance(batches, bool) or not isinstance(batches, int) or batches < 0:
             self.stats.rejected["done"] += 1
             return
-        sender = _device(topic)
+        sender = sender_of(topic)
         with self._lock:
             if envelope.round > self._ledger.number:  # remembered with its try
-                self._remember(("done", envelope.round, sender), (batches, _attempt(envelope)))
+                self._remember(
+                    ("done", envelope.round, sender), (batches, envelope_attempt(envelope))
+                )
                 return
-            if envelope.round < self._ledger.number or _attempt(envelope) < self._attempt:
+            if envelope.round < self._ledger.number or envelope_attempt(envelope) < self._attempt:
                 return
             if not self._ledger.declare(sender, batches):
                 return
@@ -432,7 +422,7 @@ class StreamServer:
         ):
             self.stats.rejected["counts"] += 1
             return
-        peer = _device(topic)
+        peer = sender_of(topic)
         if peer == self.name:
             return
         with self._lock:

@@ -4,6 +4,7 @@ against FedAvg, reproducible seeded runs (simulations on the bundled digits, in-
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +98,27 @@ def test_a_model_with_dropout_gives_the_same_weights_twice(
     second, b = _simulate(tmp_path, "b", seed=3, **model)
     assert [r["accuracy"] for r in first["rounds"]] == [r["accuracy"] for r in second["rounds"]]
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_a_splitfed_batch_the_server_refuses_fails_the_round_at_once(tmp_path: Path) -> None:
+    # every activation is above max_activation: the edges waited out the round's deadline
+    # for gradients that never came (10 minutes a try); now the server tells them
+    config = parse_sim_config(
+        {
+            "rounds": 1,
+            "method": "splitfed",
+            "measure_memory": False,
+            "max_activation": 1e-6,
+        }
+    )
+    # a deadline short enough that a test without the fix fails in minutes, not half an hour
+    config = replace(config, training=replace(config.training, round_deadline_seconds=40.0))
+    with pytest.raises(CoordinatorError, match=r"round 1 failed 3 times"):
+        simulate(config, tmp_path / "run", run_id="refused")
+    with open_store(f"sqlite:///{tmp_path / 'run' / 'runs.db'}") as store:
+        reasons = [e.detail for e in store.events("refused") if e.kind == "round-failed"]
+    assert len(reasons) == 3 and all("the GPU server refused batch" in r for r in reasons)
+    assert all("max_activation" in r and "deadline" not in r for r in reasons), reasons
 
 
 def test_a_first_round_that_blows_up_is_not_committed(tmp_path: Path) -> None:
