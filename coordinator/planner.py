@@ -20,7 +20,7 @@ from coordinator.config import RunConfig
 from coordinator.errors import CoordinatorError
 from coordinator.partitioner import PartitionConfig, place_back, plan_split
 from split_models.config import config_to_dict
-from split_models.data import trained_examples
+from split_models.data import batch_count, trained_examples
 from split_models.devices import DeviceSpec
 from split_models.errors import ConfigError, InfeasiblePlanError
 from split_models.memory import estimate_segment_memory
@@ -425,7 +425,9 @@ def device_specs(
             a.memory,
             a.flops,
             a.uplink or 1e9,
-            epochs * -(-trained_examples(a.examples or 0, held_out) // batch) if batch else 0,
+            epochs * batch_count(trained_examples(a.examples or 0, held_out), batch)
+            if batch
+            else 0,
         )
         for a in edges
     ] + [DeviceSpec(s.device, "gpu", s.memory, s.flops) for s in servers]

@@ -22,7 +22,7 @@ import torch
 from edge_client.source import Pace
 from split_models.activations import Activation, activation_arrays, detached, primary
 from split_models.cpu import process_cpu_share
-from split_models.data import Dataset, shuffle_rng
+from split_models.data import Dataset, batch_slices, shuffle_rng
 from split_models.randomness import RandomStream, stream_seed
 from split_models.segment import Segment, StepResult
 from split_models.timing import LinkClock, StepClock
@@ -314,14 +314,8 @@ class EdgeTrainer:
     def batches_of(self, rows: np.ndarray, generator: np.random.Generator) -> list[np.ndarray]:
         """Mini-batches of ``rows`` of the data: a permutation of them per local epoch, in
         order (of all rows, the permutation ``generator`` draws is the batch order itself)."""
-        size = self.config.batch_size
-        return [
-            order[begin : begin + size]
-            for order in (
-                rows[generator.permutation(len(rows))] for _ in range(self.config.local_epochs)
-            )
-            for begin in range(0, len(order), size)
-        ]
+        epochs = (rows[generator.permutation(len(rows))] for _ in range(self.config.local_epochs))
+        return [batch for order in epochs for batch in batch_slices(order, self.config.batch_size)]
 
     def _counters(self) -> tuple[float, ...]:
         """Bytes sent, received, cut bytes sent, received, seconds waited for credits."""

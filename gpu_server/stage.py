@@ -100,11 +100,13 @@ class BackStage:
                 f"tensor 'x' has shape {list(x.shape)}: 0 rows, expected at least 1; an "
                 "edge sends a batch of 1 or more examples",
             )
-        if self.max_rows and x.shape[0] > self.max_rows:  # the memory plan is for batch_size
+        # the memory plan is for batch_size; an epoch's last batch may hold one more (a batch
+        # of one joins the one before it: split_models.data.batch_slices)
+        if self.max_rows and x.shape[0] > self.max_rows + 1:
             raise WireError(
                 "shape",
                 f"tensor 'x' holds {x.shape[0]} rows, above the run's batch_size "
-                f"{self.max_rows}; an edge sends at most batch_size examples a batch",
+                f"{self.max_rows} (+1); an edge sends at most batch_size + 1 examples a batch",
             )
         largest = float(np.max(np.abs(x))) if x.size else 0.0
         if largest > self.max_activation:  # finite, but enough to overflow the back to NaN

@@ -35,7 +35,7 @@ from coordinator.recorder import RoundObserver
 from edge_client.agent import statistics_reply
 from simulation.config import BASELINES, Profile, SimConfig
 from split_models.config import ModelConfig, TrainingConfig
-from split_models.data import Dataset, shuffle_rng
+from split_models.data import Dataset, batch_slices, shuffle_rng
 from split_models.errors import ConfigError
 from split_models.evaluation import evaluate_weights
 from split_models.isolated import profile_in_fresh_process
@@ -84,9 +84,7 @@ def _epochs(
     losses = []
     batch = training.batch_size
     for _ in range(training.local_epochs):
-        order = generator.permutation(len(data))
-        for begin in range(0, len(order), batch):
-            rows = order[begin : begin + batch]
+        for rows in batch_slices(generator.permutation(len(data)), batch):
             result = segment.train_step(
                 torch.from_numpy(data.x[rows]), torch.from_numpy(data.y[rows])
             )

@@ -27,6 +27,8 @@ from split_models.errors import ConfigError
 __all__ = [
     "PARTITIONS",
     "Dataset",
+    "batch_count",
+    "batch_slices",
     "from_arrays",
     "from_torch",
     "input_problem",
@@ -104,6 +106,22 @@ def shuffle_rng(seed: int, round_number: int, attempt: int = 1) -> np.random.Gen
     if attempt <= 1:
         return np.random.default_rng(seed + round_number)
     return np.random.default_rng([seed, round_number, attempt])
+
+
+def batch_slices(order: np.ndarray, size: int) -> list[np.ndarray]:
+    """``order`` in consecutive batches of ``size``; a last batch of one example joins the one
+    before it (BatchNorm cannot train on a batch of one: a client holding 33 examples at
+    batch 32 failed every round)."""
+    starts = list(range(0, len(order), size))
+    if len(starts) > 1 and len(order) - starts[-1] == 1:
+        starts.pop()
+    return [order[a:b] for a, b in zip(starts, [*starts[1:], len(order)], strict=True)]
+
+
+def batch_count(examples: int, size: int) -> int:
+    """How many batches :func:`batch_slices` makes of ``examples``."""
+    count = -(-examples // size)
+    return count - 1 if count > 1 and examples % size == 1 else count
 
 
 def _held_out(examples: int, share: float) -> int:

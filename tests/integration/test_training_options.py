@@ -121,6 +121,31 @@ def test_a_splitfed_batch_the_server_refuses_fails_the_round_at_once(tmp_path: P
     assert all("max_activation" in r and "deadline" not in r for r in reasons), reasons
 
 
+@pytest.mark.parametrize("method", ["local-loss", "splitfed", "fedavg"])
+def test_a_batchnorm_model_trains_clients_whose_last_batch_would_hold_one_example(
+    tmp_path: Path, method: str
+) -> None:
+    # 66 examples, 2 clients, batch 32: each client's epoch ended in a batch of one, which
+    # BatchNorm refuses in training; every round failed
+    rng = np.random.default_rng(0)
+    y = np.arange(66) % 10
+    x = (rng.standard_normal((66, 1, 8, 8)) + y[:, None, None, None]).astype(np.float32)
+    np.savez(tmp_path / "train.npz", x=x, y=y)
+    np.savez(tmp_path / "test.npz", x=x[:20], y=y[:20])
+    summary, _ = _simulate(
+        tmp_path,
+        "run",
+        model="tests.fixtures.user_models:with_batchnorm",
+        data=f"npz:{tmp_path / 'train.npz'}",
+        test_data=f"npz:{tmp_path / 'test.npz'}",
+        clients=2,
+        batch_size=32,
+        method=method,
+    )
+    assert [r["round"] for r in summary["rounds"]] == [1, 2]
+    assert all(r["accuracy"] is not None for r in summary["rounds"])
+
+
 def test_a_first_round_that_blows_up_is_not_committed(tmp_path: Path) -> None:
     # Flower's FedAdagrad step of 0.1 takes the cnn to a loss of hundreds in round 1
     config = parse_sim_config(

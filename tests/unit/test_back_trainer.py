@@ -152,11 +152,12 @@ def test_a_batch_above_the_runs_batch_size_is_rejected_not_trained() -> None:
     edge = Channel(hub.connect(EDGE), EDGE)
     back.begin_round(1, [EDGE])
     _send(edge, 1, rows=400)
-    _send(edge, 1, rows=4)
-    _done(edge, 1, 2)
+    _send(edge, 1, rows=6)
+    _send(edge, 1, rows=5)  # an epoch's last batch of one joins the one before it
+    _done(edge, 1, 3)
     examples, _ = back.wait_round([EDGE], 5.0)
-    assert back.stats.rejected["shape"] == 1 and back.stats.batches == 1
-    assert examples == 4, "the oversized batch's rows count for nothing"
+    assert back.stats.rejected["shape"] == 2 and back.stats.batches == 1
+    assert examples == 5, "the oversized batches' rows count for nothing"
 
 
 def test_a_batch_whose_handling_raises_is_rejected_and_the_round_still_ends(

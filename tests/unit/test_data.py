@@ -11,6 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from split_models.data import (
+    batch_count,
+    batch_slices,
     from_arrays,
     from_torch,
     input_problem,
@@ -384,3 +386,17 @@ def test_float_features_at_pixel_scale_are_warned_of() -> None:
     assert "scale them if they are pixel values" in said
     assert scale_warning(from_arrays(pixels.astype(np.float32) / 255, np.arange(8) % 2, 2)) is None
     assert scale_warning(from_arrays(pixels, np.arange(8) % 2, 2)) is None  # token ids
+
+
+@pytest.mark.parametrize("examples", [1, 2, 31, 32, 33, 34, 64, 65, 97])
+def test_batches_cover_every_example_once_and_a_last_batch_of_one_joins_the_one_before(
+    examples: int,
+) -> None:
+    order = np.random.default_rng(examples).permutation(examples)
+    batches = batch_slices(order, 32)
+    assert np.array_equal(np.concatenate(batches), order)
+    assert len(batches) == batch_count(examples, 32)
+    assert all(len(b) > 1 for b in batches) or examples == 1  # one example: one batch of one
+    assert all(len(b) <= 33 for b in batches)
+    if examples % 32 == 1 and examples > 1:
+        assert len(batches[-1]) == 33
