@@ -160,6 +160,7 @@ def _split_aware(base: type[FedAvg], mode: str) -> type[FedAvg]:
         clips: list[tuple[str, str]] = []  # noqa: RUF012 (per round): (device, why) clipped
         node_names: dict[int, str] = {}  # noqa: RUF012 (set by the runner): for the notes
         trusted_nodes: frozenset[int] = frozenset()  # set by the runner: the GPU servers
+        mirrors: dict[str, str] = {}  # noqa: RUF012 (set by the runner): head -> the back's
         norm_bound, examples_bound = NORM_BOUND, EXAMPLES_BOUND  # options of build_strategy
 
         def _robust(
@@ -188,15 +189,26 @@ def _split_aware(base: type[FedAvg], mode: str) -> type[FedAvg]:
             self.notes, self.clips = [], []
             replicas, metrics = _bound_updates(self, valid), _train_metrics(self, valid)
             if mode == "per_group":
-                return array_record(_per_group(self, server_round, valid, replicas)), metrics
+                merged = _per_group(self, server_round, valid, replicas)
+                return array_record(_mirrored(self, merged)), metrics
             mean = split_weighted_mean(replicas, [_weight(m) for m in valid], self._current)
             if mode == "mean":
-                return array_record(mean), metrics
+                return array_record(_mirrored(self, mean)), metrics
             arrays, _ = super().aggregate_train(server_round, [_reply_like(valid[0], mean)])
             return _settled(self, arrays, mean), metrics
 
     SplitAware.__name__ = SplitAware.__qualname__ = f"SplitAware{base.__name__}"
     return SplitAware
+
+
+def _mirrored(strategy: Any, merged: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``merged`` with each mirrored head (``strategy.mirrors``) set to the back's tensor it
+    is a replica of: the edges' trained heads were averaged into the back's, so the stored
+    head follows it (it is sent as the back's next round anyway)."""
+    for head, back in strategy.mirrors.items():
+        if head in merged and back in merged:
+            merged[head] = merged[back].copy()
+    return merged
 
 
 def _per_group(
@@ -232,7 +244,7 @@ def _settled(
     for key, array in arrays.items():
         value = mean[key] if key.rsplit(".", 1)[-1] in _STATISTICS else array_numpy(array)
         settled[key] = np.asarray(value).astype(current[key].dtype, copy=False)
-    record = array_record(settled)
+    record = array_record(_mirrored(strategy, settled))
     if isinstance(getattr(strategy, "current_arrays", None), ArrayRecord):
         strategy.current_arrays = record  # FedAvgM steps next from the weights it returned
     return record
@@ -244,7 +256,9 @@ def _bound_updates(strategy: Any, replies: list[Message]) -> list[dict[str, np.n
     tensors) clipped onto that bound (the norm bound of :mod:`coordinator.bounds`), each named
     in ``strategy.clips``; trusted replicas (the GPU servers) count towards the median but are
     never clipped."""
-    replicas = [numpy_arrays(m, key=None) for m in replies]
+    mirrors = strategy.mirrors  # an edge's head that is the back's classifier is a replica
+    received = [numpy_arrays(m, key=None) for m in replies]
+    replicas = [{mirrors.get(k, k): v for k, v in r.items()} for r in received]
     start, bounded = strategy._current, [dict(r) for r in replicas]
     for indices, keys in key_groups(replicas).items():
         group = [{k: replicas[i][k] for k in keys} for i in indices]

@@ -71,13 +71,15 @@ class RoundWork:
 
     ``servers``: the devices that must all answer, by the piece of the model they hold
     (``require_server``: at least one must have been sent work); ``problem``: why this
-    attempt cannot run (the round still opens with ``participants``)."""
+    attempt cannot run (the round still opens with ``participants``); ``mirrors``: the edges'
+    head tensors that are replicas of the back's (head name -> the back's, ``head_from_back``)."""
 
     participants: list[str]
     messages: dict[str, Message] = field(default_factory=dict)
     servers: dict[str, tuple[int, int]] = field(default_factory=dict)
     require_server: bool = False
     problem: str | None = None
+    mirrors: dict[str, str] = field(default_factory=dict)
 
 
 def shortfall(
@@ -210,7 +212,9 @@ class RoundRunner:
                     f"`edgesplit status --run {self.recorder.run_id}` and the run's events"
                 )
         last = self.recorder.last_failure
-        hint = "; it diverged: lower the learning rate" if "not committed" in last else ""
+        mu = getattr(self.strategy, "proximal_mu", 0.0)  # FedProx's pull can diverge too
+        advice = "lower the learning rate" + (f" or proximal_mu ({mu:g})" if mu > 0 else "")
+        hint = f"; it diverged: {advice}" if "not committed" in last else ""
         raise CoordinatorError(
             f"round {number} failed {self.attempts} times (last: {last}){hint}; see "
             f"`edgesplit status --run {self.recorder.run_id}` and the run's events"
@@ -411,14 +415,15 @@ def _judged(
 
 
 def _name_nodes(strategy: FedAvg, work: RoundWork) -> None:
-    """Tell the strategy each node's device name and which nodes are GPU servers (trusted:
-    a robust rule never clips them)."""
+    """Tell the strategy each node's device name, which nodes are GPU servers (trusted: a
+    robust rule never clips them) and which head tensors are replicas of the back's."""
     strategy.node_names = {  # type: ignore[attr-defined]
         m.metadata.dst_node_id: d for d, m in work.messages.items()
     }
     strategy.trusted_nodes = frozenset(  # type: ignore[attr-defined]
         work.messages[d].metadata.dst_node_id for d in work.servers if d in work.messages
     )
+    strategy.mirrors = work.mirrors  # type: ignore[attr-defined]
 
 
 def _bound_examples(

@@ -357,6 +357,7 @@ class Coordinator:
         streams, routes = route(selected, servers)
         spans = placement.spans()  # each device's blocks and head
         mirrors = head_mirrors(self.config.model, self.config.training, {a.end for a in selected})
+        work.mirrors = {head: back for names in mirrors.values() for head, back in names.items()}
         arrays_for = _records(self.runner.recorder, weights, spans, mirrors)
         # the servers' messages go first: a server that starts its round late holds up the
         # edges that already train (the push of 1,000 edges' messages takes seconds)

@@ -7,8 +7,10 @@ names. A head of the edge's own would begin from the average of the deep edges' 
 to those edges' classes under label skew; the back's classifier is trained by the GPU servers
 on every edge's batches, so the features the edge learns stay readable by it (FedBABU, Oh et
 al. 2022, keeps a shared classifier for federated clients for the same reason; frozen, it was
-as good with Adam and worse with SGD momentum here). Measured in docs/benchmarks.md, "A head
-from the back".
+as good with Adam and worse with SGD momentum here). What such an edge trained of its head
+is a replica of the classifier: the coordinator averages it into the back's (the strategy's
+``mirrors``). Measured in docs/benchmarks.md, "A head from the back" and "The trained heads
+as replicas of the classifier".
 
 :func:`mirrored_head` decides by running both: the head, given the back's weights, must
 compute what blocks ``[cut, n)`` compute, on the features the front produces.

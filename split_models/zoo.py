@@ -215,7 +215,8 @@ def _import_factory(path: str) -> Callable[..., object]:
     except ImportError as error:
         raise ModelError(
             f"model: cannot import module {module_name!r}: {error}. edgesplit looks in the "
-            "working directory, the config file's folder and PYTHONPATH"
+            "working directory, the config file's folder (a command given one) and PYTHONPATH: "
+            "run it from the module's folder or add that folder to PYTHONPATH"
         ) from error
     except Exception as error:  # a syntax error or a failure while the user's module runs
         raise ModelError(

@@ -31,6 +31,7 @@ MODEL = {
     "block2.w": RNG.standard_normal(2).astype(np.float32),  # held by the GPU server only
     "head1.w": RNG.standard_normal(5).astype(np.float32),
     "head2.w": RNG.standard_normal(5).astype(np.float32),
+    "block3.w": RNG.standard_normal(5).astype(np.float32),  # the classifier head1 can mirror
 }
 # Node 1 splits after block 0, nodes 2 and 3 after block 1: different keys, different heads.
 HOLDINGS = {
@@ -79,7 +80,9 @@ def federate(name: str, **options: object) -> dict[str, np.ndarray]:
     return federate_with(name, **options)[0]
 
 
-def federate_with(name: str, **options: object) -> tuple[dict[str, np.ndarray], object]:
+def federate_with(
+    name: str, mirrors: dict[str, str] | None = None, **options: object
+) -> tuple[dict[str, np.ndarray], object]:
     logging.getLogger("flwr").setLevel(logging.WARNING)
     hub = InProcessHub()
     grid = TransportGrid(hub.connect("coordinator"))
@@ -88,6 +91,7 @@ def federate_with(name: str, **options: object) -> tuple[dict[str, np.ndarray], 
     strategy = build_strategy(
         name, fraction_evaluate=0.0, min_available_nodes=3, min_train_nodes=3, **options
     )
+    strategy.mirrors = mirrors or {}  # type: ignore[attr-defined]  # as the runner sets them
     result = strategy.start(grid=grid, initial_arrays=array_record(MODEL), num_rounds=1, timeout=30)
     for node in nodes:
         node.transport.close()
@@ -103,6 +107,21 @@ def test_weighted_mean_over_exactly_the_holders() -> None:
     assert np.array_equal(got["head1.w"], trained(1, "head1.w", MODEL["head1.w"])), (
         "a head is averaged only among the devices sharing its cut"
     )
+
+
+@pytest.mark.parametrize("name", ["fedavg", "fedmedian", "fedadam"])
+def test_a_head_that_mirrors_the_back_is_aggregated_as_its_replica(name: str) -> None:
+    # head_from_back: node 1's head starts each round as block 3 (the classifier); what it
+    # trained counts as a replica of block 3, and the stored head follows the result
+    plain = federate(name)
+    got = federate(name, mirrors={"head1.w": "block3.w"})
+    assert np.array_equal(plain["block3.w"], MODEL["block3.w"]), "no replica without mirrors"
+    assert not np.allclose(got["block3.w"], MODEL["block3.w"])
+    assert np.array_equal(got["head1.w"], got["block3.w"])
+    if name == "fedavg":  # node 1 alone holds it: its head is the result
+        np.testing.assert_allclose(got["block3.w"], trained(1, "head1.w", MODEL["head1.w"]))
+    for key in ("block0.w", "block1.w", "head2.w"):  # the rest as before
+        np.testing.assert_allclose(got[key], plain[key], rtol=1e-6)
 
 
 def test_robust_rule_per_group_of_holders() -> None:
