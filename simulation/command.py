@@ -89,8 +89,9 @@ def _say_if_at_chance(accuracy: object, classes: int, hint: str = "") -> None:
     if isinstance(accuracy, float) and accuracy <= 1 / classes + 0.05:
         print(
             f"warning: the final accuracy {accuracy:.4f} is at chance level for {classes} "
-            "classes: the run did not learn (a learning rate too high for this model and "
-            "optimizer is the usual cause; curves.png and rounds.csv show when it went)." + hint
+            "classes: the run did not learn (the usual causes: a learning rate too high for "
+            "this model and optimizer, or too few examples or rounds for it; curves.png and "
+            "rounds.csv show how it went)." + hint
         )
 
 
