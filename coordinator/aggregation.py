@@ -201,11 +201,18 @@ def _split_aware(base: type[FedAvg], mode: str) -> type[FedAvg]:
     return SplitAware
 
 
+def _mirrors(strategy: Any) -> dict[str, str]:
+    """The mirrored heads to aggregate as the back's replicas: none under a robust rule, where
+    the edges' heads would outvote (krum: replace) the GPU servers' one replica, trained on
+    every edge's batches."""
+    return {} if is_robust(strategy) else dict(strategy.mirrors)
+
+
 def _mirrored(strategy: Any, merged: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """``merged`` with each mirrored head (``strategy.mirrors``) set to the back's tensor it
     is a replica of: the edges' trained heads were averaged into the back's, so the stored
     head follows it (it is sent as the back's next round anyway)."""
-    for head, back in strategy.mirrors.items():
+    for head, back in _mirrors(strategy).items():
         if head in merged and back in merged:
             merged[head] = merged[back].copy()
     return merged
@@ -256,7 +263,7 @@ def _bound_updates(strategy: Any, replies: list[Message]) -> list[dict[str, np.n
     tensors) clipped onto that bound (the norm bound of :mod:`coordinator.bounds`), each named
     in ``strategy.clips``; trusted replicas (the GPU servers) count towards the median but are
     never clipped."""
-    mirrors = strategy.mirrors  # an edge's head that is the back's classifier is a replica
+    mirrors = _mirrors(strategy)  # an edge's head that is the back's classifier is a replica
     received = [numpy_arrays(m, key=None) for m in replies]
     replicas = [{mirrors.get(k, k): v for k, v in r.items()} for r in received]
     start, bounded = strategy._current, [dict(r) for r in replicas]

@@ -37,6 +37,8 @@ from storage.records import Event, RunRecord
 log = logging.getLogger(__name__)
 
 RECORD = "simulation"  # the event that holds a run's digests
+# settings that change which tensors a run holds (its local heads): never resumed across
+_HELD_TENSORS = ("local_loss", "mode")
 
 
 def fingerprint(
@@ -172,7 +174,7 @@ def _differences(
     if grouped:
         reasons = [f"group_clients {str(was).lower()} -> {str(not was).lower()}"]
     differ = "other" if network or other else "settings" if settings else None
-    if differ == "settings" and grouped:
+    if differ == "settings" and (grouped or set(settings) & set(_HELD_TENSORS)):
         differ = "other"
     return "; ".join(filter(None, reasons)), differ
 

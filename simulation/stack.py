@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
+from split_models.randomness import RandomStream
 from split_models.segment import OptimizerConfig, Segment, StepResult, step_factors
 from split_models.weights import load_segment_state, segment_state
 
@@ -68,6 +69,7 @@ class SegmentStack:
         if slots < 1:
             raise ValueError(f"slots: expected an integer >= 1, got {slots}")
         self.segment, self.slots = segment, slots
+        self._random = RandomStream()  # torch's generator as it stands, under its lock
         self.optimizer: OptimizerConfig = segment.optimizer_config
         self.device = torch.device(device)
         self._loss = _Loss(segment)
@@ -121,7 +123,8 @@ class SegmentStack:
         index = torch.as_tensor(list(slots), dtype=torch.long, device=self.device)
         params = {k: v[index] for k, v in self.params.items()}
         inputs, labels = inputs.to(self.device), labels.to(self.device)
-        grads, (losses, outputs) = self._batched(params, inputs, labels)
+        with self._random.drawing():  # apart from the other threads' streams (the lock)
+            grads, (losses, outputs) = self._batched(params, inputs, labels)
         self._update(index, params, grads)
         return outputs.detach().cpu(), [float(v) for v in losses.cpu()]
 

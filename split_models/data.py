@@ -113,7 +113,9 @@ def batch_slices(order: np.ndarray, size: int) -> list[np.ndarray]:
     before it (BatchNorm cannot train on a batch of one: a client holding 33 examples at
     batch 32 failed every round)."""
     starts = list(range(0, len(order), size))
-    if len(starts) > 1 and len(order) - starts[-1] == 1:
+    if not starts:
+        return []
+    if size > 1 and len(starts) > 1 and len(order) - starts[-1] == 1:
         starts.pop()
     return [order[a:b] for a, b in zip(starts, [*starts[1:], len(order)], strict=True)]
 
@@ -121,7 +123,7 @@ def batch_slices(order: np.ndarray, size: int) -> list[np.ndarray]:
 def batch_count(examples: int, size: int) -> int:
     """How many batches :func:`batch_slices` makes of ``examples``."""
     count = -(-examples // size)
-    return count - 1 if count > 1 and examples % size == 1 else count
+    return count - 1 if size > 1 and count > 1 and examples % size == 1 else count
 
 
 def _held_out(examples: int, share: float) -> int:

@@ -65,11 +65,14 @@ class RandomStream:
             outside = torch.get_rng_state()
             before = outside if self._state is None else self._state
             torch.set_rng_state(before)
+            passed = False
             try:
                 yield
+                passed = True
             finally:
                 drawn = torch.get_rng_state()
-                self._draws.setdefault(way, not torch.equal(drawn, before))
+                if passed:  # a pass that failed early may not have reached its dropout
+                    self._draws.setdefault(way, not torch.equal(drawn, before))
                 if self._state is not None:
                     self._state = drawn
                     torch.set_rng_state(outside)

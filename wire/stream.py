@@ -348,8 +348,16 @@ class StreamServer:
         round and sequence number, told to ``on_refused``)."""
         self.stats.rejected[error.reason] += 1
         warn(log, (sender, error.reason), "rejected activations from %s: %s", sender, error)
-        if batch is not None and self.on_refused is not None:
-            self.on_refused(sender, *batch, str(error))
+        if batch is not None:
+            self._tell_refused(sender, *batch, str(error))
+
+    def _tell_refused(self, sender: str, number: int, seq: int, why: str) -> None:
+        """``on_refused``, whose failure (a transport closing) costs only the message."""
+        try:
+            if self.on_refused is not None:
+                self.on_refused(sender, number, seq, why)
+        except Exception as error:  # the batch is still counted and its credit returned
+            warn(log, (sender, "refusal"), "could not tell %s of a refusal: %s", sender, error)
 
     def _on_reject(self, rejection: Rejection) -> None:
         header = rejection.header
@@ -386,8 +394,7 @@ class StreamServer:
                     self._parked.append(Parked(number, sender, None))
                 return
             handled = self._admit(sender, None)
-            if self.on_refused is not None:
-                self.on_refused(sender, number, key[1], detail or reason)
+            self._tell_refused(sender, number, key[1], detail or reason)
         self._credit(handled, number)
 
     # ---------------------------------------------------------------- agreement

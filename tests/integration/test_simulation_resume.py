@@ -94,6 +94,9 @@ def test_a_changed_learning_rate_resumes_only_with_allow_config_change(
     _cancel(out, first)  # the flag never changes a run's network: another model starts anew
     bigger = _simulate(out, allow_config_change=True, rounds=4, model="mlp")
     assert bigger["run_id"] not in (first, other)
+    _cancel(out, first)  # nor its local heads (their tensors are another shape)
+    heads = _simulate(out, allow_config_change=True, rounds=4, local_loss="mlp")
+    assert heads["run_id"] not in (first, other, bigger["run_id"])
 
 
 def test_a_resume_that_would_end_before_the_committed_rounds_is_refused(tmp_path: Path) -> None:

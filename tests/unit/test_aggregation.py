@@ -109,7 +109,13 @@ def test_weighted_mean_over_exactly_the_holders() -> None:
     )
 
 
-@pytest.mark.parametrize("name", ["fedavg", "fedmedian", "fedadam"])
+def test_a_robust_rule_leaves_mirrored_heads_out_of_the_back() -> None:
+    # krum would pick one edge's head over the GPU servers' classifier (their one replica)
+    plain, got = federate("fedmedian"), federate("fedmedian", mirrors={"head1.w": "block3.w"})
+    assert all(np.array_equal(plain[k], got[k]) for k in MODEL)
+
+
+@pytest.mark.parametrize("name", ["fedavg", "fedadam"])
 def test_a_head_that_mirrors_the_back_is_aggregated_as_its_replica(name: str) -> None:
     # head_from_back: node 1's head starts each round as block 3 (the classifier); what it
     # trained counts as a replica of block 3, and the stored head follows the result

@@ -400,3 +400,8 @@ def test_batches_cover_every_example_once_and_a_last_batch_of_one_joins_the_one_
     assert all(len(b) <= 33 for b in batches)
     if examples % 32 == 1 and examples > 1:
         assert len(batches[-1]) == 33
+
+
+def test_no_examples_make_no_batches_and_batch_size_one_keeps_batches_of_one() -> None:
+    assert batch_slices(np.arange(0), 32) == [] and batch_count(0, 32) == 0
+    assert [len(b) for b in batch_slices(np.arange(5), 1)] == [1] * 5 == [1] * batch_count(5, 1)

@@ -3,6 +3,7 @@ draw, seed or build meanwhile (split_models.randomness)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
@@ -68,6 +69,17 @@ def test_a_forward_that_draws_nothing_is_not_swapped_in_again() -> None:
     before = torch.get_rng_state()
     with stream.drawing("block 2"):  # another way in is probed afresh: the stream's draw
         torch.rand(1)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_a_pass_that_failed_is_probed_again() -> None:
+    # it may have failed before its dropout: not remembered as drawing nothing
+    stream = RandomStream(5)
+    with contextlib.suppress(ValueError), stream.drawing("block 3"):
+        raise ValueError("a malformed batch")
+    before = torch.get_rng_state()
+    with stream.drawing("block 3"):
+        torch.rand(1)  # still the stream's draw
     assert torch.equal(torch.get_rng_state(), before)
 
 
