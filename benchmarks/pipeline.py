@@ -45,7 +45,7 @@ RUN = "bench"
 SHARED = shared_data()
 
 
-def _data(batches: int, batch: int) -> tuple[np.ndarray, np.ndarray]:
+def _data(batches: int, batch: int, model: str = "wide-mlp") -> tuple[np.ndarray, np.ndarray]:
     count = batches * batch
     if SHARED.exists():
         with np.load(SHARED) as archive:
@@ -56,7 +56,17 @@ def _data(batches: int, batch: int) -> tuple[np.ndarray, np.ndarray]:
         y = rng.integers(0, 10, 8000)
         x = (rng.standard_normal((8000, 784)) * 0.3 + y[:, None] / 10).astype(np.float32)
     rows = np.arange(count) % len(x)
-    return x[rows], y[rows]
+    shape = (-1, 784) if model == "wide-mlp" else (-1, 1, 28, 28)  # a zoo model takes images
+    return x[rows].reshape(shape), y[rows]
+
+
+def _built(args: argparse.Namespace) -> Any:
+    """The benchmark's model: the wide MLP, or a zoo model (``--model``) on MNIST's shape."""
+    if args.model == "wide-mlp":
+        return _model(args.width, args.layers)
+    from split_models.zoo import build_model
+
+    return build_model(args.model, (1, 28, 28), 10, seed=0)
 
 
 def _model(width: int, layers: int) -> Any:
@@ -71,6 +81,25 @@ def _model(width: int, layers: int) -> Any:
 
     torch.manual_seed(0)
     return SplittableModel("wide-mlp", nn.ModuleList(_he_init(blocks)), (784,), 10)
+
+
+def _stage_cuts(args: argparse.Namespace, stages: int) -> list[int]:
+    """Where the stages begin: the wide MLP's equal blocks split evenly; a zoo model at the
+    cut that best halves its training FLOPs (forward, and backward at about twice that)."""
+    if args.model == "wide-mlp":
+        return _cuts(args.layers, stages)
+    if stages != 2:
+        raise SystemExit("--model: a zoo model runs 2 stages")
+    if args.cut:
+        return [0, args.cut, _built(args).num_blocks]
+    from split_models.flops import count_flops
+
+    model = _built(args)
+    values = [model.example_input(2), *model.cut_values()[:-1]]
+    flops = [count_flops(b, v, 2) for b, v in zip(model.blocks, values, strict=True)]
+    total = sum(flops)
+    best = min(range(1, model.num_blocks), key=lambda k: abs(2 * sum(flops[:k]) - total))
+    return [0, best, model.num_blocks]
 
 
 def _cuts(layers: int, stages: int) -> list[int]:
@@ -95,8 +124,8 @@ def end_to_end(
 
     from split_models.segment import OptimizerConfig, Segment
 
-    x, y = _data(args.batches, args.batch_size)
-    model = _model(args.width, args.layers)
+    x, y = _data(args.batches, args.batch_size, args.model)
+    model = _built(args)
     whole = Segment.from_model(model, 0, model.num_blocks, optimizer=OptimizerConfig("sgd"))
     whole.train_step(torch.from_numpy(x[: args.batch_size]), torch.from_numpy(y[: args.batch_size]))
     started = time.perf_counter()
@@ -123,10 +152,8 @@ def edge(args: argparse.Namespace, url: str, cut: int, gates: Any, results: Any)
     from wire.channel import Channel
     from wire.flow import CreditGate
 
-    x, y = _data(args.batches, args.batch_size)
-    segment = Segment.from_model(
-        _model(args.width, args.layers), 0, cut, "linear", OptimizerConfig("sgd")
-    )
+    x, y = _data(args.batches, args.batch_size, args.model)
+    segment = Segment.from_model(_built(args), 0, cut, "linear", OptimizerConfig("sgd"))
     channel = Channel(_transport(url, "edge"), "edge")
     gate = CreditGate(channel, RUN, "edge")
     config = EdgeTrainerConfig(
@@ -156,7 +183,14 @@ def _warm(segment: Any, start: int, args: argparse.Namespace) -> None:
     import torch
 
     batch = args.batch_size
-    segment.train_from(start, torch.randn(batch, args.width), torch.randint(0, 10, (batch,)))
+    shape = segment.module[0].in_features if args.model == "wide-mlp" else None
+    if shape is None:  # a zoo model: the activation at the cut
+        from split_models.activations import primary
+
+        model = _built(args)
+        shape = tuple(primary(model.cut_values()[start - 1]).shape[1:])
+    inputs = torch.randn(batch, *((shape,) if isinstance(shape, int) else shape))
+    segment.train_from(start, inputs, torch.randint(0, 10, (batch,)))
 
 
 def _tensors(x: np.ndarray, y: np.ndarray) -> tuple[Any, Any]:
@@ -177,7 +211,7 @@ def relay(args: argparse.Namespace, url: str, cuts: tuple[int, int], gates: Any)
     start, end = cuts
     back = BackTrainer(
         Channel(_transport(url, "relay"), "relay"),
-        _model(args.width, args.layers),
+        _built(args),
         start=start,
         run=RUN,
         segment="seg-0",
@@ -208,7 +242,7 @@ def server(
     segment = "seg-1" if upstream == "relay" else "seg-0"
     back = BackTrainer(
         Channel(_transport(url, "server"), "server"),
-        _model(args.width, args.layers),
+        _built(args),
         start=start,
         run=RUN,
         segment=segment,
@@ -239,7 +273,7 @@ def server(
 
 
 def pipeline(args: argparse.Namespace, url: str, stages: int) -> float:
-    cuts = _cuts(args.layers, stages)
+    cuts = _stage_cuts(args, stages)
     context = mp.get_context("spawn")
     # every stage and this process meet here once all are connected and subscribed
     ready = context.Barrier(stages + 1)
@@ -281,6 +315,8 @@ def _arguments() -> argparse.Namespace:
         "--repeat", type=int, default=2, help="runs of each, the best kept (default: 2)"
     )
     parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--model", default="wide-mlp", help="wide-mlp, or a zoo model (cnn)")
+    parser.add_argument("--cut", type=int, help="a zoo model's cut (default: half its FLOPs)")
     parser.add_argument("--width", type=int, default=784)
     parser.add_argument("--layers", type=int, default=7)
     parser.add_argument("--encoding", default="fp32", choices=("fp32", "fp16", "bf16", "int8"))
