@@ -55,10 +55,12 @@ class RoundProgress(RoundObserver):
 
     def _table(self) -> Table:
         table = Table(title=self.title, title_justify="left")
-        for name in ("round", "accuracy", "loss", f"{self.unit} trained", "wall s"):
+        names = ["round", "accuracy", "loss", f"{self.unit} trained", "wall s"]
+        federated = any(len(row) > len(names) for row in self._rows)
+        for name in names + (["federated accuracy"] if federated else []):
             table.add_column(name, justify="right")
         for row in self._rows:
-            table.add_row(*row)
+            table.add_row(*row, *([""] if federated and len(row) == len(names) else []))
         return table
 
     def _render(self) -> Group:
@@ -96,18 +98,23 @@ class RoundProgress(RoundObserver):
         edges = [r for r in results if r.device not in servers]  # the servers' work apart
         trained = sum(1 for r in edges if not r.failure)
         of_clients = "" if clients is None else f" ({clients} client{'s' * (clients != 1)})"
-        row = (
+        row: tuple[str, ...] = (
             str(number),
             f"{evaluation.get('accuracy', float('nan')):.4f}",
             f"{evaluation.get('loss', float('nan')):.4f}",
             f"{trained}/{len(edges)}{of_clients}",
             f"{time.monotonic() - self._started:.1f}",
         )
+        # the edges' own held-out data (training.federated_eval), where the run measures it
+        federated = evaluation.get("federated_accuracy")
+        if federated is not None:
+            row = (*row, f"{federated:.4f}")
         with self._lock:
             self._rows.append(row)
             if self._live is None:
+                on_edges = "" if federated is None else f", on the edges' data {row[5]}"
                 self.console.print(
-                    f"round {row[0]}/{self.rounds}: accuracy {row[1]}, loss {row[2]}, "
+                    f"round {row[0]}/{self.rounds}: accuracy {row[1]}{on_edges}, loss {row[2]}, "
                     f"{trained}/{len(edges)} {self.unit} trained{of_clients}, {row[4]} s"
                 )
             self._refresh()
