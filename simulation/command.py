@@ -51,7 +51,7 @@ def simulate_command(args: argparse.Namespace) -> int:
     config = load_sim_config(args.config, overrides)
     use_profile_cache(profile_cache(args.profile_cache))
     out = Path(args.out)
-    title, unit = _title(config)
+    (title, unit), fleet = _title(config), _fleet(config)
     with _devices_hint(config):
         options = {
             "password": args.broker_password,
@@ -60,7 +60,7 @@ def simulate_command(args: argparse.Namespace) -> int:
         if args.quiet:
             summary = simulate(config, out, args.broker, observer=RoundObserver(), **options)
         else:
-            with RoundProgress(config.training.rounds, title, unit=unit) as progress:
+            with RoundProgress(config.training.rounds, title, unit=unit, fleet=fleet) as progress:
                 summary = simulate(config, out, args.broker, observer=progress, **options)
     _print_summary(summary, out)
     _say_if_at_chance(summary["final_accuracy"], config.model.num_classes, _norm_hint(config))
@@ -119,6 +119,13 @@ def _title(config: Any) -> tuple[str, str]:
     if not config.fleet.group_clients:
         return title, "clients"
     return f"{title} in {len(config.fleet.hosts())} hosts", "hosts"
+
+
+def _fleet(config: Any) -> int:
+    """How many devices the live view counts rounds against: clients, or their hosts."""
+    if config.method == "centralized":
+        return 1
+    return len(config.fleet.hosts()) if config.fleet.group_clients else int(config.fleet.clients)
 
 
 def _print_summary(summary: dict[str, object], out: object) -> None:

@@ -22,12 +22,18 @@ __all__ = ["RoundProgress"]
 
 class RoundProgress(RoundObserver):
     """Shows the progress of ``rounds`` rounds on ``console`` (stderr by default); ``unit``:
-    what the edges are (``hosts`` when a simulation groups its clients)."""
+    what the edges are (``hosts`` when a simulation groups its clients); ``fleet``: how many
+    there are, said where a round sent work to fewer (offline, or not sampled)."""
 
     def __init__(
-        self, rounds: int, title: str, console: Console | None = None, unit: str = "clients"
+        self,
+        rounds: int,
+        title: str,
+        console: Console | None = None,
+        unit: str = "clients",
+        fleet: int | None = None,
     ) -> None:
-        self.rounds, self.title, self.unit = rounds, title, unit
+        self.rounds, self.title, self.unit, self.fleet = rounds, title, unit, fleet
         self.console = console or Console(stderr=True)
         self._lock = threading.Lock()
         self._rows: list[tuple[str, ...]] = []
@@ -98,11 +104,12 @@ class RoundProgress(RoundObserver):
         edges = [r for r in results if r.device not in servers]  # the servers' work apart
         trained = sum(1 for r in edges if not r.failure)
         of_clients = "" if clients is None else f" ({clients} client{'s' * (clients != 1)})"
+        count = f"{trained}/{len(edges)}{self._of_fleet(len(edges))}"
         row: tuple[str, ...] = (
             str(number),
             f"{evaluation.get('accuracy', float('nan')):.4f}",
             f"{evaluation.get('loss', float('nan')):.4f}",
-            f"{trained}/{len(edges)}{of_clients}",
+            f"{count}{of_clients}",
             f"{time.monotonic() - self._started:.1f}",
         )
         # the edges' own held-out data (training.federated_eval), where the run measures it
@@ -113,8 +120,13 @@ class RoundProgress(RoundObserver):
             self._rows.append(row)
             if self._live is None:
                 on_edges = "" if federated is None else f", on the edges' data {row[5]}"
-                self.console.print(
+                self.console.print(  # one line a round, however wide (logs are read by line)
                     f"round {row[0]}/{self.rounds}: accuracy {row[1]}{on_edges}, loss {row[2]}, "
-                    f"{trained}/{len(edges)} {self.unit} trained{of_clients}, {row[4]} s"
+                    f"{count} {self.unit} trained{of_clients}, {row[4]} s",
+                    soft_wrap=True,
                 )
             self._refresh()
+
+    def _of_fleet(self, sent: int) -> str:
+        """`` of N`` where the round sent work to fewer than the fleet's ``N``."""
+        return f" of {self.fleet}" if self.fleet is not None and self.fleet > sent else ""

@@ -154,13 +154,25 @@ def test_progress_prints_a_line_per_round_without_a_terminal() -> None:
     assert "round 1/2: accuracy 0.5000, loss 1.2500, 1/1 clients trained" in buffer.getvalue()
 
 
+def test_progress_says_of_how_many_a_round_trained_when_it_sent_work_to_fewer() -> None:
+    buffer = io.StringIO()  # two of four clients offline, say
+    with RoundProgress(2, "test", Console(file=buffer, force_terminal=False), fleet=4) as live:
+        live.round_committed(1, {"accuracy": 0.5, "loss": 1.25}, [_Result("a", 10)] * 2)
+        live.round_committed(2, {"accuracy": 0.5, "loss": 1.25}, [_Result("a", 10)] * 4)
+    assert "2/2 of 4 clients trained" in buffer.getvalue()
+    assert "4/4 clients trained" in buffer.getvalue()
+
+
 def test_progress_shows_the_federated_evaluation_where_the_run_measures_it() -> None:
     results = [_Result("a", 10)]
     evaluation = {"accuracy": 0.5, "loss": 1.25, "federated_accuracy": 0.625}
     buffer = io.StringIO()
     with RoundProgress(2, "test", Console(file=buffer, force_terminal=False)) as progress:
         progress.round_committed(1, evaluation, results)
-    assert "round 1/2: accuracy 0.5000, on the edges' data 0.6250, loss 1.2500" in buffer.getvalue()
+    assert (
+        "round 1/2: accuracy 0.5000, on the edges' data 0.6250, loss 1.2500, 1/1 clients trained"
+        in buffer.getvalue()
+    ), "one line, not wrapped at 80 columns"
     screen = io.StringIO()
     with RoundProgress(2, "test", Console(file=screen, force_terminal=True, width=120)) as live:
         live.round_committed(1, {"accuracy": 0.5, "loss": 1.25}, results)  # before it was on
