@@ -182,15 +182,11 @@ def _warm(segment: Any, start: int, args: argparse.Namespace) -> None:
     a 3.7 s pipeline run when it fell inside the measured window) and warms the kernels."""
     import torch
 
-    batch = args.batch_size
-    shape = segment.module[0].in_features if args.model == "wide-mlp" else None
-    if shape is None:  # a zoo model: the activation at the cut
-        from split_models.activations import primary
+    from split_models.activations import primary
 
-        model = _built(args)
-        shape = tuple(primary(model.cut_values()[start - 1]).shape[1:])
-    inputs = torch.randn(batch, *((shape,) if isinstance(shape, int) else shape))
-    segment.train_from(start, inputs, torch.randint(0, 10, (batch,)))
+    batch, model = args.batch_size, _built(args)
+    shape = primary(model.cut_values()[start - 1]).shape[1:]  # the activation at the cut
+    segment.train_from(start, torch.randn(batch, *shape), torch.randint(0, 10, (batch,)))
 
 
 def _tensors(x: np.ndarray, y: np.ndarray) -> tuple[Any, Any]:

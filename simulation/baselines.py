@@ -113,11 +113,10 @@ def _client(
         load_segment_state(segment, received)
         if reset:  # the centralized baseline keeps its optimizer state (one client)
             segment.reset_optimizer(proximal_mu_of(message))
-        segment.lr_scale = training.lr_scale(round_of(message))
-        order = shuffle_rng(training.seed, round_of(message), order_of(message))
-        seed = stream_seed(training.seed, name, round_of(message), order_of(message))
-        segment.random = RandomStream(seed)
-        loss = _epochs(segment, data, training, order)
+        number, tried = round_of(message), order_of(message)
+        segment.lr_scale = training.lr_scale(number)
+        segment.random = RandomStream(stream_seed(training.seed, name, number, tried))
+        loss = _epochs(segment, data, training, shuffle_rng(training.seed, number, tried))
         arrays = segment_state(segment)
         metrics = MetricRecord(
             {

@@ -51,7 +51,7 @@ def simulate_command(args: argparse.Namespace) -> int:
     config = load_sim_config(args.config, overrides)
     use_profile_cache(profile_cache(args.profile_cache))
     out = Path(args.out)
-    (title, unit), fleet = _title(config), _fleet(config)
+    title, unit, fleet = _title(config)
     with _devices_hint(config):
         options = {
             "password": args.broker_password,
@@ -111,21 +111,16 @@ def _devices_hint(config: SimConfig) -> Iterator[None]:
         ) from error
 
 
-def _title(config: Any) -> tuple[str, str]:
-    """The live table's title, and what its devices are (clients, or hosts of clients)."""
+def _title(config: Any) -> tuple[str, str, int]:
+    """The live table's title, what its devices are (clients, or hosts of clients) and how
+    many there are (the rounds are counted against them)."""
     if config.method == "centralized":  # one client holding all the data
-        return f"centralized: pooled data, {config.model.name}", "clients"
+        return f"centralized: pooled data, {config.model.name}", "clients", 1
     title = f"{config.method}: {config.fleet.clients} clients, {config.model.name}"
     if not config.fleet.group_clients:
-        return title, "clients"
-    return f"{title} in {len(config.fleet.hosts())} hosts", "hosts"
-
-
-def _fleet(config: Any) -> int:
-    """How many devices the live view counts rounds against: clients, or their hosts."""
-    if config.method == "centralized":
-        return 1
-    return len(config.fleet.hosts()) if config.fleet.group_clients else int(config.fleet.clients)
+        return title, "clients", int(config.fleet.clients)
+    hosts = len(config.fleet.hosts())
+    return f"{title} in {hosts} hosts", "hosts", hosts
 
 
 def _print_summary(summary: dict[str, object], out: object) -> None:
