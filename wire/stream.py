@@ -53,7 +53,7 @@ from wire.codec import Envelope
 from wire.errors import WireError
 from wire.flow import CreditGranter
 from wire.logs import warn
-from wire.stream_records import Parked, StreamStats, envelope_attempt, sender_of
+from wire.stream_records import EarlyNotes, Parked, StreamStats, envelope_attempt, sender_of
 
 __all__ = ["StreamServer", "StreamStats"]
 
@@ -63,6 +63,11 @@ _MAX_PARKED, _PARKED_PER_SENDER = 1024, 32  # batches of a round this server has
 _MAX_EARLY, _EARLY_PER_SENDER = 4096, 8  # done / processed messages of rounds not begun yet
 _MAX_REJECTIONS, _REJECTIONS_PER_SENDER = 65536, 1024  # rejections counted per round
 _POLL = 0.1
+
+
+# what a sender is told of a batch the handler failed on (an exception, not a check): the
+# exception's text may name this server's internals, and is logged here instead
+_UNFORESEEN = "error: the server failed to train this batch (the server's log says why)"
 
 
 class StreamServer:
@@ -97,8 +102,7 @@ class StreamServer:
         self._attempt = 1  # the coordinator's try of the current round
         self._progress: dict[str, float] = {}  # sender -> when its latest batch or done came
         self._parked: list[Parked] = []
-        self._early: dict[tuple[str, int, str], Any] = {}  # (what, round, who) -> value
-        self._early_by: collections.Counter[str] = collections.Counter()  # entries per who
+        self._early = EarlyNotes(_MAX_EARLY, _EARLY_PER_SENDER)
         self._rejections: set[tuple[int, str, str, int]] = set()  # (round, sender, epoch, seq)
         self._rejections_by: collections.Counter[str] = collections.Counter()  # per sender
         control = frozenset({"round_control"})
@@ -163,6 +167,9 @@ class StreamServer:
             for _stranger in (p for p in strangers if p.envelope is not None):
                 self.stats.rejected["sender"] += 1  # a parked rejection was counted already
             handled = [s for p in ready for s in self._admit(p.sender, p.envelope)]
+            for parked in ready:
+                if parked.refusal is not None:
+                    self._tell_refused(parked.sender, number, *parked.refusal)
             handled += self._drain()  # a sender that said 'done' early may be finished
         for sender in handled:
             self.granter.processed(sender, number)
@@ -338,18 +345,25 @@ class StreamServer:
                 self.rejected(sender, error, batch)
             except Exception as error:  # unforeseen: that batch's failure, not the round's
                 unforeseen = WireError("error", f"{type(error).__name__}: {error}")
-                self.rejected(sender, unforeseen, batch)
+                self.rejected(sender, unforeseen, batch, _UNFORESEEN)
         if self._ledger.handled(sender):
             self.stats.handled[sender] += 1
             self._progress[sender] = time.monotonic()
 
-    def rejected(self, sender: str, error: WireError, batch: tuple[int, int] | None = None) -> None:
+    def rejected(
+        self,
+        sender: str,
+        error: WireError,
+        batch: tuple[int, int] | None = None,
+        told: str | None = None,
+    ) -> None:
         """Count and log a batch of ``sender`` that was handled but not trained (``batch``: its
-        round and sequence number, told to ``on_refused``)."""
+        round and sequence number, told to ``on_refused`` with ``told``, or the error when
+        none: the handler's own failures stay in this server's log)."""
         self.stats.rejected[error.reason] += 1
         warn(log, (sender, error.reason), "rejected activations from %s: %s", sender, error)
         if batch is not None:
-            self._tell_refused(sender, *batch, str(error))
+            self._tell_refused(sender, *batch, told or str(error))
 
     def _tell_refused(self, sender: str, number: int, seq: int, why: str) -> None:
         """``on_refused``, whose failure (a transport closing) costs only the message."""
@@ -391,7 +405,7 @@ class StreamServer:
             self._rejections_by[sender] += 1
             if number > current:
                 if self._may_park(sender):
-                    self._parked.append(Parked(number, sender, None))
+                    self._parked.append(Parked(number, sender, None, (key[1], detail or reason)))
                 return
             handled = self._admit(sender, None)
             self._tell_refused(sender, number, key[1], detail or reason)
@@ -406,7 +420,7 @@ class StreamServer:
         sender = sender_of(topic)
         with self._lock:
             if envelope.round > self._ledger.number:  # remembered with its try
-                self._remember(
+                self._early.remember(
                     ("done", envelope.round, sender), (batches, envelope_attempt(envelope))
                 )
                 return
@@ -434,21 +448,13 @@ class StreamServer:
             return
         with self._lock:
             if envelope.round > self._ledger.number:
-                self._remember(("counts", envelope.round, peer), dict(raw))
+                self._early.remember(("counts", envelope.round, peer), dict(raw))
                 return
             if envelope.round < self._ledger.number:
                 return
             if not self._ledger.peer_counts(peer, raw):
                 return
         self._settle()
-
-    def _remember(self, key: tuple[str, int, str], value: Any) -> None:
-        """What a peer or sender said of a round not begun here yet (bounded, per sender)."""
-        if key in self._early:
-            self._early[key] = value
-        elif len(self._early) < _MAX_EARLY and self._early_by[key[2]] < _EARLY_PER_SENDER:
-            self._early[key] = value
-            self._early_by[key[2]] += 1
 
     def _may_park(self, sender: str) -> bool:
         """Whether another batch of ``sender`` may wait for a round not begun here: a few per
@@ -457,15 +463,11 @@ class StreamServer:
         return len(self._parked) < _MAX_PARKED and mine < _PARKED_PER_SENDER
 
     def _apply_early(self, number: int) -> None:
-        for (what, round_number, who), value in self._early.items():
-            if round_number != number:
-                continue
+        for what, who, value in self._early.take(number):
             if what == "counts":
                 self._ledger.peer_counts(who, value)
             elif value[1] == self._attempt:  # a done of a try given up early ends no retry's
                 self._ledger.declare(who, value[0])  # part: (batches, try)
-        self._early = {k: v for k, v in self._early.items() if k[1] > number}
-        self._early_by = collections.Counter(k[2] for k in self._early)
 
     def _after_count(self, sender: str) -> None:
         """Peers learn the new count once ``sender`` has said what it sent (before that,

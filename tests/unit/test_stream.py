@@ -123,6 +123,42 @@ def test_a_redelivered_rejection_parked_for_a_later_round_counts_once() -> None:
     assert server.stats.handled[EDGE] == 2
 
 
+def test_a_rejection_parked_for_a_later_round_is_told_to_its_sender_when_it_begins() -> None:
+    server, gate, _handled, hub = _server()
+    refused: list[tuple[str, int, int, str]] = []
+    server.on_refused = lambda *refusal: refused.append(refusal)
+    raw = hub.connect("raw")
+    topic = topics.activations(RUN, "seg-0", EDGE)
+    raw.publish(topic, _raw(7, 2, np.full((2, 4), np.nan, np.float32)))  # round 2: parked
+    assert _until(lambda: server.stats.rejected["non_finite"] == 1)
+    assert refused == [], "not told before the round it belongs to"
+    gate.start_round(2)
+    server.begin_round(2, [EDGE])
+    assert len(refused) == 1 and refused[0][:3] == (EDGE, 2, 7), refused
+    assert "finite" in refused[0][3], "the sender hears why"
+
+
+def test_a_sender_is_told_of_a_check_but_not_of_the_servers_own_failure() -> None:
+    hub = InProcessHub()
+
+    def handle(envelope: Envelope) -> None:
+        if envelope.seq == 0:
+            raise WireError("shape", "x must have 4 features")
+        raise RuntimeError("cannot open /srv/secret/state.bin")
+
+    server = StreamServer(Channel(hub.connect("gpu"), "gpu-a"), RUN, "seg-0", handle)
+    refused: list[tuple[str, int, int, str]] = []
+    server.on_refused = lambda *refusal: refused.append(refusal)
+    server.begin_round(1, [EDGE])
+    raw = hub.connect("raw")
+    for seq in (0, 1):
+        raw.publish(topics.activations(RUN, "seg-0", EDGE), _raw(seq, 1, np.ones((2, 4))))
+    assert _until(lambda: len(refused) == 2), refused
+    assert "4 features" in refused[0][3], "a check's reason is the sender's to know"
+    assert "secret" not in refused[1][3] and "server's log" in refused[1][3]
+    assert server.stats.rejected["error"] == 1
+
+
 def test_a_batch_from_a_device_not_sending_in_the_round_is_not_trained() -> None:
     server, _gate, handled, hub = _server()
     stranger = "pi-09"
