@@ -73,6 +73,7 @@ class SegmentPool(SegmentSource, Generic[T]):
         self._lock = threading.Lock()
         self._free: dict[str, list[T]] = {}
         self.turns = Turns(10.0)
+        self.pacer.coming = self.turns.coming
         self.built = 0  # how many objects were built: at most ``workers`` per key
 
     @contextmanager
@@ -145,12 +146,13 @@ class SegmentPool(SegmentSource, Generic[T]):
         clients holding one leave room for ``need`` bytes), returned after."""
         self.turns.wait(holder)
         with self._held:
-            if not self._room(need):
-                self.pacer.expect(())  # no room for more: those holding one go on
+            if not self._room(need):  # those holding one go on; it comes when one leaves
+                self.pacer.queue(holder)
             while not self._room(need):
                 self._held.wait()
             self._holding += 1
             self._held_bytes += need
+            self.pacer.admit(holder)
         self.turns.took(holder)
         try:
             with self._item(key, build) as item:
@@ -159,6 +161,8 @@ class SegmentPool(SegmentSource, Generic[T]):
             with self._held:
                 self._holding -= 1
                 self._held_bytes -= need
+                hands_over = self.turns.coming() and self._room(need)
+                self.pacer.leave(holder, hands_over)
                 self._held.notify_all()
 
     def _room(self, need: int) -> bool:
@@ -274,6 +278,11 @@ class Turns:
                     condition.wait(self.patience if first in self._asking else self.patience - late)
             finally:
                 del self._waiting[holder]
+
+    def coming(self) -> bool:
+        """Whether clients of the round are still to take their turn."""
+        with self._lock:
+            return bool(self._left)
 
     def took(self, holder: str) -> None:
         """``holder`` has its slot: the next client's turn comes."""

@@ -172,6 +172,48 @@ def test_pool_interleaves_held_segments_and_bounds_their_bytes(
         assert lease.pace is None  # deterministic runs train one client's round alone
 
 
+def _pooled_order(monkeypatch: pytest.MonkeyPatch, delays: dict[str, float]) -> list[str]:
+    """The order five clients of 3 batches step in, through a pool holding two at once,
+    each client slow by ``delays`` to begin once it holds a segment (building it)."""
+    monkeypatch.setattr(pool_module, "HELD_CLIENTS", 2)
+    monkeypatch.setattr(pool_module.SegmentLease, "fresh", _fresh)
+    pool: SegmentPool[object] = SegmentPool(1, interleave=True)
+    taken: list[str] = []
+
+    def client(name: str) -> None:
+        with pool.lease("task", object, _weights(64), holder=name) as lease:  # type: ignore[arg-type]
+            assert lease.pace is not None
+            time.sleep(delays.get(name, 0.0))
+            lease.pace.begin(3)
+            for _ in range(3):
+                with lease.pace.turn():
+                    taken.append(name)
+                    time.sleep(0.005)
+            time.sleep(delays.get(name, 0.0))  # its round's wrap-up
+
+    names = [f"c{i}" for i in range(5)]
+    pool.expect(names)
+    threads = [threading.Thread(target=client, args=(name,)) for name in names]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    return taken
+
+
+def test_more_clients_than_the_pool_holds_step_in_one_order_however_slow_each_is(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    orders = [
+        _pooled_order(monkeypatch, delays)
+        for delays in ({}, {"c0": 0.3}, {"c1": 0.2, "c2": 0.3}, {"c0": 0.1, "c3": 0.3})
+    ]
+    assert sorted(orders[0]) == sorted(f"c{i}" for i in range(5) for _ in range(3))
+    assert orders[0][:2] == ["c0", "c1"], "the first two held start together"
+    for order in orders[1:]:
+        assert order == orders[0]
+
+
 def _fresh(segment: object, weights: object, proximal_mu: float = 0.0) -> pool_module.SegmentLease:
     return pool_module.SegmentLease(segment)  # type: ignore[arg-type]
 
