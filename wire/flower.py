@@ -399,6 +399,8 @@ class FlowerNode:
         self._announce()
         # a restarted broker without persistence forgets retained messages: say it again
         transport.on_reconnect(self._announce)
+        self._contradicted = -1.0  # when an offline was last said for this running node
+        transport.subscribe(f"{_NODES}/{self.name}", self._on_own_presence)
 
     def _announce(self) -> None:
         self.transport.publish(
@@ -406,6 +408,27 @@ class FlowerNode:
             f"online {self.node_id} {self.incarnation}".encode(),
             retain=True,
         )
+
+    def _on_own_presence(self, topic: str, payload: bytes) -> None:
+        """``offline`` said of this node while it runs (a will delivered after it reconnected,
+        or a message another broker client wrote): say ``online`` again at once, so the
+        offline counts for nothing (:class:`~wire.presence.WillGrace`: an offline counts only
+        when no online follows it within the grace). Once a second at most."""
+        if self.leaving or payload.strip() != b"offline":
+            return
+        now = time.monotonic()
+        if now - self._contradicted < 1.0 and self._contradicted >= 0:
+            return
+        self._contradicted = now
+        warn(
+            log,
+            ("contradicted", self.name),
+            "node %s: its presence said offline while it runs (a late last will, or another "
+            "broker client wrote it: check which accounts may write %s); said online again",
+            self.name,
+            topic,
+        )
+        self._announce()
 
     def _on_message(self, topic: str, payload: bytes) -> None:
         message = self._frames.receive(payload, topic)

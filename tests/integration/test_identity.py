@@ -191,3 +191,24 @@ def test_names_get_ids_of_63_bits_that_do_not_clash() -> None:
     assert len(ids) == 20_000
     assert all(1 <= i < 2**63 for i in ids)
     assert max(ids) > 2**62  # the whole range is used, not 31 bits of it
+
+
+def test_an_offline_said_of_a_running_node_is_contradicted_at_once() -> None:
+    # a forged offline (an account allowed to write others' presence), or a will the broker
+    # delivers after the node reconnected: the node says online again within the will's grace
+    from wire.presence import PresenceWatch, WillGrace
+
+    hub = InProcessHub()
+    node = FlowerNode(hub.connect("pi-02"), node_id_for("pi-02"), app, name="pi-02")
+    watch = PresenceWatch(hub.connect("gpu-a"), WillGrace(grace=0.5, after_reconnect=0.0))
+    assert watch.offline(["pi-02"]) == []
+    seen: list[bytes] = []
+    hub.connect("log").subscribe(topics.presence("pi-02"), lambda t, p: seen.append(p))
+    _settle()
+    hub.connect("rogue").publish(topics.presence("pi-02"), b"offline", True)
+    time.sleep(1.0)  # past the grace
+    assert watch.offline(["pi-02"]) == [], "the offline was answered within the grace"
+    assert seen[-2] == b"offline" and seen[-1].startswith(b"online"), seen
+    node.leave()  # its own departure is not contradicted
+    time.sleep(1.0)
+    assert watch.offline(["pi-02"]) == ["pi-02"] and seen[-1] == b"offline"
