@@ -160,13 +160,7 @@ def test_pool_interleaves_held_segments_and_bounds_their_bytes(
             with lock:
                 holding[0] -= 1
 
-    names = [f"c{i}" for i in range(5)]
-    pool.expect(names)
-    threads = [threading.Thread(target=client, args=(name,)) for name in names]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=30)
+    _run(pool, client, [f"c{i}" for i in range(5)])
     assert most[0] == 3 and pool.built == 3  # five clients, three held at once by bytes
     with pool.lease("task", object, _weights(1024), holder="x", ordered=True) as lease:  # type: ignore[arg-type]
         assert lease.pace is None  # deterministic runs train one client's round alone
@@ -191,13 +185,7 @@ def _pooled_order(monkeypatch: pytest.MonkeyPatch, delays: dict[str, float]) -> 
                     time.sleep(0.005)
             time.sleep(delays.get(name, 0.0))  # its round's wrap-up
 
-    names = [f"c{i}" for i in range(5)]
-    pool.expect(names)
-    threads = [threading.Thread(target=client, args=(name,)) for name in names]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=30)
+    _run(pool, client, [f"c{i}" for i in range(5)])
     return taken
 
 
@@ -212,6 +200,16 @@ def test_more_clients_than_the_pool_holds_step_in_one_order_however_slow_each_is
     assert orders[0][:2] == ["c0", "c1"], "the first two held start together"
     for order in orders[1:]:
         assert order == orders[0]
+
+
+def _run(pool: SegmentPool[object], client: Callable[[str], None], names: list[str]) -> None:
+    """``client(name)`` for each of the round's ``names``, each in its own thread."""
+    pool.expect(names)
+    threads = [threading.Thread(target=client, args=(name,)) for name in names]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
 
 
 def _fresh(segment: object, weights: object, proximal_mu: float = 0.0) -> pool_module.SegmentLease:
