@@ -5,17 +5,18 @@ numbers belong, only the tensors it was sent, all finite) before its result coun
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from flwr.app import Message
 
 from coordinator.bounds import foreign_tensors
 from coordinator.guard import non_finite_tensors
-from coordinator.recorder import Outcome
+from coordinator.recorder import Outcome, RoundRecorder
 from storage.records import DeviceResult
 from wire.flower import numpy_arrays
 
-__all__ = ["DIVERGED", "malformed", "malformed_evaluation", "outcome_of"]
+__all__ = ["DIVERGED", "malformed", "malformed_evaluation", "name_failed", "outcome_of"]
 
 _COUNTS = ("cut-bytes-sent", "cut-bytes-received", "clients")  # stored per device, as metrics
 DIVERGED = "sent weights holding NaN or infinity"  # how a device's failure says it diverged
@@ -140,3 +141,23 @@ def malformed(reply: Message) -> str | None:
         if name in _STORED and value < 0:
             return f"sent metric {name} {value!r}, expected a number >= 0"
     return None
+
+
+def name_failed(
+    recorder: RoundRecorder, number: int, outcome: Outcome, absent: Sequence[str] = ()
+) -> None:
+    """A ``device-diverged`` event for each device whose weights held NaN or infinity, and a
+    ``device-silent`` one for each that sent no reply (offline, or past the deadline) and
+    each of the plan's edges ``absent`` (offline when the round began: sent nothing): the
+    run's events show when a device was lost and for how long (a warning the first time,
+    stored every round; an absent one is logged at INFO, a simulation's ``availability``
+    takes clients out by design)."""
+    for result in outcome.results:
+        detail = f"{result.device} {result.failure}"
+        if result.device in outcome.diverged:
+            recorder.event(number, "device-diverged", detail, device=result.device)
+        elif result.device in outcome.silent:
+            recorder.event(number, "device-silent", f"{detail}: left out", device=result.device)
+    for device in absent:
+        detail = f"{device} offline when the round began: left out"
+        recorder.event(number, "device-silent", detail, device, warn=False)

@@ -38,7 +38,7 @@ from coordinator.outage import (
     wait_for_more,
 )
 from coordinator.recorder import Outcome, RoundRecorder
-from coordinator.replies import malformed_evaluation, outcome_of
+from coordinator.replies import malformed_evaluation, name_failed, outcome_of
 from storage.records import RoundRecord
 from wire.flower import TRAINED_RECORD, TransportGrid, array_record
 from wire.presence import WillGrace
@@ -72,7 +72,8 @@ class RoundWork:
     ``servers``: the devices that must all answer, by the piece of the model they hold
     (``require_server``: at least one must have been sent work); ``problem``: why this
     attempt cannot run (the round still opens with ``participants``); ``mirrors``: the edges'
-    head tensors that are replicas of the back's (head name -> the back's, ``head_from_back``)."""
+    head tensors that are replicas of the back's (head name -> the back's, ``head_from_back``);
+    ``absent``: the plan's edges that were offline when it began (sent nothing)."""
 
     participants: list[str]
     messages: dict[str, Message] = field(default_factory=dict)
@@ -80,6 +81,7 @@ class RoundWork:
     require_server: bool = False
     problem: str | None = None
     mirrors: dict[str, str] = field(default_factory=dict)
+    absent: list[str] = field(default_factory=list)  # planned edges offline as it began
 
 
 def shortfall(
@@ -296,7 +298,7 @@ class RoundRunner:
         new one is judged against."""
         _name_nodes(self.strategy, work)
         ok = sorted(outcome.ok)
-        _name_failed(self.recorder, number, outcome)
+        name_failed(self.recorder, number, outcome, work.absent)
         _bound_examples(self.recorder, self.strategy, number, (work, replies, outcome))
         merged = self.recorder.aggregate(number, [replies[d] for d in ok], ok)
         if merged is None:
@@ -455,19 +457,6 @@ def _bound_examples(
         replace(r, examples=int(capped[r.device].allowed)) if r.device in capped else r
         for r in outcome.results
     ]
-
-
-def _name_failed(recorder: RoundRecorder, number: int, outcome: Outcome) -> None:
-    """A ``device-diverged`` event for each device whose weights held NaN or infinity, and a
-    ``device-silent`` one for each that sent no reply (offline, or past the deadline): the
-    run's events show when a device was lost and for how long (a warning the first time,
-    stored every round)."""
-    for result in outcome.results:
-        detail = f"{result.device} {result.failure}"
-        if result.device in outcome.diverged:
-            recorder.event(number, "device-diverged", detail, device=result.device)
-        elif result.device in outcome.silent:
-            recorder.event(number, "device-silent", f"{detail}: left out", device=result.device)
 
 
 def _usable_evaluations(replies: Mapping[str, Message], strategy: FedAvg) -> dict[str, Message]:

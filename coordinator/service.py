@@ -344,6 +344,7 @@ class Coordinator:
         online = set(self.grid.get_node_ids())
         servers = [b for b in placement.servers if b.node in online]
         work = RoundWork([*(a.device for a in selected), *(b.device for b in servers)])
+        work.absent = sorted(a.device for a in placement.edges if a.node not in online)
         work.require_server = True
         missing = sorted({span(b) for b in placement.servers} - {span(b) for b in servers})
         if missing:

@@ -101,6 +101,17 @@ def test_a_host_whose_clients_are_all_offline_sits_the_round_out_by_name(tmp_pat
     assert [r["clients"] for r in status["rounds"]] == [4, 2]
 
 
+def test_each_round_an_offline_client_misses_is_recorded(tmp_path: Path) -> None:
+    # offline when the round began, it is sent nothing: each round still names it
+    summary, _, _ = _simulate(
+        tmp_path, "missed", clients=3, rounds=3, availability={"offline": {"client-001": [2, 3]}}
+    )
+    with open_store(f"sqlite:///{tmp_path / 'missed' / 'runs.db'}") as store:
+        silent = [e for e in store.events(summary["run_id"]) if e.kind == "device-silent"]
+    assert [(e.round, e.device) for e in silent] == [(2, "client-001"), (3, "client-001")]
+    assert "offline when the round began" in silent[0].detail
+
+
 def test_the_live_table_counts_the_hosts_clients() -> None:
     console = Console(file=io.StringIO(), width=100)
     progress = RoundProgress(1, "grouped", console=console, unit="hosts")

@@ -12,8 +12,14 @@ from flwr.app import Array, ArrayRecord, Error, Message, MetricRecord, RecordDic
 from flwr.supercore.task_identity import TaskIdentity
 
 from coordinator.recorder import Outcome
-from coordinator.replies import DIVERGED, _result, malformed, malformed_evaluation, outcome_of
-from coordinator.runner import _name_failed
+from coordinator.replies import (
+    DIVERGED,
+    _result,
+    malformed,
+    malformed_evaluation,
+    name_failed,
+    outcome_of,
+)
 from wire.flower import array_record
 
 pytestmark = pytest.mark.unit
@@ -217,14 +223,16 @@ def test_only_weights_that_hold_nan_make_a_device_diverged_not_its_own_word(
     assert outcome.ok == [] and outcome.diverged == ["nan"] and outcome.silent == ["gone"]
     events: list[tuple[str, str, str | None]] = []
     recorder = SimpleNamespace(
-        event=lambda _n, kind, detail, device: events.append((kind, detail, device))
+        event=lambda _n, kind, detail, device, warn=True: events.append((kind, detail, device))
     )
-    _name_failed(recorder, 1, outcome)  # type: ignore[arg-type]
+    name_failed(recorder, 1, outcome, absent=["away"])  # type: ignore[arg-type]
     assert [(kind, device) for kind, _, device in events] == [
         ("device-diverged", "nan"),
         ("device-silent", "gone"),
+        ("device-silent", "away"),
     ]
     assert events[1][1] == "gone no reply before the deadline: left out"
+    assert events[2][1] == "away offline when the round began: left out"
 
 
 def test_a_device_claiming_huge_test_data_does_not_set_the_federated_accuracy_alone(
