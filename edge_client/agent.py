@@ -323,10 +323,15 @@ class EdgeAgent:
             # a host of many simulated clients: a few lines
             warn(log, "abandoned", "%s: %s", self.device, abandoned)
             return Message(Error(code=2, reason=str(abandoned)), reply_to=message)
-        except Exception:
+        except Exception as error:
             if not handed[0]:  # the trainer's own give-up covers a failure mid-round
                 self._nothing_sent(task, round_of(message), job.attempt)
-            raise
+            if not isinstance(error, AssignmentRefused):
+                raise
+            # its own decision, not a fault: one line, and the reason to the coordinator
+            warn(log, "refused", "%s refused round %d: %s", self.device, round_of(message), error)
+            reason = f"{type(error).__name__}: {error}"
+            return Message(Error(code=1, reason=reason), reply_to=message)
 
     def _nothing_sent(self, task: Task, number: int, attempt: int) -> None:
         """The round failed before training (its blocks refused, the segment could not be

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 
 import numpy as np
 import pytest
@@ -310,3 +311,21 @@ def test_an_announced_number_no_plan_or_store_can_use_is_refused(key: str, value
     with pytest.raises(WireError, match=rf"announcement\.{key}: must be"):
         Announcement.parse(json.dumps({**announced, key: value}).encode())
     assert Announcement.parse(json.dumps({**announced, key: 1.0}).encode()) is not None
+
+
+def test_blocks_over_the_budget_are_refused_in_one_line_not_a_traceback(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # an edge restarted with a smaller --memory is still sent its old blocks: it refuses them
+    import edge_client.agent
+
+    monkeypatch.setattr(edge_client.agent, "_SERVERS_WAIT", 0.1)  # no GPU server here
+    hub = InProcessHub()
+    agent = _edge_agent(hub)
+    with caplog.at_level(logging.WARNING):
+        reply = _reply_to(agent, hub, _task(estimated_peak_bytes=1 << 40), "pi-01")
+    assert reply.has_error()  # type: ignore[attr-defined]
+    assert "AssignmentRefused: blocks [0, 2) need" in reply.error.reason  # type: ignore[attr-defined]
+    refusals = [r for r in caplog.records if "refused round 1" in r.getMessage()]
+    assert len(refusals) == 1 and refusals[0].exc_info is None
+    assert not any(r.exc_info for r in caplog.records), "no traceback for a refusal"
