@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import threading
 import time
 import uuid
@@ -29,6 +30,7 @@ from paho.mqtt.properties import Properties
 
 from wire.bundles import Held, bundle, holdable, parts_of
 from wire.errors import TransportError
+from wire.logs import warn
 from wire.mqtt_config import MqttConfig, account_client_id, redact_url
 from wire.mqtt_connect import connect_and_wait, note_refusal, paho_client
 from wire.paho_decode import FastClient
@@ -54,6 +56,8 @@ _UNCLAIMED_BYTES = 256 * 1024 * 1024
 _UNCLAIMED_COUNT = 65_536
 
 log = logging.getLogger(__name__)
+_SESSION_TAKEN_OVER = 0x8E  # MQTT v5 DISCONNECT reason: a client with the same id connected
+_BRIEF, _BRIEF_IN_A_ROW = 5.0, 3  # connections lost this soon, this often: a shared id?
 
 
 class MqttTransport(Transport):
@@ -91,6 +95,8 @@ class MqttTransport(Transport):
         # knocked its successor, with the same client id, off the broker before its lease
         # thread found the run lost
         self.reconnect_gate: Callable[[], str | None] | None = None
+        self._brief = 0  # connections in a row lost within _BRIEF seconds of connecting
+        self._connected_at = -math.inf  # when the latest connection came up (monotonic)
         self.refused: collections.Counter[str] = collections.Counter()  # PUBACK >= 0x80
         # Messages of a resumed session can arrive before their handler is registered again:
         # keep them (bounded) until a matching subscribe() comes.
@@ -130,6 +136,7 @@ class MqttTransport(Transport):
             for topic_filter, identifier in filters:
                 self._send_subscribe(topic_filter, identifier)
         self._connections += 1
+        self._connected_at = time.monotonic()
         if self._connections > 1:
             self.last_reconnect = time.monotonic()
             log.warning(
@@ -187,6 +194,25 @@ class MqttTransport(Transport):
         if self.reconnect_gate is not None and (why := _why_not(self.reconnect_gate)):
             log.warning("MQTT connection lost (%s); not reconnecting: %s", reason, why)
             self._client.stop_reconnecting()
+            return
+        # lost within seconds of connecting, again and again: most often another client
+        # taking the same client id in turn (mosquitto closes without saying why)
+        brief = time.monotonic() - self._connected_at < _BRIEF
+        self._brief = self._brief + 1 if brief else 0
+        if reason.value == _SESSION_TAKEN_OVER or self._brief >= _BRIEF_IN_A_ROW:
+            warn(
+                log,
+                "taken over",
+                "MQTT connection lost (%s), %d time(s) in a row within %.0f s of connecting: "
+                "is another client connected with this one's client id %r (a second agent "
+                "started with the same --id)? Two agents cannot share an id: each takes the "
+                "other's connection in turn until one stops; reconnecting",
+                reason,
+                self._brief,
+                _BRIEF,
+                self.client_id,
+                level=logging.ERROR,
+            )
             return
         log.warning("MQTT connection lost (%s); reconnecting", reason)
 

@@ -233,3 +233,21 @@ def test_a_transport_whose_gate_says_no_does_not_knock_its_successor_off(broker:
         time.sleep(0.05)
     assert again.connected and again.link_epoch == 1
     again.close()
+
+
+def test_two_clients_with_one_id_are_named_as_such(
+    broker: Broker, caplog: pytest.LogCaptureFixture
+) -> None:
+    # two agents started with the same --id take each other's connection in turn; the one
+    # dropped says why, not "Unspecified error"
+    config = MqttConfig.from_url(broker.url)
+    client_id = f"pi-{uuid.uuid4().hex[:6]}"
+    first = MqttTransport(config, client_id)
+    with caplog.at_level("ERROR", logger="wire.mqtt"):
+        second = MqttTransport(config, client_id)
+        deadline = time.monotonic() + 30
+        while "another client connected" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert f"another client connected with this one's client id {client_id!r}" in caplog.text
+    first.close()
+    second.close()
