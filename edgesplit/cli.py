@@ -293,6 +293,7 @@ def _simulate_parser(commands: argparse._SubParsersAction) -> None:  # type: ign
         "Without --config it runs the embedded defaults on scikit-learn's bundled digits.",
     )
     sim.add_argument("--config", help="simulation config (SIM.yaml); defaults when omitted")
+    sim.add_argument("config_file", nargs="?", metavar="SIM.yaml", help="the same as --config")
     sim.add_argument("--out", default="sim-out", help="output directory (default: %(default)s)")
     # No defaults here: a flag given wins over SIM.yaml, which wins over SimConfig's defaults.
     defaults = SimConfig()

@@ -15,6 +15,15 @@ if TYPE_CHECKING:
 __all__ = ["simulate_command"]
 
 
+def _config_path(args: argparse.Namespace) -> str | None:
+    """``--config`` or the SIM.yaml named without it (not two different ones)."""
+    from split_models.errors import ConfigError
+
+    if args.config and args.config_file and args.config != args.config_file:
+        raise ConfigError(f"two configs given: {args.config_file} and --config {args.config}")
+    return args.config or args.config_file  # type: ignore[no-any-return]
+
+
 def simulate_command(args: argparse.Namespace) -> int:
     """``edgesplit simulate``: every role in this process; outputs into ``--out``."""
     import logging
@@ -48,7 +57,7 @@ def simulate_command(args: argparse.Namespace) -> int:
         "batched": args.batched,
         "deterministic": args.deterministic,
     }
-    config = load_sim_config(args.config, overrides)
+    config = load_sim_config(_config_path(args), overrides)
     use_profile_cache(profile_cache(args.profile_cache))
     out = Path(args.out)
     title, unit, fleet = _title(config)

@@ -109,6 +109,16 @@ def test_bad_simulation_configs_are_rejected_by_name(
     assert message in done.stderr, done.stderr
 
 
+def test_the_config_may_be_named_without_the_flag(tmp_path: Path) -> None:
+    path, other = tmp_path / "sim.yaml", tmp_path / "other.yaml"
+    path.write_text("rounds: 2\nwings: 3\n")  # read: refused by name, before any training
+    other.write_text("rounds: 2\n")
+    done = run_cli("simulate", str(path), "--out", str(tmp_path / "o"))
+    assert done.returncode == 2 and "unknown key(s) ['wings']" in done.stderr, done.stderr
+    both = run_cli("simulate", str(other), "--config", str(path), "--out", str(tmp_path / "o"))
+    assert both.returncode == 2 and "two configs given" in both.stderr, both.stderr
+
+
 @pytest.mark.parametrize(
     ("data", "message"),
     [
