@@ -12,6 +12,7 @@ from split_models.errors import ConfigError
 from split_models.measure import release_freed_memory
 from split_models.runtime import configure_logging, wait_for_stop
 from split_models.units import parse_bandwidth, parse_memory
+from split_models.zoo import check_model_name
 from wire.flower import node_will
 from wire.mqtt import MqttConfig, MqttTransport, redact_url
 from wire.roles import Announcement, node_id_for
@@ -27,6 +28,8 @@ def edge_command(args: argparse.Namespace) -> int:
     data = load_dataset(args.data)  # bad data is named before a speed is measured
     if not len(data):  # it would come online only to refuse every assignment
         raise ConfigError(f"--data {args.data}: it holds no samples")
+    for name in args.models:  # a typo is named now, not when a run offers the model
+        check_model_name(name)
     declared = flops_option(args.flops)
     measured = declared is None
     announcement = Announcement(

@@ -10,6 +10,7 @@ from gpu_server.agent import GpuAgent
 from split_models.calibration import flops_option, measure_flops
 from split_models.runtime import configure_logging, require_device, wait_for_stop
 from split_models.units import parse_memory
+from split_models.zoo import check_model_name
 from wire.flower import node_will
 from wire.mqtt import MqttConfig, MqttTransport, redact_url
 from wire.roles import Announcement, node_id_for
@@ -39,6 +40,8 @@ def _flops(option: str, device: str) -> float:
 def gpu_server_command(args: argparse.Namespace) -> int:
     configure_logging(args.verbose)
     require_device(args.device, "--device")
+    for name in args.models:  # a typo is named now, not when a run offers the model
+        check_model_name(name)
     announcement = Announcement(
         device=args.id,
         role="gpu",

@@ -40,6 +40,7 @@ __all__ = [
     "SplittableModel",
     "add_model_path",
     "build_model",
+    "check_model_name",
     "example_input",
 ]
 
@@ -324,6 +325,18 @@ def _zoo_blocks(name: str, shape: tuple[int, ...], num_classes: int) -> list[nn.
     if resnet is not None:
         return _resnet(int(resnet.group(1)), shape, num_classes)
     return None
+
+
+def check_model_name(name: str, flag: str = "--model") -> None:
+    """Raise now (:class:`ConfigError`, :class:`ModelError`) for a ``name`` that is neither
+    the zoo's nor an import path whose module imports and holds that factory: an agent
+    started with a typo went online and failed only when a run offered it the model."""
+    if name in ZOO_NAMES or _RESNET.match(name):
+        return
+    try:
+        _import_factory(name)
+    except (ConfigError, ModelError) as error:
+        raise type(error)(f"{flag} {name}: {error}") from error
 
 
 def build_model(

@@ -57,6 +57,24 @@ def test_an_edge_with_no_samples_exits_2_before_it_connects(tmp_path: Path) -> N
     assert _one_line_error(done).endswith(f"--data npz:{empty}: it holds no samples")
 
 
+@pytest.mark.parametrize(
+    ("role", "model", "named"),
+    [
+        ("edge", "nosuch:fn", "cannot import module 'nosuch'"),
+        ("edge", "json:nosuch", "'json' has no callable named 'nosuch'"),
+        ("gpu-server", "cnnn", "is neither a zoo model"),
+    ],
+)
+def test_an_agent_given_a_model_it_cannot_build_exits_2_before_it_connects(
+    role: str, model: str, named: str
+) -> None:
+    broker = f"mqtt://127.0.0.1:{free_port()}"  # nothing listens there: it must not get that far
+    data = ("--data", "digits") if role == "edge" else ()
+    done = run_cli(role, "--id", "pi-01", *data, "--model", model, "--broker", broker)
+    assert done.returncode == 2, done.stderr
+    assert f"--model {model}: " in _one_line_error(done) and named in done.stderr, done.stderr
+
+
 def test_an_unreachable_broker_exits_3(tmp_path: Path) -> None:
     broker = f"mqtt://127.0.0.1:{free_port()}"  # nothing listens there
 
