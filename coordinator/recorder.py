@@ -182,15 +182,13 @@ class RoundRecorder:
             self._pending = self._trained_local(replies, devices)
         return {k: array_numpy(v) for k, v in arrays.items()}  # no header parse (thread-safe)
 
-    def event(
-        self, number: int, kind: str, detail: str, device: str | None = None, warn: bool = True
-    ) -> None:
+    def event(self, number: int, kind: str, detail: str, device: str | None = None) -> None:
         """Something round ``number``'s aggregation did that the operator should know of (a
         group a rule could not take, a claim capped, an update clipped): stored every time,
-        logged as a warning the first time (unless not ``warn``), and at INFO when a later
-        round repeats it (a strategy's fallback for one group holds every round)."""
+        logged as a warning the first time, and at INFO when a later round repeats it (a
+        strategy's fallback for one group holds every round)."""
         first = self._said.setdefault((kind, detail), number)
-        if first == number and warn:
+        if first == number:
             log.warning("round %d: %s", number, detail)
         else:
             log.info("round %d: %s (as since round %d)", number, detail, first)

@@ -210,6 +210,11 @@ class RunStore(abc.ABC):
     @abc.abstractmethod
     def add_event(self, run_id: str | None, event: Event) -> None: ...
 
+    def add_events(self, run_id: str | None, events: Sequence[Event]) -> None:
+        """``events`` at once (in one transaction where the store has them)."""
+        for event in events:
+            self.add_event(run_id, event)
+
     @abc.abstractmethod
     def events(self, run_id: str | None = None) -> list[Event]: ...
 

@@ -410,10 +410,13 @@ class SqlRunStore(SqlLeases, RunStore):
             ]
 
     def add_event(self, run_id: str | None, event: Event) -> None:
+        self.add_events(run_id, [event])
+
+    def add_events(self, run_id: str | None, events: Sequence[Event]) -> None:
         with self._session(run_id) as session:
             if run_id is not None:
                 self._run_row(session, run_id)
-            session.add(
+            session.add_all(
                 EventRow(
                     run_id=run_id,
                     kind=event.kind,
@@ -422,6 +425,7 @@ class SqlRunStore(SqlLeases, RunStore):
                     round=event.round,
                     at=event.at or utcnow(),
                 )
+                for event in events
             )
 
     def events(self, run_id: str | None = None) -> list[Event]:

@@ -200,6 +200,10 @@ class StoreContract:
         assert [e.kind for e in store.events("r")] == ["device_joined"]
         assert [e.kind for e in store.events()] == ["device_joined", "message_rejected"]
         assert store.events()[1].at is not None
+        silent = [Event("device-silent", "away", f"pi-0{i}", 2) for i in (3, 4)]
+        store.add_events("r", silent)  # one transaction (SQL)
+        assert [(e.device, e.round) for e in store.events("r")[1:]] == [("pi-03", 2), ("pi-04", 2)]
+        assert all(e.at is not None for e in store.events("r"))
 
     def test_concurrent_writers_do_not_fail(self, store: RunStore) -> None:
         store.create_run("r", CONFIG, seed=0)
@@ -276,6 +280,7 @@ class StoreContract:
             lambda: store.record_result("r", 2, DeviceResult("a", examples=1)),
             lambda: store.set_run_status("r", "cancelled"),
             lambda: store.add_event("r", Event("cancelled", "a stale coordinator")),
+            lambda: store.add_events("r", [Event("cancelled", "a stale coordinator")]),
             lambda: store.add_metrics("r", [MetricPoint("loss", 1.0)]),
         ):
             with pytest.raises(LeaseLostError):

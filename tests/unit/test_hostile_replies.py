@@ -222,10 +222,17 @@ def test_only_weights_that_hold_nan_make_a_device_diverged_not_its_own_word(
 
     assert outcome.ok == [] and outcome.diverged == ["nan"] and outcome.silent == ["gone"]
     events: list[tuple[str, str, str | None]] = []
+    stored: list[tuple[str, str, str | None]] = []
+    store = SimpleNamespace(
+        add_events=lambda _run, added: stored.extend((e.kind, e.detail, e.device) for e in added)
+    )
     recorder = SimpleNamespace(
-        event=lambda _n, kind, detail, device, warn=True: events.append((kind, detail, device))
+        event=lambda _n, kind, detail, device: events.append((kind, detail, device)),
+        store=store,
+        run_id="r1",
     )
     name_failed(recorder, 1, outcome, absent=["away"])  # type: ignore[arg-type]
+    events += stored
     assert [(kind, device) for kind, _, device in events] == [
         ("device-diverged", "nan"),
         ("device-silent", "gone"),
