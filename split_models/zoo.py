@@ -327,7 +327,7 @@ def _zoo_blocks(name: str, shape: tuple[int, ...], num_classes: int) -> list[nn.
     return None
 
 
-def check_model_name(name: str, flag: str = "--model") -> None:
+def check_model_name(name: str) -> None:
     """Raise now (:class:`ConfigError`, :class:`ModelError`) for a ``name`` that is neither
     the zoo's nor an import path whose module imports and holds that factory: an agent
     started with a typo went online and failed only when a run offered it the model."""
@@ -336,7 +336,7 @@ def check_model_name(name: str, flag: str = "--model") -> None:
     try:
         _import_factory(name)
     except (ConfigError, ModelError) as error:
-        raise type(error)(f"{flag} {name}: {error}") from error
+        raise type(error)(f"--model {name}: {error}") from error
 
 
 def build_model(

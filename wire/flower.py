@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import threading
 import time
 import uuid
@@ -399,7 +400,7 @@ class FlowerNode:
         self._announce()
         # a restarted broker without persistence forgets retained messages: say it again
         transport.on_reconnect(self._announce)
-        self._contradicted = -1.0  # when an offline was last said for this running node
+        self._contradicted = -math.inf  # when an offline was last answered (monotonic)
         transport.subscribe(f"{_NODES}/{self.name}", self._on_own_presence)
 
     def _announce(self) -> None:
@@ -417,7 +418,7 @@ class FlowerNode:
         if self.leaving or payload.strip() != b"offline":
             return
         now = time.monotonic()
-        if now - self._contradicted < 1.0 and self._contradicted >= 0:
+        if now - self._contradicted < 1.0:
             return
         self._contradicted = now
         warn(
