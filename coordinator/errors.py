@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
-__all__ = ["CoordinatorError", "RunCancelled", "RunHeldError"]
+__all__ = ["CoordinatorError", "PlanRefused", "RunCancelled", "RunHeldError"]
 
 
 class CoordinatorError(RuntimeError):
     """The run cannot go on (devices missing, every attempt of a round failed...)."""
+
+
+class PlanRefused(CoordinatorError):
+    """Every plan was refused by the edges for what they are (their memory, their data):
+    the same config will be refused again, so a service manager must not restart into it
+    (exit 2, like a config error). Edges that did not answer are not this."""
 
 
 class RunHeldError(CoordinatorError):

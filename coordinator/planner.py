@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -17,7 +17,7 @@ from flwr.app import ArrayRecord, Message
 
 from coordinator.assignments import Assignment, build_message, build_task
 from coordinator.config import RunConfig
-from coordinator.errors import CoordinatorError
+from coordinator.errors import CoordinatorError, PlanRefused
 from coordinator.partitioner import PartitionConfig, place_back, plan_split
 from split_models.config import config_to_dict
 from split_models.data import batch_count, trained_examples
@@ -32,7 +32,15 @@ from storage.records import Event, RunRecord
 from wire.flower import TransportGrid
 from wire.roles import Announcement
 
-__all__ = ["MEASURED_KEY", "Placement", "Planner", "device_specs", "profile_key", "stored_plan"]
+__all__ = [
+    "MEASURED_KEY",
+    "Placement",
+    "Planner",
+    "device_specs",
+    "profile_key",
+    "refused_error",
+    "stored_plan",
+]
 
 log = logging.getLogger(__name__)
 # beside a stored plan: the speeds it was made with, when measured (coordinator.speed)
@@ -144,10 +152,7 @@ class Planner:
                 return placed
             candidates = self._around(candidates, placed, refused)
             refused |= set(placed)
-        raise CoordinatorError(
-            "the edges kept refusing their blocks: "
-            + "; ".join(f"{d}: {r}" for d, r in self.refusals.items())
-        )
+        raise refused_error("the edges kept refusing their blocks", self.refusals)
 
     def offer(self, plan: Plan, servers: list[Announcement]) -> Placement | Refusals:
         """Offer ``plan``'s edges their blocks: the placement (the back on ``servers``) when
@@ -255,10 +260,7 @@ class Planner:
             ):
                 replanned.append(replace(candidate, memory=budget))
         if len(replanned) < max(1, self.min_edges):
-            raise CoordinatorError(
-                "too few edges accepted their blocks: "
-                + "; ".join(f"{d}: {r}" for d, r in self.refusals.items())
-            )
+            raise refused_error("too few edges accepted their blocks", self.refusals)
         return replanned
 
     def stored(self, edges: list[Announcement], servers: list[Announcement]) -> Placement | None:
@@ -364,6 +366,15 @@ def _stored_profile(store: RunStore, run_id: str, key: dict[str, Any]) -> ModelP
     except (KeyError, TypeError, ValueError) as error:
         log.info("the stored profile is unreadable (%s): profiling anew", error)
         return None
+
+
+def refused_error(what: str, refusals: Mapping[str, str]) -> CoordinatorError:
+    """The error of a plan the edges would not take, naming each of ``refusals``:
+    :class:`PlanRefused` when every edge answered (a config they refuse), else a
+    :class:`CoordinatorError` (one that did not answer may answer later)."""
+    said = "; ".join(f"{d}: {r}" for d, r in refusals.items())
+    silent = any(r.startswith("did not answer") for r in refusals.values())
+    return (CoordinatorError if silent else PlanRefused)(f"{what}: {said}")
 
 
 def _refusal(assignment: Assignment, reply: Message | None) -> tuple[str, int | None] | None:

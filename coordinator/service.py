@@ -321,7 +321,7 @@ class Coordinator:
 
         def prepare(number: int) -> RoundWork:
             nonlocal now
-            if moved := self.replanner.around_lost(number, now[0], [*self.online("gpu").values()]):
+            if moved := self.replanner.before_round(number, now[0], self.online()):
                 self.runner.recorder.replanned(moved.spans())
                 now = (moved, with_heads(self.config, moved, now[1]))
             return self._work(number, now[1], now[0])

@@ -36,6 +36,7 @@ from split_models.cpu import MIN_SHARE
 from split_models.errors import SplitError
 from split_models.plan import Plan
 from split_models.profiler import ModelProfile
+from split_models.units import format_bytes
 from storage.base import RunStore
 from storage.records import Event
 from wire.roles import Announcement
@@ -217,6 +218,7 @@ class Replanner:
         self.believed: dict[str, float] = {}  # device -> the FLOP/s the plan used
         self.uplinks: dict[str, float] = {}  # edge -> the uplink (bytes/s) the plan used
         self.replanned_at: int | None = None  # the round after which the last re-plan came
+        self.shrunk_tried: set[tuple[tuple[str, int], ...]] = set()  # budgets planned for
 
     def after_round(
         self,
@@ -310,6 +312,16 @@ class Replanner:
         timed, self.planner.timed = self.planner.timed, {}
         return self.after_round(0, placement, timed, online) if timed else None
 
+    def before_round(
+        self, number: int, placement: Placement, online: Mapping[str, Announcement]
+    ) -> Placement | None:
+        """A new placement for round ``number`` when a GPU server of ``placement`` is lost
+        (:meth:`around_lost`) or an edge no longer fits its blocks (:meth:`around_shrunk`),
+        ``online`` being the devices online now; else None."""
+        servers = [a for a in online.values() if a.role == "gpu"]
+        moved = self.around_lost(number, placement, servers)
+        return self.around_shrunk(number, moved or placement, online) or moved
+
     def around_lost(
         self, number: int, placement: Placement, servers: list[Announcement]
     ) -> Placement | None:
@@ -333,6 +345,46 @@ class Replanner:
         self.store.set_plan(run, self.planner.record(new.plan) | self.measured())
         self.store.add_event(run, Event("replanned", detail, None, number))
         log.warning("round %d: %s", number, detail)
+        return new
+
+    def around_shrunk(
+        self, number: int, placement: Placement, online: Mapping[str, Announcement]
+    ) -> Placement | None:
+        """When an edge of ``placement`` now announces less memory than its blocks need (it
+        came back with a smaller ``--memory``, and would refuse them every round): a plan
+        made anew for the planned devices, stored as a new plan version (an edge that fits
+        no cut is left out, event ``edge-unfit``). None when every edge fits, a planned
+        device is away (planned once all are back), or no plan can be made; a budget tried
+        once is not tried again."""
+        plan = placement.plan
+        shrunk = {
+            e.name: (online[e.name].memory, e.estimated_peak_bytes)
+            for e in plan.edges
+            if e.name in online and online[e.name].memory < e.estimated_peak_bytes
+        }
+        key = tuple(sorted((d, m) for d, (m, _) in shrunk.items()))
+        if not shrunk or key in self.shrunk_tried:
+            return None
+        what = "; ".join(
+            f"{d} announces {format_bytes(m)}, its blocks need {format_bytes(p)}"
+            for d, (m, p) in shrunk.items()
+        )
+        devices = [e.name for e in plan.edges] + sorted({s.name for s in plan.servers})
+        if away := [d for d in devices if d not in online]:  # a plan now would leave it out
+            log.info("round %d: %s; planned again once %s are back", number, what, away)
+            return None
+        self.shrunk_tried.add(key)
+        edges = [online[e.name] for e in plan.edges]
+        servers = [online[d] for d in sorted({s.name for s in plan.servers})]
+        try:
+            new = self.planner.plan(*self.believed_of(edges, servers))
+        except (CoordinatorError, SplitError) as error:
+            self._event(number, "replan-failed", f"{what}; no new plan: {error}")
+            return None
+        run = self.planner.config.run_id
+        self.store.set_plan(run, self.planner.record(new.plan) | self.measured())
+        self._event(number, "replanned", f"{what}: new cuts {new.plan.cuts()}")
+        log.warning("before round %d: %s: new plan:\n%s", number, what, new.plan)
         return new
 
     def _kept(self, number: int, plan: Plan, detail: str) -> None:

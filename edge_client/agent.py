@@ -46,7 +46,7 @@ from split_models.evaluation import (
     evaluate_weights,
 )
 from split_models.measure import PeakMeter, peak_supported
-from split_models.sections import task_sections
+from split_models.sections import block_count, task_sections
 from split_models.segment import Segment
 from split_models.timing import StepClock
 from split_models.units import format_bytes
@@ -208,6 +208,10 @@ class EdgeAgent:
             self._scale_said = True
             if warning := scale_warning(self.data, "local data"):
                 log.warning("%s", warning)
+        if task.end > (blocks := block_count(model)):
+            raise AssignmentRefused(
+                f"blocks [{task.start}, {task.end}): {model.name} has {blocks} blocks"
+            )
         budget = self.budget
         if task.estimated_peak_bytes > budget:
             raise AssignmentRefused(

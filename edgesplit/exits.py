@@ -5,7 +5,7 @@ line on stderr with the cause and the fix (``EDGESPLIT_TRACEBACK=1`` adds the tr
 |---|---|
 | 0 | done; also a run stopped by ``edgesplit runs stop`` |
 | 1 | runtime failure: the run failed, a file could not be written, an unexpected error |
-| 2 | configuration or usage: a bad flag, config file, model, plan or run id |
+| 2 | configuration or usage: a bad flag, config file, model, plan or run id; refused plans |
 | 3 | a service is unreachable: the MQTT broker or the database server |
 | 130 | interrupted by Ctrl-C (SIGINT); 143: terminated (SIGTERM); 129: hung up (SIGHUP) |
 """
@@ -90,7 +90,7 @@ def _signal_code(signum: int | None) -> int:
 
 def _classify(error: BaseException) -> tuple[int, str]:
     """The exit code of ``error`` and its line's prefix."""
-    from coordinator.errors import CoordinatorError, RunCancelled
+    from coordinator.errors import CoordinatorError, PlanRefused, RunCancelled
     from split_models.errors import SplitError
     from storage.errors import NotAStoreError, NotFoundError, StoreError, UsageError
     from storage.errors import UnreachableError as DatabaseUnreachable
@@ -104,6 +104,8 @@ def _classify(error: BaseException) -> tuple[int, str]:
     if isinstance(error, DatabaseUnreachable | BrokerUnreachable):
         return EXIT_UNREACHABLE, "unreachable"
     if isinstance(error, SplitError | NotFoundError | NotAStoreError | UsageError | RefusedError):
+        return EXIT_USAGE, "error"
+    if isinstance(error, PlanRefused):
         return EXIT_USAGE, "error"
     if isinstance(error, StoreError | TransportError | CoordinatorError):
         return EXIT_FAILURE, "error"

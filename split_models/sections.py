@@ -12,7 +12,7 @@ from split_models.config import ModelConfig, TrainingConfig, config_keys, parse_
 from split_models.errors import ConfigError
 from split_models.options import ZOO_NAMES
 
-__all__ = ["flat_model_section", "parse_task_sections", "task_sections"]
+__all__ = ["block_count", "flat_model_section", "parse_task_sections", "task_sections"]
 
 
 def flat_model_section(data: Mapping[str, Any]) -> dict[str, Any]:
@@ -48,6 +48,13 @@ def task_sections(
     except (TypeError, ValueError):  # not what a JSON message holds: parsed, and refused
         return parse_task_sections(model, training, models)
     return _remembered(key, tuple(models))
+
+
+@functools.lru_cache(maxsize=8)
+def block_count(model: ModelConfig) -> int:
+    """How many blocks ``model`` has (built once per model a process: a task's blocks are
+    checked against it before anything is built for them)."""
+    return model.build(seed=0).num_blocks
 
 
 @functools.lru_cache(maxsize=64)

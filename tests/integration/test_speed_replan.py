@@ -4,6 +4,7 @@ new plan is stored as a new version, and training goes on at the new cuts."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Mapping
@@ -15,7 +16,7 @@ import pytest
 
 from coordinator.config import RunConfig
 from coordinator.partitioner import plan_split
-from coordinator.planner import MEASURED_KEY, Planner, device_specs
+from coordinator.planner import MEASURED_KEY, Placement, Planner, device_specs
 from coordinator.service import Coordinator
 from edge_client.agent import EdgeAgent
 from gpu_server.agent import GpuAgent
@@ -25,6 +26,7 @@ from split_models.segment import Segment, StepResult
 from storage.base import RunStore
 from wire.flower import node_will
 from wire.roles import Announcement, node_id_for
+from wire.topics import announcement as announcement_topic
 from wire.transport import InProcessHub
 
 pytestmark = pytest.mark.integration
@@ -238,3 +240,59 @@ def uniform_cuts(
     specs = device_specs(edges, servers, planner.per_round())
     plan = plan_split(profile, specs, planner.partition())
     return {edge.name: edge.blocks[1] for edge in plan.edges}
+
+
+def come_back_smaller(coordinator: Coordinator, edge: EdgeAgent, memory: int) -> None:
+    """``edge`` says it has ``memory`` now, as an agent restarted with a smaller ``--memory``
+    does (its retained announcement), and refuses blocks above it; returns once the
+    coordinator has heard it."""
+    edge.budget = memory
+    edge.announcement = dataclasses.replace(edge.announcement, memory=memory)
+    topic = announcement_topic(edge.device, "edge")
+    edge.channel.transport.publish(topic, edge.announcement.to_json(), retain=True)
+    deadline = time.monotonic() + 10
+    while coordinator.online()[edge.device].memory != memory:
+        assert time.monotonic() < deadline, "the coordinator never heard the new announcement"
+        time.sleep(0.01)
+
+
+def test_an_edge_that_comes_back_with_less_memory_is_planned_anew(
+    tmp_path: Path, store: RunStore, profile: ModelProfile
+) -> None:
+    logging.getLogger("flwr").setLevel(logging.WARNING)
+    config = run_config(tmp_path, None)  # no re-plans from speeds: only the memory moves cuts
+    hub = InProcessHub()
+    edges, _ = start_fleet(hub, tmp_path)
+    coordinator = Coordinator(config, store, hub.connect("coordinator"), profile=lambda _: profile)
+    first: dict[str, int] = {}
+    planned_peak: list[int] = []
+    before_round = coordinator.replanner.before_round
+
+    def shrink_before_round_2(number: int, placement: Placement, online: Any) -> Any:
+        if number == 2 and not first:  # round 1 trained at the first plan's cuts
+            first.update(cuts(store))
+            edge = next(e for e in placement.plan.edges if e.name == EDGES[0])
+            planned_peak.append(edge.estimated_peak_bytes)
+            come_back_smaller(coordinator, edges[0], edge.estimated_peak_bytes - 1)
+            online = coordinator.online()
+        return before_round(number, placement, online)
+
+    coordinator.replanner.before_round = shrink_before_round_2  # type: ignore[method-assign]
+
+    assert coordinator.run() == 3
+
+    run = store.get_run("speed-1")
+    assert run.status == "finished" and run.plan_version == 2
+    second = cuts(store)
+    assert second[EDGES[0]] < first[EDGES[0]], (first, second)
+    new_edge = next(e for e in (run.plan or {})["edges"] if e["name"] == EDGES[0])
+    assert new_edge["estimated_peak_bytes"] < planned_peak[0]
+    replanned = [e for e in store.events("speed-1") if e.kind == "replanned"]
+    assert [e.round for e in replanned] == [2]
+    assert f"{EDGES[0]} announces" in replanned[0].detail
+    assert replanned[0].detail.endswith(f"new cuts {second}")
+    # the edge trained rounds 2 and 3 at its new cut instead of refusing its old blocks
+    for number in (2, 3):
+        results = {r.device: r for r in store.get_round("speed-1", number).results}
+        assert results[EDGES[0]].failure is None and results[EDGES[0]].examples > 0
+    assert edges[0]._built.trainer.segment.end == second[EDGES[0]]  # type: ignore[union-attr]

@@ -175,11 +175,13 @@ def test_the_segment_key_ignores_bookkeeping_but_not_what_shapes_the_segment() -
     assert _task(training=backprop.to_dict()).segment_key() != base.segment_key()
 
 
-def _reply_to(agent: object, hub: InProcessHub, task: Task, device: str) -> object:
+def _reply_to(
+    agent: object, hub: InProcessHub, task: Task, device: str, kind: str = "train"
+) -> object:
     config = ConfigRecord({"task": task.to_json(), "server-round": 1})
     grid = TransportGrid(InProcessTransport(hub, "coordinator"))
     message = grid.create_message(
-        RecordDict({"config": config}), "train", node_id_for(device), "edgesplit"
+        RecordDict({"config": config}), kind, node_id_for(device), "edgesplit"
     )
     context = Context(1, node_id_for(device), {}, RecordDict(), {})
     return agent.client_app()(message, context)  # type: ignore[attr-defined]
@@ -329,3 +331,24 @@ def test_blocks_over_the_budget_are_refused_in_one_line_not_a_traceback(
     refusals = [r for r in caplog.records if "refused round 1" in r.getMessage()]
     assert len(refusals) == 1 and refusals[0].exc_info is None
     assert not any(r.exc_info for r in caplog.records), "no traceback for a refusal"
+
+
+def test_blocks_past_the_models_last_are_refused_when_asked_and_when_sent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import edge_client.agent
+
+    monkeypatch.setattr(edge_client.agent, "_SERVERS_WAIT", 0.1)  # no GPU server here
+    hub = InProcessHub()
+    agent = _edge_agent(hub)
+    blocks = MODEL.build(seed=0).num_blocks
+    asked = _reply_to(agent, hub, _task(end=1000), "pi-01", "query")
+    answer = asked.content  # type: ignore[attr-defined]
+    assert answer.metric_records["metrics"]["accepted"] == 0
+    reason = str(answer.config_records["answer"]["reason"])
+    assert reason == f"blocks [0, 1000): mlp has {blocks} blocks", reason
+    sent = _reply_to(agent, hub, _task(start=1, end=blocks + 1), "pi-01")
+    assert f"blocks [1, {blocks + 1}): mlp has {blocks} blocks" in sent.error.reason  # type: ignore[attr-defined]
+    # the model's own blocks are still taken
+    fits = _reply_to(agent, hub, _task(end=blocks), "pi-01", "query")
+    assert fits.content.metric_records["metrics"]["accepted"] == 1  # type: ignore[attr-defined]
