@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
+import numpy as np
 from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
@@ -191,6 +192,7 @@ class GpuAgent:
         def cancelled() -> bool:  # the try was replaced, or this server is stopping
             return self.node.leaving or follow()
 
+        before = _traffic(back)
         scale, random = sections[1].lr_scale(number), self._stream(message, task, sections[1])
         back.begin_round(number, task.edges, weights, peers, *options, scale, random)
         wait = server_wait_seconds(sections[1].round_deadline_seconds)
@@ -206,8 +208,7 @@ class GpuAgent:
             {
                 "num-examples": examples,
                 "loss": loss,
-                "bytes-received": sum(w.nbytes for w in weights.values()),
-                "bytes-sent": sum(a.nbytes for a in arrays.values()),
+                **_counted(before, _traffic(back), weights, arrays),
                 "wall-seconds": time.perf_counter() - started,
                 **back.timing(),
             }
@@ -222,6 +223,38 @@ class GpuAgent:
             }
         )
         return Message(content, reply_to=message)
+
+
+def _traffic(back: BackTrainer) -> tuple[int, int, int, int]:
+    """The bytes ``back``'s stream has sent and received so far, and of those the cut's
+    (activations and gradients, either way)."""
+    stats = back.stream.channel.stats
+    sent, received = stats.sent_by_kind, stats.received_by_kind
+    cut = ("activations", "gradients")
+    return (
+        stats.bytes_sent,
+        stats.bytes_received,
+        sum(sent[k] for k in cut),
+        sum(received[k] for k in cut),
+    )
+
+
+def _counted(
+    before: tuple[int, ...],
+    after: tuple[int, ...],
+    weights: Mapping[str, np.ndarray],
+    arrays: Mapping[str, np.ndarray],
+) -> dict[str, int]:
+    """A round's traffic, as an edge reports its own: the weights down and up, and what the
+    stream carried meanwhile (the edges' activations in, credits and splitfed's gradients
+    out, a chained piece's forwarding), with the cut's bytes apart."""
+    sent, received, cut_sent, cut_received = (a - b for a, b in zip(after, before, strict=True))
+    return {
+        "bytes-received": sum(w.nbytes for w in weights.values()) + received,
+        "bytes-sent": sum(a.nbytes for a in arrays.values()) + sent,
+        "cut-bytes-received": cut_received,
+        "cut-bytes-sent": cut_sent,
+    }
 
 
 def _abandoned(message: Message, number: int, device: str, leaving: bool) -> Message:

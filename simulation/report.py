@@ -96,8 +96,10 @@ def round_rows(
                 **federated,
                 "participants": len(trained),
                 **clients_of(record),
-                "bytes_up": sum(r.bytes_sent for r in record.results),
-                "bytes_down": sum(r.bytes_received for r in record.results),
+                # the clients' links, as the cut MB of the clients' table (the GPU server's
+                # traffic, the same activations again, is in `edgesplit status`)
+                "bytes_up": sum(r.bytes_sent for r in record.results if r.device in profiles),
+                "bytes_down": sum(r.bytes_received for r in record.results if r.device in profiles),
                 "wall_seconds": record.metrics.get("wall_seconds"),
                 "simulated_seconds": simulated_round_seconds(
                     record.results, edges, profiles, backprop, largest

@@ -17,7 +17,9 @@ def round_summary(record: RoundRecord, servers: Collection[str] = ()) -> dict[st
     """One round: state, evaluation, participants and traffic. ``participants`` and
     ``examples`` count the edges (the clients, as a simulation's table does), and so does
     ``failed``; the GPU servers in ``servers``, which train the same examples again on the
-    back, are shown apart (``servers``, ``servers_failed``, ``server_examples``). Where the
+    back, are shown apart (``servers``, ``servers_failed``, ``server_examples``), and so is
+    the traffic: ``bytes_up``/``bytes_down`` is the edges', ``server_bytes_up``/``_down``
+    the servers' (their weights and their streams: the edges' activations again). Where the
     edges are simulation hosts (``group_clients``), ``clients`` counts the clients they
     trained."""
     loss = record.evaluation.get("loss", record.metrics.get("loss"))
@@ -35,8 +37,10 @@ def round_summary(record: RoundRecord, servers: Collection[str] = ()) -> dict[st
         "examples": sum(r.examples for r in edges if not r.failure),
         **clients_of(record),
         "server_examples": sum(r.examples for r in backs if not r.failure),
-        "bytes_up": sum(r.bytes_sent for r in record.results),
-        "bytes_down": sum(r.bytes_received for r in record.results),
+        "bytes_up": sum(r.bytes_sent for r in edges),
+        "bytes_down": sum(r.bytes_received for r in edges),
+        "server_bytes_up": sum(r.bytes_sent for r in backs),
+        "server_bytes_down": sum(r.bytes_received for r in backs),
         "committed_at": record.committed_at.isoformat() if record.committed_at else None,
         "devices": [
             {

@@ -239,6 +239,15 @@ def test_modes_train_the_assembled_model(
     assert rounds[-1].evaluation["accuracy"] > 0.5, [r.evaluation for r in rounds]
     for record in rounds:
         assert all(r.failure is None and r.examples > 0 for r in record.results)
+    # the GPU server counts what its stream carried (it counted its weights alone): the
+    # edges' activations in, and in backprop their gradients out
+    cut = {(m.name, m.device): m.value for m in store.metrics("svc-1") if m.round == 1}
+    into, out = (cut[(f"cut_bytes_{way}", "gpu-a")] for way in ("received", "sent"))
+    assert into == sum(cut[("cut_bytes_sent", e)] for e in EDGES) > 0
+    assert out == sum(cut[("cut_bytes_received", e)] for e in EDGES)
+    assert (out > 0) == (mode == "backprop")
+    server = next(r for r in rounds[0].results if r.device == "gpu-a")
+    assert server.bytes_received > into and server.bytes_sent > out
     if mode == "backprop":
         assert all(e._built is not None for e in edges)
         trainers = [e._built.trainer for e in edges if e._built is not None]

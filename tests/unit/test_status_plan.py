@@ -21,9 +21,9 @@ def test_a_large_fleet_is_counted_per_cut_and_a_malformed_plan_shows_nothing() -
         assert _plan_line(broken) is None
 
 
-def test_a_rounds_failed_count_is_of_edges_as_its_participants_are() -> None:
+def test_a_rounds_counts_are_of_edges_as_its_participants_are() -> None:
     """A round read '4 participants, 3 failed' of four edges: the failed GPU servers were
-    counted among the edges' failures."""
+    counted among the edges' failures. The traffic is the edges' too, the servers' apart."""
     from storage.records import DeviceResult, RoundRecord
     from storage.report import round_summary
 
@@ -33,10 +33,10 @@ def test_a_rounds_failed_count_is_of_edges_as_its_participants_are() -> None:
         "committed",
         ("pi-01", "pi-02", "gpu-a"),
         (
-            DeviceResult("pi-01", examples=32),
-            DeviceResult("pi-02", examples=32),
+            DeviceResult("pi-01", examples=32, bytes_sent=300, bytes_received=20),
+            DeviceResult("pi-02", examples=32, bytes_sent=300, bytes_received=20),
             DeviceResult("pi-03", failure="offline"),
-            DeviceResult("gpu-a", examples=64),
+            DeviceResult("gpu-a", examples=64, bytes_sent=50, bytes_received=640),
             DeviceResult("gpu-b", failure="offline"),
         ),
     )
@@ -44,6 +44,9 @@ def test_a_rounds_failed_count_is_of_edges_as_its_participants_are() -> None:
     assert summary["participants"] == ["pi-01", "pi-02"] and summary["failed"] == ["pi-03"]
     assert summary["servers"] == ["gpu-a"] and summary["servers_failed"] == ["gpu-b"]
     assert summary["examples"] == 64 and summary["server_examples"] == 64
+    # the edges' links, and the server's traffic (the same activations again) apart
+    assert (summary["bytes_up"], summary["bytes_down"]) == (600, 40)
+    assert (summary["server_bytes_up"], summary["server_bytes_down"]) == (50, 640)
 
 
 def test_an_export_whose_file_fails_the_check_says_so_on_stderr(
