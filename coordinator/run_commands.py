@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from collections.abc import Sequence
 
@@ -55,10 +56,24 @@ def _check_run(store: RunStore, run_id: str) -> str:
         raise ConfigError(f"run {run_id!r} is not in this store (it holds: {held})") from None
 
 
+def _awaited_run(store: RunStore, run_id: str) -> str:
+    """The run's status, once it is in the store: a run followed before its coordinator has
+    created it (both started at once, as a deployment does) is waited for, said once."""
+    said = False
+    while True:
+        try:
+            return store.get_run(run_id).status
+        except NotFoundError:
+            if not said:
+                print(f"run {run_id!r} is not in this store yet: waiting for it", file=sys.stderr)
+                said = True
+        time.sleep(_FOLLOW_POLL)
+
+
 def events_command(args: argparse.Namespace) -> int:
     """Print the run's events; with ``--follow``, new ones as they come until it ends."""
     with open_existing(args.db, args.db_password) as store:
-        status = _check_run(store, args.run)
+        status = _awaited_run(store, args.run) if args.follow else _check_run(store, args.run)
         events = store.events(args.run)
         _print(events[-args.last :] if args.last else events, args.json)
         seen = len(events)
