@@ -37,7 +37,7 @@ from split_models.activations import activation_arrays
 from split_models.config import ModelConfig, TrainingConfig
 from split_models.cpu import process_cpu_share
 from split_models.data import Dataset, model_data_problem, scale_warning, shaped_for
-from split_models.errors import ConfigError
+from split_models.errors import ConfigError, ModelError
 from split_models.evaluation import (
     MAX_STATISTIC_SAMPLES,
     STATISTIC_BLOCKS,
@@ -330,9 +330,10 @@ class EdgeAgent:
         except Exception as error:
             if not handed[0]:  # the trainer's own give-up covers a failure mid-round
                 self._nothing_sent(task, round_of(message), job.attempt)
-            if not isinstance(error, AssignmentRefused):
+            if not isinstance(error, AssignmentRefused | ModelError):
                 raise
-            # its own decision, not a fault: one line, and the reason to the coordinator
+            # its own decision, or weights that do not fit the blocks: one line, not a
+            # traceback, and the reason to the coordinator
             warn(log, "refused", "%s refused round %d: %s", self.device, round_of(message), error)
             reason = f"{type(error).__name__}: {error}"
             return Message(Error(code=1, reason=reason), reply_to=message)

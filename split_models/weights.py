@@ -68,7 +68,9 @@ def norm_keys(segment: Segment) -> set[str]:
 def load_segment_state(segment: Segment, arrays: Mapping[str, np.ndarray]) -> None:
     """Load the tensors of ``segment`` from ``arrays`` (which may hold other layers too).
 
-    Every tensor of the segment must be present with its shape; nothing else is touched.
+    Every tensor of the segment must be present with its shape, as finite numbers (raises
+    :class:`ModelError` naming the first that is not, before anything is loaded); nothing
+    else is touched.
     """
     named = _named_tensors(segment)
     wanted = [entry for _, tensors in named for entry in tensors.values()]
@@ -79,9 +81,13 @@ def load_segment_state(segment: Segment, arrays: Mapping[str, np.ndarray]) -> No
             f"{missing[:5]}{'...' if len(missing) > 5 else ''}"
         )
     for name, current in wanted:
-        shape = tuple(current.shape)
-        if arrays[name].shape != shape and not _legacy_scalar(arrays[name], shape):
-            raise ModelError(f"{name}: shape {arrays[name].shape}, the segment has {shape}")
+        shape, array = tuple(current.shape), np.asarray(arrays[name])
+        if array.shape != shape and not _legacy_scalar(array, shape):
+            raise ModelError(f"{name}: shape {array.shape}, the segment has {shape}")
+        if array.dtype.kind not in "biuf":
+            raise ModelError(f"{name}: dtype {array.dtype}, expected numbers")
+        if array.dtype.kind == "f" and not np.isfinite(array).all():
+            raise ModelError(f"{name}: holds NaN or infinity")
 
     def tensor(name: str, current: torch.Tensor) -> torch.Tensor:
         array = np.asarray(arrays[name])  # load_state_dict copies: a view is enough

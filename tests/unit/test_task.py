@@ -352,3 +352,39 @@ def test_blocks_past_the_models_last_are_refused_when_asked_and_when_sent(
     # the model's own blocks are still taken
     fits = _reply_to(agent, hub, _task(end=blocks), "pi-01", "query")
     assert fits.content.metric_records["metrics"]["accepted"] == 1  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("bad", ["nan", "missing", "shape", "dtype"])
+def test_weights_that_do_not_fit_the_blocks_are_refused_in_one_line(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, bad: str
+) -> None:
+    """A train message's weights are checked before anything loads: a rogue or broken one
+    was loaded with NaN in it, or failed with a traceback."""
+    import edge_client.agent
+    from split_models.segment import Segment
+    from split_models.weights import segment_state
+    from wire.arrays import array_record
+
+    monkeypatch.setattr(edge_client.agent, "_SERVERS_WAIT", 0.1)  # no GPU server here
+    hub = InProcessHub()
+    agent = _edge_agent(hub)
+    segment = Segment.from_model(MODEL.build(seed=0), 0, 2, "linear")
+    weights = {k: v.copy() for k, v in segment_state(segment).items()}
+    name = next(k for k, v in weights.items() if v.ndim == 2)
+    if bad == "nan":
+        weights[name][0, 0] = np.nan
+    elif bad == "missing":
+        del weights[name]
+    elif bad == "shape":
+        weights[name] = weights[name][:1]
+    else:
+        weights[name] = weights[name].astype(np.complex64)
+    config = ConfigRecord({"task": _task().to_json(), "server-round": 1})
+    grid = TransportGrid(InProcessTransport(hub, "coordinator"))
+    content = RecordDict({"config": config, "arrays": array_record(weights)})
+    message = grid.create_message(content, "train", node_id_for("pi-01"), "edgesplit")
+    with caplog.at_level(logging.WARNING):
+        reply = agent.client_app()(message, Context(1, node_id_for("pi-01"), {}, RecordDict(), {}))
+    assert reply.has_error() and "ModelError" in reply.error.reason, reply.error.reason
+    assert name in reply.error.reason
+    assert not any(r.exc_info for r in caplog.records), "no traceback for a bad message"
