@@ -28,7 +28,7 @@ from flwr.clientapp import ClientApp
 
 from gpu_server.trainer import BackTrainer
 from split_models.config import ModelConfig, TrainingConfig
-from split_models.errors import ConfigError
+from split_models.errors import ConfigError, ModelError
 from split_models.randomness import RandomStream, stream_seed
 from split_models.sections import task_sections
 from wire.channel import Channel
@@ -149,7 +149,11 @@ class GpuAgent:
             except (WireError, ConfigError) as error:
                 log.warning("rejected a task: %s", error)
                 return Message(Error(code=3, reason=f"bad task: {error}"), reply_to=message)
-            return self._round(message, task, sections, (mu, attempt))
+            try:
+                return self._round(message, task, sections, (mu, attempt))
+            except ModelError as error:  # weights that do not fit the blocks: one line
+                log.warning("refused round %d: %s", round_of(message), error)
+                return Message(Error(code=1, reason=f"ModelError: {error}"), reply_to=message)
 
         return app
 

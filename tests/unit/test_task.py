@@ -388,3 +388,33 @@ def test_weights_that_do_not_fit_the_blocks_are_refused_in_one_line(
     assert reply.has_error() and "ModelError" in reply.error.reason, reply.error.reason
     assert name in reply.error.reason
     assert not any(r.exc_info for r in caplog.records), "no traceback for a bad message"
+
+
+def test_a_gpu_server_refuses_weights_with_nan_in_one_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from gpu_server.agent import GpuAgent
+    from split_models.segment import Segment
+    from split_models.weights import segment_state
+    from wire.arrays import array_record
+
+    hub = InProcessHub()
+    gpu = GpuAgent(
+        Announcement("gpu-a", "gpu", 1 << 32, 1e9),
+        InProcessTransport(hub, "gpu-a-control"),
+        InProcessTransport(hub, "gpu-a-stream"),
+    )
+    end = MODEL.build(seed=0).num_blocks
+    weights = segment_state(Segment.from_model(MODEL.build(seed=0), 2, end, "linear"))
+    name = next(iter(weights))
+    weights = {**weights, name: np.full_like(weights[name], np.nan)}
+    task = _task(start=2, end=end, forward=None)
+    config = ConfigRecord({"task": task.to_json(), "server-round": 1})
+    grid = TransportGrid(InProcessTransport(hub, "coordinator"))
+    content = RecordDict({"config": config, "arrays": array_record(weights)})
+    message = grid.create_message(content, "train", node_id_for("gpu-a"), "edgesplit")
+    with caplog.at_level(logging.WARNING):
+        reply = gpu.client_app()(message, Context(1, node_id_for("gpu-a"), {}, RecordDict(), {}))
+    assert reply.has_error(), "NaN weights were taken"
+    assert reply.error.reason == f"ModelError: {name}: holds NaN or infinity", reply.error.reason
+    assert not any(r.exc_info for r in caplog.records)
