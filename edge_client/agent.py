@@ -313,13 +313,13 @@ class EdgeAgent:
         return clock.metrics()
 
     def _round(self, message: Message, job: _Job) -> Message:
-        task, handed = job.task, [False]
+        task, handed, work = job.task, [False], (round_of(message), job.attempt)
         try:
             self.check(task, job.model)
-            work = (round_of(message), job.attempt)
             replaced = self.sessions.follow(task.run, task.session, work)
             return self._train(message, job, lambda: self.node.leaving or replaced(), handed)
-        except (RoundAbandoned, PeerOffline) as abandoned:
+        except (RoundAbandoned, PeerOffline) as raised:
+            abandoned = self.sessions.explained(raised, task.run, task.session, work)
             if self.node.leaving:  # stopped (SIGTERM, Ctrl-C): its leaving ended the try
                 why = left_unfinished(round_of(message), f"edge {self.device}")
                 log.info("%s", why)

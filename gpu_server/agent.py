@@ -188,10 +188,9 @@ class GpuAgent:
         (``options``: FedProx's proximal weight and the coordinator's try of the round)."""
         started = time.perf_counter()
         back = self.back(task, sections)
-        weights = numpy_arrays(message)
-        number = round_of(message)
+        weights, number = numpy_arrays(message), round_of(message)
         peers = [s for s in task.servers if s != self.device]
-        follow = self.sessions.follow(task.run, task.session, (number, options[1]))
+        follow = self.sessions.follow(task.run, task.session, work := (number, options[1]))
 
         def cancelled() -> bool:  # the try was replaced, or this server is stopping
             return self.node.leaving or follow()
@@ -202,10 +201,11 @@ class GpuAgent:
         wait = server_wait_seconds(sections[1].round_deadline_seconds)
         offline = self._offline(task, peers)
         examples, loss = back.wait_round(task.edges, wait, cancelled, offline, GAP_QUIET_SECONDS)
-        _log_batches(back, task.run, (number, options[1]), self.device)
+        _log_batches(back, task.run, work, self.device)
         back.part()  # left out of the next plan, it must not take a share of this stream
         if cancelled():
-            return _abandoned(message, number, self.device, self.node.leaving)
+            why = self.sessions.why(task.run, task.session, work)
+            return _abandoned(message, number, self.device, self.node.leaving, why)
         arrays = back.state()
         trained: dict[str, Any] = back.round_senders()
         metrics = MetricRecord(
@@ -261,14 +261,17 @@ def _counted(
     }
 
 
-def _abandoned(message: Message, number: int, device: str, leaving: bool) -> Message:
+def _abandoned(
+    message: Message, number: int, device: str, leaving: bool, why: str | None = None
+) -> Message:
     """The error reply of a round cut short: by this server stopping (SIGTERM, Ctrl-C: its
-    leaving made the coordinator move on), or by the coordinator replacing the try."""
+    leaving made the coordinator move on), or by the coordinator replacing the try (``why``:
+    with what, :meth:`~wire.session.SessionWatch.why`)."""
     if leaving:
         reason = left_unfinished(number, f"GPU server {device}")
         log.info("%s", reason)
     else:
-        reason = str(RoundAbandoned(number))
+        reason = str(RoundAbandoned(number, why))
         log.warning("%s", reason)
     return Message(Error(code=2, reason=reason), reply_to=message)
 

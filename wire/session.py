@@ -22,6 +22,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from wire import topics
 from wire.logs import warn
@@ -47,13 +48,12 @@ _LAST_ROUND = 999_999_999  # the largest round an announcement carries: after ev
 
 class RoundAbandoned(RuntimeError):
     """The coordinator that asked for this round stopped or was replaced (a later session,
-    round or try was announced); nobody waits for its end."""
+    round or try was announced); nobody waits for its end. ``why``: what was announced
+    (:meth:`SessionWatch.why`)."""
 
-    def __init__(self, round_number: int) -> None:
-        super().__init__(
-            f"round {round_number} abandoned: the coordinator that asked for it stopped or "
-            "was replaced"
-        )
+    def __init__(self, round_number: int, why: str | None = None) -> None:
+        why = why or "the coordinator that asked for it stopped or was replaced"
+        super().__init__(f"round {round_number} abandoned: {why}")
 
 
 def left_unfinished(round_number: int, device: str) -> str:
@@ -141,6 +141,35 @@ class SessionWatch:
         if since is None:
             return True
         return arrived > since or self._clock() - since > self._grace
+
+    def why(self, run: str, session: str | None, work: tuple[int, int]) -> str | None:
+        """What replaced ``work`` (round, try) of ``session`` in ``run``, as announced; None
+        when nothing was."""
+        with self._lock:
+            latest = self._latest.get(run)
+        if session is None or latest is None or (latest[0] == session and latest[1] <= work):
+            return None
+        return _why(session, work, latest[:2])
+
+    def explained(self, error: Exception, run: str, session: str | None, work: Any) -> Exception:
+        """``error``, a :class:`RoundAbandoned` of ``work`` (round, try) of ``session``, with
+        what replaced it (a retry, the next round, another coordinator); others as they are."""
+        if not isinstance(error, RoundAbandoned) or not (why := self.why(run, session, work)):
+            return error
+        return RoundAbandoned(work[0], why)
+
+
+def _why(session: str, work: tuple[int, int], latest: tuple[str, tuple[int, int]]) -> str:
+    """What replaced ``work`` (round, try) of ``session``, ``latest`` being the announced
+    session and its newest work."""
+    announced, (number, attempt) = latest
+    if announced != session:
+        return "another coordinator process (a restart, or a second one) drives the run now"
+    if number == _LAST_ROUND:
+        return "the run was stopped"
+    if number > work[0]:
+        return f"the coordinator went on to round {number}"
+    return f"the coordinator started try {attempt} of it (try {work[1]} did not finish in time)"
 
 
 def parse_announcement(payload: bytes) -> tuple[str, tuple[int, int]] | None:

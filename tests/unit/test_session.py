@@ -179,6 +179,36 @@ def test_a_later_attempt_or_round_cancels_the_earlier_one_on_a_device() -> None:
     assert guard.foreign == []  # its own announcements are not taken for forgeries
 
 
+def test_a_device_says_what_replaced_its_round() -> None:
+    """After a link blip a retried round was told 'the coordinator that asked for it stopped
+    or was replaced', which sent operators looking for a second coordinator."""
+    hub = InProcessHub()
+    mine = new_session()
+    guard = SessionGuard(InProcessTransport(hub, "coordinator"), "run", mine)
+    guard.start()
+    guard.attempt(3, 2)
+    watch = _watch(hub)
+    _until(lambda: watch.replaced("run", mine, work=(3, 1)))
+    abandoned = watch.explained(RoundAbandoned(3), "run", mine, (3, 1))
+    assert str(abandoned) == (
+        "round 3 abandoned: the coordinator started try 2 of it (try 1 did not finish in time)"
+    )
+    assert watch.why("run", mine, (3, 2)) is None  # the try under way
+    guard.attempt(4, 1)
+    _until(lambda: watch.replaced("run", mine, work=(3, 2)))
+    assert watch.why("run", mine, (3, 2)) == "the coordinator went on to round 4"
+    guard.end()
+    _until(lambda: watch.replaced("run", mine, work=(4, 1)))
+    assert watch.why("run", mine, (4, 1)) == "the run was stopped"
+    restarted = InProcessHub()  # a coordinator restarted after a crash: a new session
+    other_watch = _watch(restarted)
+    _announce(restarted, new_session())
+    _until(lambda: other_watch.replaced("run", mine, work=(4, 1)))
+    assert "another coordinator process" in str(other_watch.why("run", mine, (4, 1)))
+    other = ValueError("not a round abandoned")
+    assert watch.explained(other, "run", mine, (4, 1)) is other
+
+
 @pytest.mark.parametrize(
     "payload", [b"0123456789abcdef-01234567 3", b"0123456789abcdef-01234567 a b", b"x 1 2"]
 )
