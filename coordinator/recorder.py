@@ -6,24 +6,28 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from flwr.app import Message
+from flwr.app import ArrayRecord, Message
 from flwr.serverapp.strategy import FedAvg
 
 from coordinator.aggregation import flower_quiet
-from coordinator.assignments import keys_for
+from coordinator.assignments import Assignment, keys_for, span
 from coordinator.server_state import (
     restore_server_state,
     restore_server_tensors,
     server_state,
     server_tensors,
 )
+from split_models.mirror import with_mirrored_heads
 from storage.base import RunStore
 from storage.errors import NotFoundError
 from storage.records import DeviceResult, Event, MetricPoint, ResumeState, RoundRecord
-from wire.flower import array_numpy, numpy_arrays
+from wire.flower import array_numpy, array_record, numpy_arrays
+
+if TYPE_CHECKING:
+    from coordinator.planner import Placement
 
 __all__ = [
     "LOCAL_PREFIX",
@@ -33,6 +37,8 @@ __all__ = [
     "Outcome",
     "RoundObserver",
     "RoundRecorder",
+    "device_records",
+    "round_problem",
 ]
 
 log = logging.getLogger(__name__)
@@ -329,3 +335,42 @@ def _points(number: int, outcome: Outcome, trained: list[DeviceResult]) -> list[
         for r in trained
         for name, value in outcome.reported.get(r.device, {}).items()
     ]
+
+
+def device_records(
+    recorder: RoundRecorder,
+    weights: dict[str, np.ndarray],
+    spans: dict[str, tuple[int, int, int | None]],
+    mirrors: Mapping[int, Mapping[str, str]],
+) -> Callable[[str], ArrayRecord]:
+    """A device's weights for the round as a Flower record: built once per span and shared by
+    the devices that train it (1,000 clients on two cuts encode two records, not 1,000),
+    unless the device keeps its own copies of some tensors (FedBN). An edge whose head cut is
+    in ``mirrors`` gets the back's weights as its head's (``split_models.mirror``)."""
+    records: dict[tuple[str, tuple[int, int, int | None]], ArrayRecord] = {}
+
+    def arrays_for(device: str) -> ArrayRecord:
+        key = (device if device in recorder.local else "", spans[device])
+        if key not in records:
+            start, end, head = spans[device]
+            chosen = keys_for(weights, start, end, head)
+            if start == 0 and head is not None and head in mirrors:  # an edge (not a piece)
+                chosen = with_mirrored_heads(chosen, weights, mirrors[head])
+            records[key] = array_record(recorder.own(device, chosen))
+        return records[key]
+
+    return arrays_for
+
+
+def round_problem(
+    placement: Placement, servers: Sequence[Assignment], edges: int, needed: int
+) -> str | None:
+    """Why a round of ``placement`` cannot start with ``servers`` online and ``edges`` edges
+    selected (``needed``: the run's least); None when it can."""
+    missing = sorted({span(b) for b in placement.servers} - {span(b) for b in servers})
+    if missing:
+        pieces = ", ".join(f"[{a}, {b})" for a, b in missing)
+        return f"no GPU server holding blocks {pieces} is online"
+    if edges < needed:
+        return f"{edges} edge(s) online, {needed} needed"
+    return None

@@ -34,13 +34,21 @@ from flwr.app import ArrayRecord, Message
 from flwr.serverapp.strategy import FedAvg
 
 from coordinator.aggregation import configured_strategy, is_robust
-from coordinator.assignments import build_message, build_task, keys_for, route, span
+from coordinator.assignments import build_message, build_task, route, span
 from coordinator.config import RunConfig
 from coordinator.devices import DeviceRegistry, record_devices
 from coordinator.errors import CoordinatorError, RunCancelled
 from coordinator.lease import RunLease
+from coordinator.moves import MovedEdges
 from coordinator.planner import Placement, Planner
-from coordinator.recorder import WEIGHTS_SEGMENT, Evaluate, RoundObserver, RoundRecorder
+from coordinator.recorder import (
+    WEIGHTS_SEGMENT,
+    Evaluate,
+    RoundObserver,
+    RoundRecorder,
+    device_records,
+    round_problem,
+)
 from coordinator.resumption import create_or_check, first_try, record_take_over, resume_state
 from coordinator.runner import RoundRunner, RoundWork, Settle
 from coordinator.speed import Replanner
@@ -50,7 +58,7 @@ from split_models.data import Dataset, load_dataset, model_data_problem, shaped_
 from split_models.errors import ConfigError, SplitError
 from split_models.evaluation import evaluate_weights
 from split_models.isolated import profile_in_fresh_process
-from split_models.mirror import head_mirrors, with_mirrored_heads
+from split_models.mirror import head_mirrors
 from split_models.profiler import ModelProfile
 from split_models.randomness import apart
 from split_models.segment import Segment
@@ -158,6 +166,7 @@ class Coordinator:
         profile = profile or functools.partial(_profile_fresh, cache=profile_cache)
         self.planner = Planner(config, store, self.grid, self.session, profile, self.min_edges)
         self.replanner = Replanner(self.planner, store, config.devices.replan_drift)
+        self.moves = MovedEdges(config.training)  # an edge's first round at a new cut
         shape = tuple(config.model.input_shape)
         eval_data = (
             shaped_for(load_dataset(config.data.eval_data), shape)
@@ -333,7 +342,9 @@ class Coordinator:
 
         federated = evaluate if self.config.training.federated_eval > 0 else None
         self.runner.settle = _recalibration(self, lambda: now[0])
-        return self.runner.run(number, prepare, federated, start=weights), now[0]
+        merged = self.runner.run(number, prepare, federated, start=weights)
+        self.moves.trained_at(now[0].spans(), self.runner.reported)
+        return merged, now[0]
 
     def _work(self, number: int, weights: dict[str, np.ndarray], placement: Placement) -> RoundWork:
         """One attempt's messages: the strategy's sample of the edges, the online servers."""
@@ -346,12 +357,7 @@ class Coordinator:
         work = RoundWork([*(a.device for a in selected), *(b.device for b in servers)])
         work.absent = sorted(a.device for a in placement.edges if a.node not in online)
         work.require_server = True
-        missing = sorted({span(b) for b in placement.servers} - {span(b) for b in servers})
-        if missing:
-            pieces = ", ".join(f"[{a}, {b})" for a, b in missing)
-            work.problem = f"no GPU server holding blocks {pieces} is online"
-        elif len(selected) < self.min_edges:
-            work.problem = f"{len(selected)} edge(s) online, {self.min_edges} needed"
+        work.problem = round_problem(placement, servers, len(selected), self.min_edges)
         if work.problem is not None:
             return work
         options = next(iter(sampled.values()), {})
@@ -359,7 +365,7 @@ class Coordinator:
         spans = placement.spans()  # each device's blocks and head
         mirrors = head_mirrors(self.config.model, self.config.training, {a.end for a in selected})
         work.mirrors = {head: back for names in mirrors.values() for head, back in names.items()}
-        arrays_for = _records(self.runner.recorder, weights, spans, mirrors)
+        arrays_for = device_records(self.runner.recorder, weights, spans, mirrors)
         # the servers' messages go first: a server that starts its round late holds up the
         # edges that already train (the push of 1,000 edges' messages takes seconds)
         for back in servers:
@@ -373,8 +379,9 @@ class Coordinator:
         for a in selected:
             feeds = [s for s, r in routes.items() if r[2] == streams[a.device]]
             task = build_task(self.config, a, self.session, streams[a.device], servers=feeds)
+            told = {**sampled[a.node], **self.moves.options(a.device, spans[a.device])}
             work.messages[a.device] = build_message(
-                self.grid, a.node, arrays_for(a.device), "train", number, task, sampled[a.node]
+                self.grid, a.node, arrays_for(a.device), "train", number, task, told
             )
         return work
 
@@ -450,31 +457,6 @@ def _say_ended(guard: SessionGuard | None) -> None:
         guard.end()
     except TransportError as error:
         log.warning("could not tell the devices the run stopped: %s", error)
-
-
-def _records(
-    recorder: RoundRecorder,
-    weights: dict[str, np.ndarray],
-    spans: dict[str, tuple[int, int, int | None]],
-    mirrors: Mapping[int, Mapping[str, str]],
-) -> Callable[[str], ArrayRecord]:
-    """A device's weights for the round as a Flower record: built once per span and shared by
-    the devices that train it (1,000 clients on two cuts encode two records, not 1,000),
-    unless the device keeps its own copies of some tensors (FedBN). An edge whose head cut is
-    in ``mirrors`` gets the back's weights as its head's (``split_models.mirror``)."""
-    records: dict[tuple[str, tuple[int, int, int | None]], ArrayRecord] = {}
-
-    def arrays_for(device: str) -> ArrayRecord:
-        key = (device if device in recorder.local else "", spans[device])
-        if key not in records:
-            start, end, head = spans[device]
-            chosen = keys_for(weights, start, end, head)
-            if start == 0 and head is not None and head in mirrors:  # an edge (not a piece)
-                chosen = with_mirrored_heads(chosen, weights, mirrors[head])
-            records[key] = array_record(recorder.own(device, chosen))
-        return records[key]
-
-    return arrays_for
 
 
 def _central(config: RunConfig, data: Dataset) -> Evaluate:

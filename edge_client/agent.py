@@ -23,9 +23,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from flwr.app import ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from edge_client.jobs import Job, with_job
 from edge_client.source import OwnSegment, SegmentSource
 from edge_client.trainer import (
     EdgeRoundReport,
@@ -46,23 +47,15 @@ from split_models.evaluation import (
     evaluate_weights,
 )
 from split_models.measure import PeakMeter, peak_supported
-from split_models.sections import block_count, task_sections
+from split_models.sections import block_count
 from split_models.segment import Segment
 from split_models.timing import StepClock
 from split_models.units import format_bytes
 from wire import topics
 from wire.channel import Channel
 from wire.codec import Envelope, encode
-from wire.errors import WireError
 from wire.flow import CreditGate
-from wire.flower import (
-    array_record,
-    attempt_of,
-    numpy_arrays,
-    order_of,
-    proximal_mu_of,
-    round_of,
-)
+from wire.flower import array_record, numpy_arrays, round_of
 from wire.logs import warn
 from wire.presence import PeerOffline, PresenceWatch
 from wire.roles import Announcement, Task, go_online
@@ -97,45 +90,6 @@ def _warm_up(segment: Segment, data: Dataset, encoding: str) -> None:
     arrays = activation_arrays(result.output)
     envelope = Envelope("activations", "warm-up", "warm-up", 0, 0, {}, arrays)
     encode(envelope, encoding)
-
-
-@dataclass(frozen=True)
-class _Job:
-    """A message's task with its sections parsed."""
-
-    task: Task
-    model: ModelConfig
-    training: TrainingConfig
-    proximal_mu: float = 0.0  # FedProx's, from the strategy's train message
-    attempt: int = 1  # the coordinator's try of the round
-    order: int = 1  # the batch order it draws (wire.flower.order_of)
-
-
-def _job(message: Message, models: Collection[str]) -> _Job:
-    """The task of ``message``; raises ``WireError``/``ConfigError`` naming the bad field
-    (or a model outside the zoo and ``models``)."""
-    task = Task.parse(str(message.content.config_records["config"]["task"]))
-    train = message.metadata.message_type == "train"
-    mu, attempt = (proximal_mu_of(message), attempt_of(message)) if train else (0.0, 1)
-    order = order_of(message) if train else 1
-    return _Job(task, *task_sections(task.model, task.training, models), mu, attempt, order)
-
-
-def _with_job(
-    handle: Callable[[Message, _Job], Message], models: Collection[str]
-) -> Callable[[Message, Context], Message]:
-    """A Flower handler that parses the message's task once and passes it to ``handle``; a
-    task that does not parse is answered with an error naming the bad field."""
-
-    def handler(message: Message, _context: Context) -> Message:
-        try:
-            job = _job(message, models)
-        except (WireError, ConfigError) as error:
-            log.warning("rejected a task: %s", error)
-            return Message(Error(code=3, reason=f"bad task: {error}"), reply_to=message)
-        return handle(message, job)
-
-    return handler
 
 
 class EdgeAgent:
@@ -231,7 +185,7 @@ class EdgeAgent:
             self._split = (key, *self.data.split(fraction, seed=training.seed))
         return self._split[1], self._split[2]
 
-    def _build_segment(self, job: _Job) -> Segment:
+    def _build_segment(self, job: Job) -> Segment:
         task, spec, training = job.task, job.model, job.training
         model = spec.build(seed=training.seed)
         segment = Segment.from_model(
@@ -240,7 +194,7 @@ class EdgeAgent:
         _warm_up(segment, self.data, training.compression)
         return segment
 
-    def _trainer(self, job: _Job, segment: Segment) -> EdgeTrainer:
+    def _trainer(self, job: Job, segment: Segment) -> EdgeTrainer:
         task, training = job.task, job.training
         # one trainer per task up to the estimate (a new session gets a fresh one)
         key = dataclasses.replace(task, estimated_peak_bytes=0).to_json()
@@ -252,7 +206,7 @@ class EdgeAgent:
         self._built.trainer.segment = segment
         return self._built.trainer
 
-    def trainer_config(self, job: _Job) -> EdgeTrainerConfig:
+    def trainer_config(self, job: Job) -> EdgeTrainerConfig:
         """The trainer settings ``job``'s task and training section give this device."""
         task, training = job.task, job.training
         return EdgeTrainerConfig(
@@ -269,12 +223,12 @@ class EdgeAgent:
     # ---------------------------------------------------------------- Flower
     def client_app(self) -> ClientApp:
         app = ClientApp()
-        app.query()(_with_job(self._query, self.models))
-        app.train()(_with_job(self._round, self.models))
-        app.evaluate()(_with_job(self._evaluate, self.models))
+        app.query()(with_job(self._query, self.models))
+        app.train()(with_job(self._round, self.models))
+        app.evaluate()(with_job(self._evaluate, self.models))
         return app
 
-    def _query(self, message: Message, job: _Job) -> Message:
+    def _query(self, message: Message, job: Job) -> Message:
         """Whether this device takes ``job`` (accepted, or refused with the reason)."""
         try:
             self.check(job.task, job.model)
@@ -291,7 +245,7 @@ class EdgeAgent:
         )
         return Message(content, reply_to=message)
 
-    def _time_task(self, job: _Job) -> dict[str, float | list[int]]:
+    def _time_task(self, job: Job) -> dict[str, float | list[int]]:
         """A few training steps of the offered blocks on this device's data, timed as a
         round's are (:class:`~split_models.timing.StepClock`): the coordinator plans with
         the speed they measure, not the announced one. Backprop mode is timed in rounds."""
@@ -312,7 +266,7 @@ class EdgeAgent:
                 break
         return clock.metrics()
 
-    def _round(self, message: Message, job: _Job) -> Message:
+    def _round(self, message: Message, job: Job) -> Message:
         task, handed, work = job.task, [False], (round_of(message), job.attempt)
         try:
             self.check(task, job.model)
@@ -349,7 +303,7 @@ class EdgeAgent:
         gate.acquire(_SERVERS_WAIT)
         send_done_after_failure(self.channel, task.run, self.device, number, attempt)
 
-    def _evaluate(self, message: Message, job: _Job) -> Message:
+    def _evaluate(self, message: Message, job: Job) -> Message:
         """The assembled model's accuracy on the held-out share (none: zero examples); asked
         for its BatchNorm statistics instead (``norm: recalibrate``), those on the training
         share."""
@@ -367,14 +321,14 @@ class EdgeAgent:
         metrics = MetricRecord({"num-examples": count, **result})
         return Message(RecordDict({"metrics": metrics}), reply_to=message)
 
-    def _statistics(self, message: Message, job: _Job) -> Message:
+    def _statistics(self, message: Message, job: Job) -> Message:
         """The assembled model's BatchNorm statistics on this device's training share."""
         train, _ = self._datasets(job.training)
         with self.source.slot():  # on a shared host, bounded as training is
             return statistics_reply(message, job.model, train, job.training.seed)
 
     def _train(
-        self, message: Message, job: _Job, cancelled: Callable[[], bool], handed: list[bool]
+        self, message: Message, job: Job, cancelled: Callable[[], bool], handed: list[bool]
     ) -> Message:
         """Train one round of ``job``; ``cancelled`` turns true when its session is replaced;
         ``handed[0]`` turns true once its trainer takes over (and answers for failures)."""
@@ -392,6 +346,7 @@ class EdgeAgent:
         )
         with leased as lease:
             lease.segment.lr_scale = job.training.lr_scale(number)
+            lease.segment.step_bound = job.max_step
             trainer = self._trainer(job, lease.segment)
             handed[0] = True
             with self._peak() as peak:

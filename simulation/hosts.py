@@ -38,7 +38,8 @@ import numpy as np
 import torch
 from flwr.app import Error, Message, RecordDict
 
-from edge_client.agent import EdgeAgent, _Job
+from edge_client.agent import EdgeAgent
+from edge_client.jobs import Job
 from edge_client.trainer import EdgeTrainer
 from simulation.pool import HELD_BYTES, HELD_CLIENTS, HELD_PER_WEIGHT
 from split_models.segment import Segment, StepResult, Suspended
@@ -203,7 +204,7 @@ class HostAgent(EdgeAgent):
         self._host: tuple[str, HostTrainer, Segment] | None = None
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
 
-    def _host_trainer(self, job: _Job) -> HostTrainer:
+    def _host_trainer(self, job: Job) -> HostTrainer:
         """One segment and trainer per task (a new plan or session builds them anew)."""
         task = job.task
         key = dataclasses.replace(task, estimated_peak_bytes=0).to_json()
@@ -223,7 +224,7 @@ class HostAgent(EdgeAgent):
         return self._host[1]
 
     def _train(
-        self, message: Message, job: _Job, cancelled: Callable[[], bool], handed: list[bool]
+        self, message: Message, job: Job, cancelled: Callable[[], bool], handed: list[bool]
     ) -> Message:
         started, since = time.perf_counter(), time.monotonic()
         task, weights, number = job.task, numpy_arrays(message), round_of(message)

@@ -10,6 +10,7 @@ each edge's batch from that edge's cut), optionally returning the gradient of th
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -93,6 +94,9 @@ class Segment:
         # the round's factor of the learning rate (OptimizerConfig.round_scale), set by the
         # edge, GPU server or baseline that trains the round
         self.lr_scale = 1.0
+        # a bound on the round's steps besides the optimizer's max_step (the lower holds), set
+        # per round: an edge's first round at a new cut (edge_client.jobs.Job.max_step)
+        self.step_bound: float | None = None
         # where its training draws random numbers (dropout) from, set per round by its trainer
         # (split_models.randomness); None: torch's generator as it stands, under the lock
         self.random: RandomStream | None = None
@@ -203,6 +207,9 @@ class Segment:
         head's faster rate (``OptimizerConfig.head_scale``) counts, so a reached bound
         shortens the blocks' steps too."""
         config = self.optimizer_config
+        if self.step_bound is not None:
+            bound = min(self.step_bound, config.max_step or math.inf)
+            config = dataclasses.replace(config, max_step=bound)
         if config.clip_norm is None and config.max_step is None:
             return 1.0
         groups = [

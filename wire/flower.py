@@ -43,6 +43,7 @@ __all__ = [
     "array_numpy",
     "array_record",
     "attempt_of",
+    "max_step_of",
     "node_will",
     "numpy_array",
     "numpy_arrays",
@@ -97,6 +98,19 @@ def proximal_mu_of(message: Message) -> float:
         raise WireError("config", f"proximal-mu must be a number, got {value!r}")
     if not 0 <= value <= 1e6:  # NaN fails both comparisons
         raise WireError("config", f"proximal-mu must be in [0, 1e6], got {value!r}")
+    return float(value)
+
+
+def max_step_of(message: Message) -> float | None:
+    """A bound on each training step of a ``train`` message's round (``max-step``, as
+    ``optimizer.max_step``; the coordinator sets it for an edge's first round at a new cut);
+    None without one. A value that is not a number in ``(0, 1e3]`` raises
+    :class:`WireError`."""
+    value = message.content.config_records["config"].get("max-step")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1e3:
+        raise WireError("config", f"max-step must be a number in (0, 1000], got {value!r}")
     return float(value)
 
 

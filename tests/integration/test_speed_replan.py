@@ -256,8 +256,27 @@ def come_back_smaller(coordinator: Coordinator, edge: EdgeAgent, memory: int) ->
         time.sleep(0.01)
 
 
+def step_bounds_sent(monkeypatch: pytest.MonkeyPatch) -> dict[tuple[str, int], object]:
+    """The bound on each step (``max-step``) each train message the coordinator builds from
+    now on carries, by device and round (None: none)."""
+    from coordinator import service
+
+    told: dict[tuple[str, int], object] = {}
+    build = service.build_message
+
+    def record(grid: Any, node: int, arrays: Any, kind: str, number: int = 0, *rest: Any) -> Any:
+        message = build(grid, node, arrays, kind, number, *rest)
+        if kind == "train":
+            device = next(d for d in (*EDGES, "gpu-a") if node_id_for(d) == node)
+            told[(device, number)] = message.content.config_records["config"].get("max-step")
+        return message
+
+    monkeypatch.setattr(service, "build_message", record)
+    return told
+
+
 def test_an_edge_that_comes_back_with_less_memory_is_planned_anew(
-    tmp_path: Path, store: RunStore, profile: ModelProfile
+    tmp_path: Path, store: RunStore, profile: ModelProfile, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     logging.getLogger("flwr").setLevel(logging.WARNING)
     config = run_config(tmp_path, None)  # no re-plans from speeds: only the memory moves cuts
@@ -278,6 +297,7 @@ def test_an_edge_that_comes_back_with_less_memory_is_planned_anew(
         return before_round(number, placement, online)
 
     coordinator.replanner.before_round = shrink_before_round_2  # type: ignore[method-assign]
+    told = step_bounds_sent(monkeypatch)
 
     assert coordinator.run() == 3
 
@@ -296,3 +316,7 @@ def test_an_edge_that_comes_back_with_less_memory_is_planned_anew(
         results = {r.device: r for r in store.get_round("speed-1", number).results}
         assert results[EDGES[0]].failure is None and results[EDGES[0]].examples > 0
     assert edges[0]._built.trainer.segment.end == second[EDGES[0]]  # type: ignore[union-attr]
+    # its first round at the new cut stepped within the GPU servers' bound; no other did
+    bounded = {key for key, bound in told.items() if bound is not None}
+    assert bounded == {(EDGES[0], 2)} and told[(EDGES[0], 2)] == config.training.server_max_step
+    assert edges[0]._built.trainer.segment.step_bound is None  # type: ignore[union-attr]

@@ -97,6 +97,21 @@ def test_max_step_bounds_the_step_at_any_learning_rate(lr: float) -> None:
     assert _distance(both, start) <= min(0.02, _distance(plain, start)) * (1 + 1e-3)
 
 
+def test_a_rounds_step_bound_holds_beside_the_optimizers_and_is_lifted_after() -> None:
+    """``Segment.step_bound``, an edge's first round at a new cut (coordinator.moves): the
+    lower of it and ``max_step`` holds; None trains as the optimizer says."""
+    start = [p.detach().clone() for p in _segment(OptimizerConfig("sgd")).trainable_parameters()]
+    segment = _segment(OptimizerConfig("sgd", lr=2.0))
+    segment.step_bound = 0.02
+    assert _distance(_trained(segment, 1), start) == pytest.approx(0.02, rel=1e-3)
+    tighter = _segment(OptimizerConfig("sgd", lr=2.0, max_step=0.01))
+    tighter.step_bound = 0.02
+    assert _distance(_trained(tighter, 1), start) == pytest.approx(0.01, rel=1e-3)
+    lifted = _segment(OptimizerConfig("sgd", lr=2.0))
+    lifted.step_bound = None
+    assert _distance(_trained(lifted, 1), start) > 0.05
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [

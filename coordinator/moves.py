@@ -1,0 +1,43 @@
+"""An edge's first round at a new cut trains with the GPU servers' bound on each step.
+
+A re-plan (measured speeds, an edge back with less memory) moves an edge's cut. Where it moves
+deeper, the blocks it takes over were trained by the GPU servers, whose steps are bounded
+(``training.server_max_step``), and its local head at the new cut is fresh: the edge's own
+steps are not bounded by default, and at SGD momentum lr 0.05 the fresh head's first
+gradients moved those blocks by 27-47 % in one round (against 11-32 % without the move) and
+accuracy fell 9-12 points for that round (docs/benchmarks.md, "A re-plan's first round").
+So an edge's first round at a cut other than the one it last trained at is bounded as the
+servers are (``max-step`` in its train message); its later rounds are not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from split_models.config import TrainingConfig
+
+__all__ = ["MovedEdges"]
+
+Span = tuple[int, int, "int | None"]
+
+
+class MovedEdges:
+    """The cut each edge last trained at, and the bound on its steps at another one."""
+
+    def __init__(self, training: TrainingConfig) -> None:
+        bounds = [b for b in (training.optimizer.max_step, training.server_max_step) if b]
+        self.bound = min(bounds) if bounds else None
+        self.trained: dict[str, Span] = {}  # edge -> the blocks and head of its last round
+
+    def options(self, device: str, span: Span) -> dict[str, float]:
+        """What ``device``'s train message adds for a round at ``span``: the bound when it
+        last trained at another cut (nothing for its first round of this coordinator's: a
+        restarted one does not know where it trained)."""
+        last = self.trained.get(device)
+        if self.bound is None or last is None or last == span:
+            return {}
+        return {"max-step": self.bound}
+
+    def trained_at(self, spans: Mapping[str, Span], devices: Iterable[str]) -> None:
+        """``devices`` trained a round at their ``spans``."""
+        self.trained.update({d: spans[d] for d in devices if d in spans})
