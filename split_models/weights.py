@@ -27,16 +27,30 @@ def _named_tensors(segment: Segment) -> list[tuple[nn.Module, dict[str, tuple[st
         index, _, rest = key.partition(".")
         return f"block{segment.start + int(index)}.{rest}"
 
-    blocks = segment.module.state_dict().items()
+    blocks = _carried(segment.module)
     named = [(segment.module, {key: (block_name(key), t) for key, t in blocks})]
     if not segment.is_last:
-        head = segment.head.state_dict().items()
+        head = _carried(segment.head)
         named.append((segment.head, {key: (f"head{segment.end}.{key}", t) for key, t in head}))
     return named
 
 
+def _carried(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``module``'s ``state_dict`` items but its constants: buffers holding NaN or infinity
+    (an attention mask of ``-inf``, as ``nn.Transformer.generate_square_subsequent_mask``
+    makes). Every process builds them from the model's code; carried as weights, they failed
+    every reply's finite check and a strategy's server step (``-inf - -inf`` is NaN)."""
+    constants = {
+        name
+        for name, buffer in module.named_buffers()
+        if buffer.is_floating_point() and not bool(torch.isfinite(buffer).all())
+    }
+    return [(k, t) for k, t in module.state_dict().items() if k not in constants]
+
+
 def segment_state(segment: Segment) -> dict[str, np.ndarray]:
-    """Parameters and buffers of ``segment`` (blocks and head) under their global names."""
+    """Parameters and buffers of ``segment`` (blocks and head) under their global names; not
+    its constants (buffers of NaN or infinity as built: every process builds them)."""
     return {
         name: tensor.detach().cpu().numpy().copy()
         for _, tensors in _named_tensors(segment)
@@ -95,8 +109,9 @@ def load_segment_state(segment: Segment, arrays: Mapping[str, np.ndarray]) -> No
             array = np.array(array, order="C")
         return torch.from_numpy(array).reshape(current.shape)
 
-    for module, tensors in named:
-        module.load_state_dict({key: tensor(*entry) for key, entry in tensors.items()})
+    for module, tensors in named:  # a constant (not carried) stays as built
+        loaded = {key: tensor(*entry) for key, entry in tensors.items()}
+        module.load_state_dict(loaded, strict=len(loaded) == len(module.state_dict()))
 
 
 def _legacy_scalar(array: np.ndarray, shape: tuple[int, ...]) -> bool:

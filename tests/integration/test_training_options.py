@@ -266,3 +266,27 @@ def test_edges_cut_before_the_classifier_start_their_head_from_it(
     moved = weights["block5.0.weight"] - began["block5.0.weight"]
     assert not np.allclose(moved, 0, atol=1e-3), "the server trained the classifier"
     assert summary["final_accuracy"] > 0.3, summary["rounds"]
+
+
+@pytest.mark.parametrize(
+    ("method", "strategy"),
+    [("local-loss", "fedavg"), ("splitfed", "fedadam"), ("fedavg", "fedavg")],
+)
+def test_a_model_with_a_causal_mask_of_minus_infinity_trains(
+    tmp_path: Path, method: str, strategy: str
+) -> None:
+    # the mask, a buffer of -inf, travelled as a weight: every reply failed the finite check
+    # ("its training diverged"), and a server step would take -inf - -inf (NaN)
+    summary, weights = _simulate(
+        tmp_path,
+        "run",
+        model="tests.fixtures.user_models:causal",
+        input_shape=[8, 8],
+        method=method,
+        strategy={"name": strategy},
+    )
+    assert [r["round"] for r in summary["rounds"]] == [1, 2]
+    assert not [e for e in summary["events"] if e[0] == "round-failed"], summary["events"]
+    assert summary["final_accuracy"] > 0.2, summary["rounds"]  # chance is 0.1
+    assert weights and not [k for k in weights if k.endswith(".mask")], "built, not carried"
+    assert all(np.isfinite(v).all() for v in weights.values())
