@@ -25,7 +25,7 @@ from coordinator.config import (
     config_changes,
     describe_changes,
 )
-from coordinator.resumption import create_or_check
+from coordinator.resumption import code_change, create_or_check, model_code, stored_code
 from simulation.config import Profile, SimConfig, run_config
 from split_models.data import Dataset
 from split_models.errors import ConfigError
@@ -169,11 +169,15 @@ def _differences(
     settings = config_changes(run.config, now, TRAINING_KEYS)
     recorded = _recorded(store, run.run_id) or {}
     other = [k for k in prints if k in recorded and recorded[k] != prints[k]]
+    # model code changed: a settings change (a new run, or --allow-config-change goes on):
+    # it was an error telling `simulate` to "use a new run_id", which it has no flag for
+    code = code_change(stored_code(store, run.run_id), model_code(now)) if not network else None
     reasons = [describe_changes({**network, **settings}), ", ".join(f"other {k}" for k in other)]
+    reasons.append(code or "")
     grouped = (was := _grouped(run.config)) != config.fleet.group_clients  # its devices
     if grouped:
         reasons = [f"group_clients {str(was).lower()} -> {str(not was).lower()}"]
-    differ = "other" if network or other else "settings" if settings else None
+    differ = "other" if network or other else "settings" if settings or code else None
     if differ == "settings" and (grouped or set(settings) & set(_HELD_TENSORS)):
         differ = "other"
     return "; ".join(filter(None, reasons)), differ

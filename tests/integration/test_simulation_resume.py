@@ -237,3 +237,31 @@ def test_a_baseline_shows_its_rounds_and_an_interrupt_marks_it_cancelled(
     if method == "fedavg":  # each client got the whole model and sent it back
         results = [r for r in first.results if not r.failure]
         assert results and all(r.bytes_received == r.bytes_sent > 0 for r in results)
+
+
+def test_changed_model_code_resumes_only_with_allow_config_change(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """It was an error telling `simulate` to "use a new run_id", which it has no flag for:
+    code that changed now counts as the learning rate does."""
+    import sys
+
+    code = "from torch import nn\n\ndef net(input_shape, num_classes):\n    return nn.Sequential("
+    layers = "nn.Flatten(), nn.Linear(64, 32), nn.{}(), nn.Linear(32, num_classes))\n"
+    (tmp_path / "net_v.py").write_text(code + layers.format("ReLU"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out, model = tmp_path / "sim", {"model": "net_v:net", "input_shape": [1, 8, 8]}
+    first = _simulate(out, rounds=1, **model)["run_id"]
+    (tmp_path / "net_v.py").write_text(code + layers.format("GELU"))
+    sys.modules.pop("net_v", None)  # as a new process imports it
+    with caplog.at_level(logging.WARNING, logger="simulation.resume"):
+        other = _simulate(out, rounds=2, **model)["run_id"]
+    assert other != first
+    assert "the model's code changed" in caplog.text, caplog.text
+    assert "--allow-config-change resumes it" in caplog.text, caplog.text
+
+    resumed = _simulate(out, allow_config_change=True, rounds=2, **model)
+    assert resumed["run_id"] == first and [r["round"] for r in resumed["rounds"]] == [1, 2]
+    with open_store(f"sqlite:///{out / 'runs.db'}") as store:
+        changed = [e.detail for e in store.events(first) if e.kind == "config-changed"]
+    assert len(changed) == 1 and "the model's code changed" in changed[0], changed
