@@ -24,11 +24,20 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from split_models.data import Dataset
 from split_models.plan import EdgeAssignment
 from storage.base import RunStore
 from storage.report import clients_of
 
-__all__ = ["client_rows", "round_rows", "simulated_round_seconds", "write_outputs"]
+__all__ = [
+    "client_rows",
+    "majority_share",
+    "round_rows",
+    "simulated_round_seconds",
+    "write_outputs",
+]
 
 log = logging.getLogger(__name__)
 
@@ -204,3 +213,10 @@ def write_curves(path: Path, summary: Mapping[str, Any]) -> bool:
     figure.savefig(path, dpi=90, format="png")
     plt.close(figure)
     return True
+
+
+def majority_share(data: Dataset) -> float:
+    """The share of ``data``'s labels held by its most common class: the accuracy of a model
+    that always answers it (a run no better has not learned, whatever its chance level)."""
+    labels = np.asarray(data.y).reshape(-1)
+    return float(np.bincount(labels).max() / len(labels)) if len(labels) else 0.0

@@ -40,7 +40,7 @@ from simulation.config import (
 )
 from simulation.hosts import ClientGroup, HostAgent
 from simulation.pool import SegmentPool
-from simulation.report import client_rows, round_rows, write_outputs
+from simulation.report import client_rows, majority_share, round_rows, write_outputs
 from simulation.resume import fingerprint, run_id_for, start_run
 from simulation.shield import HeldSignals, held_signals
 from split_models.data import (
@@ -292,6 +292,7 @@ def simulate(
             summary = _baseline(
                 config, (train, test), parts, out, (run_id, held, observer), started
             )
+            summary["test_majority_share"] = majority_share(test)
             write_outputs(out, summary, summary.pop("_plan_text"))
             return summary
         names = client_names(config.fleet.clients)
@@ -306,6 +307,7 @@ def simulate(
             (observer, held),
         )
         summary = _summary(config, run_id, started, trained)
+        summary["test_majority_share"] = majority_share(test)
         write_outputs(out, summary, _plan_text(trained[1]))
     return summary
 

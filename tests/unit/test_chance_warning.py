@@ -38,3 +38,28 @@ def test_a_batchnorm_model_averaged_as_it_is_gets_a_hint(
 
     config = {"model": model, "input_shape": [1, 28, 28], "num_classes": 10, "norm": norm}
     assert ("norm: recalibrate" in _norm_hint(parse_sim_config(config))) is hinted
+
+
+@pytest.mark.parametrize(
+    ("accuracy", "majority", "warned"),
+    [(0.9112, 0.9112, True), (0.914, 0.9112, True), (0.95, 0.9112, False), (0.11, 0.11, False)],
+)
+def test_an_accuracy_no_better_than_the_commonest_class_is_a_warning(
+    accuracy: float, majority: float, warned: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A user's 91 % zeros test set: 0.9112 in both rounds, the loss rising, and no word of it
+    (the chance check knew only 1 / classes). Balanced data leaves it to the chance check."""
+    from simulation.command import _say_if_majority
+
+    _say_if_majority(accuracy, 10, majority)
+    assert ("most common class" in capsys.readouterr().out) is warned
+
+
+def test_the_summary_knows_the_test_sets_commonest_share() -> None:
+    import numpy as np
+
+    from simulation.report import majority_share
+    from split_models.data import Dataset
+
+    labels = np.array([0] * 9 + [1])
+    assert majority_share(Dataset(np.zeros((10, 2), np.float32), labels, 2)) == 0.9
