@@ -70,6 +70,7 @@ class Plan:
     input_shape: tuple[int, ...] = ()
     num_classes: int = 0
     format: int = field(default=PLAN_FORMAT)
+    mode: str = "local-loss"  # or backprop (splitfed): its edges train no local head
 
     def edge(self, name: str) -> EdgeAssignment:
         for assignment in self.edges:
@@ -117,10 +118,16 @@ class Plan:
     def from_json(cls, text: str) -> Plan:
         return cls.from_dict(json.loads(text))
 
+    def _loss(self) -> str:
+        """How the edges learn: a local loss, or the back's gradient (splitfed)."""
+        if self.mode == "backprop":
+            return "splitfed (backprop: the edges train on the back's gradient, no local head)"
+        return f"local loss {self.local_loss}"
+
     def __str__(self) -> str:
         lines = [
             f"plan for {self.model} ({self.num_blocks} blocks), batch {self.batch_size}, "
-            f"{self.optimizer}, local loss {self.local_loss}, activations {self.compression}",
+            f"{self.optimizer}, {self._loss()}, activations {self.compression}",
             f"{'device':<16} {'kind':<5} {'blocks':<9} {'estimate':>11} {'budget':>11} "
             f"{'use':>5} {'cut/sample':>11} {'step s':>9}",
         ]

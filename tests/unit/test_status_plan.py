@@ -103,3 +103,21 @@ def test_a_failed_gpu_server_shows_in_the_status_table(
     assert store_commands.status_command(args) == 0
     header, row = capsys.readouterr().out.splitlines()[-2:]
     assert header.split()[-1] == "servers_failed" and row.split()[-1] == "1", (header, row)
+
+
+def test_a_splitfed_plan_says_so_in_its_header() -> None:
+    """Its header said "local loss linear", which a splitfed edge does not train."""
+    from coordinator.partitioner import PartitionConfig, plan_split
+    from split_models.config import ModelConfig
+    from split_models.devices import DeviceSpec
+    from split_models.isolated import profile_in_fresh_process
+    from split_models.plan import Plan
+
+    profile = profile_in_fresh_process(ModelConfig("cnn", (1, 8, 8), 10), ("linear",), 16)
+    devices = [DeviceSpec("pi-01", "edge", 1 << 30, 1e9), DeviceSpec("gpu-a", "gpu", 1 << 30, 1e12)]
+    for mode, said in (("backprop", "splitfed (backprop"), ("local-loss", "local loss linear")):
+        plan = plan_split(profile, devices, PartitionConfig(batch_size=16, mode=mode))
+        assert said in str(plan).splitlines()[0], str(plan)
+        assert Plan.from_dict(plan.to_dict()).mode == mode
+    older = {k: v for k, v in plan.to_dict().items() if k != "mode"}  # stored before the field
+    assert Plan.from_dict(older).mode == "local-loss"
