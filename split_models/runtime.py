@@ -72,7 +72,9 @@ def configure_logging(verbose: bool = False) -> None:
         level=logging.DEBUG if verbose else logging.INFO,
         format="%(asctime)s %(name)s %(levelname)s: %(message)s",
     )
-    for noisy in ("flwr", "paho", "alembic"):
+    # third-party libraries' own debugging (matplotlib's font search wrote hundreds of lines
+    # under --verbose) is not what --verbose asks for
+    for noisy in ("flwr", "paho", "alembic", "matplotlib", "PIL", "onnxscript", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
