@@ -27,6 +27,7 @@ from split_models.segment import Segment
 from split_models.weights import load_segment_state
 from split_models.zoo import SplittableModel
 from storage.base import RunStore
+from storage.errors import NotFoundError
 from storage.records import RoundRecord
 
 __all__ = ["TOLERANCE", "ExportResult", "export_run"]
@@ -101,7 +102,11 @@ def export_run(
     number = run.current_round if round_number is None else round_number
     if number is None:
         raise ConfigError(f"run {run_id!r} has no committed round to export")
-    state = store.checkpoint(run_id, number)
+    try:
+        state = store.checkpoint(run_id, number)
+    except NotFoundError as error:
+        held = [r.number for r in store.list_rounds(run_id) if r.state == "committed"]
+        raise NotFoundError(f"{error}; its committed rounds: {_rounds(held)}") from None
     weights, local = _split_local(state.weights)
     spec = stored_section(ModelConfig, run.config, f"run {run_id!r}'s stored config")
     model = spec.build(seed=0)
@@ -131,3 +136,14 @@ def export_run(
             done.setdefault(end, result)
             results.append(result)
     return results
+
+
+def _rounds(numbers: list[int]) -> str:
+    """``1-3, 5`` of the round numbers (none: "none")."""
+    spans: list[list[int]] = []
+    for n in sorted(numbers):
+        if spans and n == spans[-1][1] + 1:
+            spans[-1][1] = n
+        else:
+            spans.append([n, n])
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in spans) or "none"

@@ -55,6 +55,11 @@ def check_options(name: str, options: Mapping[str, Any]) -> None:
     of its range (or of a kind it cannot be); options without a range here are left to the
     strategy's constructor."""
     for option, value in options.items():
+        if "-" in option:  # Flower's message key (proximal-mu) for its argument (proximal_mu)
+            raise ConfigError(
+                f"strategy {name!r}: {option}: write it {option.replace('-', '_')} (the "
+                "strategy's argument; edgesplit sends it to the devices under Flower's key)"
+            )
         if option in _INTERNAL:
             raise ConfigError(
                 f"strategy {name!r}: {option}: set by edgesplit itself, not by the config"

@@ -257,19 +257,25 @@ def _folder(path: str) -> Dataset:
         raise ConfigError(f"folder:{path}: expected one sub-folder per class")
     numbered = all(name.isdigit() and name.isascii() for name in classes)
     labels = [int(name) for name in classes] if numbered else list(range(len(classes)))
-    pictures, ys = [], []
+    pictures, ys, files = [], [], []
     for label, name in zip(labels, classes, strict=True):
         for file in sorted((root / name).iterdir()):
             if file.suffix.lower() in _IMAGE_SUFFIXES:
                 pictures.append(_image(image, file))
                 ys.append(label)
+                files.append(file)
     if not pictures:
         suffixes = ", ".join(sorted(_IMAGE_SUFFIXES))
         raise ConfigError(f"folder:{path}: its class folders hold no images ({suffixes})")
     sizes = {p.size for p in pictures}
     if len(sizes) != 1:
         shown = ", ".join(f"{w}x{h}" for w, h in sorted(sizes))
-        raise ConfigError(f"folder:{path}: images differ in size ({shown}); resize them")
+        odd = next(i for i, p in enumerate(pictures) if p.size != pictures[0].size)
+        (w, h), first = pictures[odd].size, files[0].relative_to(root)
+        raise ConfigError(
+            f"folder:{path}: images differ in size ({shown}): {files[odd].relative_to(root)} "
+            f"is {w}x{h}, {first} {pictures[0].size[0]}x{pictures[0].size[1]}; resize them"
+        )
     color = any(p.mode not in _GRAY_MODES for p in pictures)  # one colour image: all RGB
     stacked = np.stack([_pixels(p, color) for p in pictures])
     # [N, H, W, C] -> [N, C, H, W]; grayscale gets its channel axis

@@ -13,6 +13,7 @@ from simulation.config import parse_sim_config, run_config
 from simulation.simulator import simulate
 from split_models.config import TrainingConfig, stored_section
 from storage import open_store
+from storage.errors import NotFoundError
 from storage.report import runs_overview
 
 pytestmark = pytest.mark.integration
@@ -32,6 +33,8 @@ def test_a_simulated_runs_stored_config_parses_back(tmp_path: Path) -> None:
         stored = store.get_run("stored-1").config
         (overview,) = runs_overview(store)
         exported = export_run(store, "stored-1", tmp_path / "onnx")
+        with pytest.raises(NotFoundError, match=r"no round 9 .*; its committed rounds: 1$"):
+            export_run(store, "stored-1", tmp_path / "onnx", round_number=9)
     parsed = RunConfig.parse(stored)
     assert parsed == run_config(config, "stored-1", f"npz:{tmp_path / 'test.npz'}")
     assert parsed.aggregation.options == {"proximal_mu": 0.1} and parsed.training.rounds == 1

@@ -279,6 +279,7 @@ def test_server_steps_leave_running_statistics_averaged_and_dtypes_as_they_were(
         ("multikrum", "num_nodes_to_select", 0, r"in \[1, inf\)"),
         ("fedavg", "fraction_train", 0, r"expected a number in \(0, 1\]"),
         ("fedavg", "arrayrecord_key", "x", "set by edgesplit itself"),
+        ("fedprox", "proximal-mu", 0.1, "write it proximal_mu"),
     ],
 )
 def test_an_option_out_of_its_range_is_a_config_error_naming_it(

@@ -306,8 +306,9 @@ def test_a_grayscale_folder_stays_one_channel_and_bad_folders_are_named(tmp_path
     assert data.x.shape == (2, 1, 4, 4)
     assert np.allclose(data.x[:, 0, 0, 0], [0.2, 0.2])
     image.new("L", (8, 8)).save(tmp_path / "b" / "big.png")
-    with pytest.raises(ConfigError, match=r"images differ in size \(4x4, 8x8\)"):
+    with pytest.raises(ConfigError, match=r"images differ in size \(4x4, 8x8\)") as raised:
         load_dataset(f"folder:{tmp_path}")
+    assert "b/big.png is 8x8, a/one.png 4x4" in str(raised.value), raised.value  # which one
 
 
 def test_an_image_folder_missing_a_class_keeps_its_labels_or_is_refused(tmp_path: Path) -> None:
