@@ -1,13 +1,16 @@
-"""An edge's first round at a new cut trains with the GPU servers' bound on each step.
+"""An edge's first round at a new cut bounds the step of the blocks it trains, not its head.
 
 A re-plan (measured speeds, an edge back with less memory) moves an edge's cut. Where it moves
 deeper, the blocks it takes over were trained by the GPU servers, whose steps are bounded
-(``training.server_max_step``), and its local head at the new cut is fresh: the edge's own
-steps are not bounded by default, and at SGD momentum lr 0.05 the fresh head's first
-gradients moved those blocks by 27-47 % in one round (against 11-32 % without the move) and
-accuracy fell 9-12 points for that round (docs/benchmarks.md, "A re-plan's first round").
-So an edge's first round at a cut other than the one it last trained at is bounded as the
-servers are (``max-step`` in its train message); its later rounds are not.
+(``training.server_max_step``), and its local head at the new cut is fresh. The edge's steps
+are not bounded by default: at SGD momentum lr 0.05 the fresh head's first gradients moved
+the blocks by 18-46 % in one round and accuracy fell 11-22 points that round (one run of
+four failed it three times). Bounding the whole first round (head too) removed that dip but
+kept the head untrained, and the next, unbounded round wrecked the blocks instead. So an
+edge's first round at a cut other than the one it last trained at bounds its blocks' steps as
+the servers' are (``max-step`` in its train message, ``Segment.step_bound``) and lets the head
+learn freely; its later rounds are bounded by nothing but the optimizer
+(docs/benchmarks.md, "A re-plan's first round at a new cut").
 """
 
 from __future__ import annotations

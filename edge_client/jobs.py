@@ -32,8 +32,8 @@ class Job:
     proximal_mu: float = 0.0  # FedProx's, from the strategy's train message
     attempt: int = 1  # the coordinator's try of the round
     order: int = 1  # the batch order it draws (wire.flower.order_of)
-    # a bound on each step this round (wire.flower.max_step_of): an edge's first round at a
-    # new cut, whose blocks the GPU servers trained under their own bound
+    # a bound on each step of the blocks (not the head) this round (wire.flower.max_step_of):
+    # an edge's first round at a new cut, whose blocks the GPU servers trained under their own
     max_step: float | None = None
 
 

@@ -10,7 +10,6 @@ each edge's batch from that edge's cut), optionally returning the gradient of th
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -94,8 +93,9 @@ class Segment:
         # the round's factor of the learning rate (OptimizerConfig.round_scale), set by the
         # edge, GPU server or baseline that trains the round
         self.lr_scale = 1.0
-        # a bound on the round's steps besides the optimizer's max_step (the lower holds), set
-        # per round: an edge's first round at a new cut (edge_client.jobs.Job.max_step)
+        # a bound on the round's steps of the blocks (not the local head), besides the
+        # optimizer's own bounds, set per round: an edge's first round at a new cut
+        # (edge_client.jobs.Job.max_step)
         self.step_bound: float | None = None
         # where its training draws random numbers (dropout) from, set per round by its trainer
         # (split_models.randomness); None: torch's generator as it stands, under the lock
@@ -194,11 +194,27 @@ class Segment:
                 for param in params:
                     if param.grad is not None:
                         param.grad.mul_(factor)
+        if self.step_bound is not None:
+            self._bound_blocks(lr, self.step_bound)
         for group in self.optimizer.param_groups:
             group["lr"] = lr * group.get("lr_scale", 1.0)
         self.optimizer.step()
         self._steps += 1
         return factor if math.isfinite(factor) else 1.0
+
+    def _bound_blocks(self, lr: float, bound: float) -> None:
+        """Clip the blocks' gradients (not the local head's) so that a plain SGD step at
+        ``lr`` moves the blocks by at most ``bound``: the head at a new cut, fresh, learns
+        freely while its first gradients cannot wreck the blocks it reads (bounding the head
+        too kept it untrained, and the next, unbounded round wrecked them instead)."""
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        if not grads:
+            return
+        with torch.no_grad():
+            norm = float(get_total_norm(grads))
+            if math.isfinite(norm) and norm * lr > bound:
+                for grad in grads:
+                    grad.mul_(bound / lr / (norm + 1e-6))
 
     def _clip_factor(self, lr: float) -> float:
         """What the gradients are scaled by before a step at ``lr`` (NaN when their norm is
@@ -207,9 +223,6 @@ class Segment:
         head's faster rate (``OptimizerConfig.head_scale``) counts, so a reached bound
         shortens the blocks' steps too."""
         config = self.optimizer_config
-        if self.step_bound is not None:
-            bound = min(self.step_bound, config.max_step or math.inf)
-            config = dataclasses.replace(config, max_step=bound)
         if config.clip_norm is None and config.max_step is None:
             return 1.0
         groups = [

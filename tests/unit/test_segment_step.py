@@ -97,19 +97,30 @@ def test_max_step_bounds_the_step_at_any_learning_rate(lr: float) -> None:
     assert _distance(both, start) <= min(0.02, _distance(plain, start)) * (1 + 1e-3)
 
 
-def test_a_rounds_step_bound_holds_beside_the_optimizers_and_is_lifted_after() -> None:
+def test_a_rounds_step_bound_holds_the_blocks_and_leaves_the_head_free() -> None:
     """``Segment.step_bound``, an edge's first round at a new cut (coordinator.moves): the
-    lower of it and ``max_step`` holds; None trains as the optimizer says."""
-    start = [p.detach().clone() for p in _segment(OptimizerConfig("sgd")).trainable_parameters()]
-    segment = _segment(OptimizerConfig("sgd", lr=2.0))
-    segment.step_bound = 0.02
-    assert _distance(_trained(segment, 1), start) == pytest.approx(0.02, rel=1e-3)
-    tighter = _segment(OptimizerConfig("sgd", lr=2.0, max_step=0.01))
-    tighter.step_bound = 0.02
-    assert _distance(_trained(tighter, 1), start) == pytest.approx(0.01, rel=1e-3)
+    blocks' step is bounded, the fresh head's is not (bounded too, the head stayed untrained
+    and the next, unbounded round wrecked the blocks); None trains as the optimizer says."""
+    fresh = _segment(OptimizerConfig("sgd"))
+    blocks = [p.detach().clone() for p in fresh.module.parameters()]
+    head = [p.detach().clone() for p in fresh.head.parameters()]
+
+    def moved(segment: Segment) -> tuple[float, float]:
+        segment.train_step(X, Y)
+        return (
+            _distance([p.detach() for p in segment.module.parameters()], blocks),
+            _distance([p.detach() for p in segment.head.parameters()], head),
+        )
+
+    bounded = _segment(OptimizerConfig("sgd", lr=2.0))
+    bounded.step_bound = 0.02
+    free_blocks, free_head = moved(_segment(OptimizerConfig("sgd", lr=2.0)))
+    bound_blocks, bound_head = moved(bounded)
+    assert free_blocks > 0.05 and bound_blocks == pytest.approx(0.02, rel=1e-3)
+    assert bound_head == pytest.approx(free_head, rel=1e-6), "the head steps as it would"
     lifted = _segment(OptimizerConfig("sgd", lr=2.0))
     lifted.step_bound = None
-    assert _distance(_trained(lifted, 1), start) > 0.05
+    assert moved(lifted) == pytest.approx((free_blocks, free_head))
 
 
 @pytest.mark.parametrize(
