@@ -86,7 +86,7 @@ def test_a_new_plan_drops_the_own_copies_of_blocks_a_device_gives_up() -> None:
 def test_devices_of_one_span_share_a_record_and_one_with_own_copies_gets_its_own() -> None:
     """The coordinator encodes a round's weights once per span (1,000 clients, two cuts: two
     records), except for a device that keeps its own BatchNorm copies."""
-    from coordinator.service import _records
+    from coordinator.recorder import device_records as _records
     from wire.flower import array_numpy
 
     recorder = _recorder()
