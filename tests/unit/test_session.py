@@ -90,9 +90,7 @@ def test_the_latest_announcement_is_the_session_even_with_a_lower_id() -> None:
 
 def test_a_coordinator_announces_its_session_again_over_a_forgery() -> None:
     hub = InProcessHub()
-    mine = new_session()
-    guard = SessionGuard(InProcessTransport(hub, "coordinator"), "run", mine)
-    guard.start()
+    mine, guard = _guard(hub)
     watch = _watch(hub)
     _until(lambda: watch.replaced("run", "f" * 16 + "-00000000"))
     forged = "f" * 16 + "-deadbeef"  # the largest id there is: it used to hold devices for good
@@ -159,11 +157,17 @@ def test_an_edge_gives_up_only_a_round_of_a_replaced_coordinator(replaced: bool)
     assert time.monotonic() - started < 30.0  # long before the 60 s timeout
 
 
-def test_a_later_attempt_or_round_cancels_the_earlier_one_on_a_device() -> None:
-    hub = InProcessHub()
+def _guard(hub: InProcessHub) -> tuple[str, SessionGuard]:
+    """A coordinator's new session, announced on ``hub``."""
     mine = new_session()
     guard = SessionGuard(InProcessTransport(hub, "coordinator"), "run", mine)
     guard.start()
+    return mine, guard
+
+
+def test_a_later_attempt_or_round_cancels_the_earlier_one_on_a_device() -> None:
+    hub = InProcessHub()
+    mine, guard = _guard(hub)
     guard.attempt(3, 1)
     watch = _watch(hub)
     _until(lambda: watch.replaced("run", mine, work=(2, 1)))
@@ -183,9 +187,7 @@ def test_a_device_says_what_replaced_its_round() -> None:
     """After a link blip a retried round was told 'the coordinator that asked for it stopped
     or was replaced', which sent operators looking for a second coordinator."""
     hub = InProcessHub()
-    mine = new_session()
-    guard = SessionGuard(InProcessTransport(hub, "coordinator"), "run", mine)
-    guard.start()
+    mine, guard = _guard(hub)
     guard.attempt(3, 2)
     watch = _watch(hub)
     _until(lambda: watch.replaced("run", mine, work=(3, 1)))

@@ -16,6 +16,7 @@ from flwr.app import ConfigRecord, Context, RecordDict
 from coordinator.assignments import Assignment, build_task
 from coordinator.config import RunConfig
 from edge_client.agent import EdgeAgent
+from gpu_server.agent import GpuAgent
 from split_models.config import ModelConfig, TrainingConfig, config_to_dict, parse_config
 from split_models.data import Dataset
 from split_models.segment import OptimizerConfig
@@ -138,6 +139,14 @@ def _edge_agent(hub: InProcessHub) -> EdgeAgent:
     )
 
 
+def _gpu_agent(hub: InProcessHub) -> GpuAgent:
+    return GpuAgent(
+        Announcement("gpu-a", "gpu", 1 << 32, 1e9),
+        InProcessTransport(hub, "gpu-a-control"),
+        InProcessTransport(hub, "gpu-a-stream"),
+    )
+
+
 def test_an_edge_agent_answers_a_bad_training_section_with_the_field() -> None:
     hub = InProcessHub()
     agent = _edge_agent(hub)
@@ -191,15 +200,9 @@ def _reply_to(
 def test_no_task_makes_an_agent_import_a_module_it_was_not_started_with(model: str) -> None:
     import sys
 
-    from gpu_server.agent import GpuAgent
-
     hub = InProcessHub()
     edge = _edge_agent(hub)
-    gpu = GpuAgent(
-        Announcement("gpu-a", "gpu", 1 << 32, 1e9),
-        InProcessTransport(hub, "gpu-a-control"),
-        InProcessTransport(hub, "gpu-a-stream"),
-    )
+    gpu = _gpu_agent(hub)
     before = set(sys.modules)
     hostile = _task(model={**config_to_dict(MODEL), "model": model})
     for agent, device in ((edge, "pi-01"), (gpu, "gpu-a")):
@@ -268,14 +271,8 @@ def test_block_indices_and_estimates_of_a_task_are_bounded() -> None:
 def test_a_gpu_server_fills_its_steps_unless_the_run_says_not_to(
     changes: dict[str, object], rows: int
 ) -> None:
-    from gpu_server.agent import GpuAgent
-
     hub = InProcessHub()
-    gpu = GpuAgent(
-        Announcement("gpu-a", "gpu", 1 << 32, 1e9),
-        InProcessTransport(hub, "gpu-a-control"),
-        InProcessTransport(hub, "gpu-a-stream"),
-    )
+    gpu = _gpu_agent(hub)
     training = dataclasses.replace(TRAINING, **changes)  # type: ignore[arg-type]
     back = gpu.back(_task(start=1, training=training.to_dict()), (MODEL, training))
     assert (back.fill.rows if back.fill is not None else 0) == rows
@@ -393,17 +390,12 @@ def test_weights_that_do_not_fit_the_blocks_are_refused_in_one_line(
 def test_a_gpu_server_refuses_weights_with_nan_in_one_line(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from gpu_server.agent import GpuAgent
     from split_models.segment import Segment
     from split_models.weights import segment_state
     from wire.arrays import array_record
 
     hub = InProcessHub()
-    gpu = GpuAgent(
-        Announcement("gpu-a", "gpu", 1 << 32, 1e9),
-        InProcessTransport(hub, "gpu-a-control"),
-        InProcessTransport(hub, "gpu-a-stream"),
-    )
+    gpu = _gpu_agent(hub)
     end = MODEL.build(seed=0).num_blocks
     weights = segment_state(Segment.from_model(MODEL.build(seed=0), 2, end, "linear"))
     name = next(iter(weights))
