@@ -223,8 +223,10 @@ def test_a_transport_whose_gate_says_no_does_not_knock_its_successor_off(broker:
     finally:
         first.leave()
         successor.close()
-    # ungated (None: reconnect), a dropped link comes back as before
-    again = MqttTransport(replace(config, reconnect_min=0, reconnect_max=1), client_id)
+    # ungated (None: reconnect), a dropped link comes back as before; a second after it is
+    # dropped, so the kicker's own connection is made first (back at once, under CI load it
+    # took the kicker's over before the kicker had heard its CONNACK: "no connection")
+    again = MqttTransport(replace(config, reconnect_min=1, reconnect_max=2), client_id)
     again.reconnect_gate = lambda: None
     kicker = MqttTransport(config, client_id)
     kicker.close()
