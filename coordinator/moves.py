@@ -28,8 +28,7 @@ class MovedEdges:
     """The cut each edge last trained at, and the bound on its steps at another one."""
 
     def __init__(self, training: TrainingConfig) -> None:
-        bounds = [b for b in (training.optimizer.max_step, training.server_max_step) if b]
-        self.bound = min(bounds) if bounds else None
+        self.bound = training.server_optimizer().max_step  # the servers' bound on a step
         self.trained: dict[str, Span] = {}  # edge -> the blocks and head of its last round
 
     def options(self, device: str, span: Span) -> dict[str, float]:
