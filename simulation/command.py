@@ -29,18 +29,43 @@ def simulate_command(args: argparse.Namespace) -> int:
     import logging
     from pathlib import Path
 
-    from coordinator.commands import parse_range, parse_shape, profile_cache
+    from coordinator.commands import profile_cache
     from coordinator.service import RoundObserver
     from simulation.baselines import use_profile_cache
     from simulation.config import load_sim_config
     from simulation.progress import RoundProgress
+    from simulation.shield import held_signals
     from simulation.simulator import simulate
     from split_models.runtime import configure_logging
 
     configure_logging(args.verbose)
     if not args.verbose:  # the progress display says what the log would
         logging.getLogger().setLevel(logging.WARNING)
-    overrides = {
+    config = load_sim_config(_config_path(args), _overrides(args))
+    use_profile_cache(profile_cache(args.profile_cache))
+    out = Path(args.out)
+    title, unit, fleet = _title(config)
+    # a signal after the run finished waits for the outputs and the table, then ends nothing
+    with _devices_hint(config), held_signals(deliver=False):
+        options = {
+            "password": args.broker_password,
+            "allow_config_change": args.allow_config_change,
+        }
+        if args.quiet:
+            summary = simulate(config, out, args.broker, observer=RoundObserver(), **options)
+        else:
+            with RoundProgress(config.training.rounds, title, unit=unit, fleet=fleet) as progress:
+                summary = simulate(config, out, args.broker, observer=progress, **options)
+        _print_summary(summary, out)
+        _say_if_no_better(summary, config)
+    return 0
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, object]:
+    """The command line's settings over the config file's (None: not given)."""
+    from coordinator.commands import parse_range, parse_shape
+
+    return {
         "method": args.method,
         "rounds": args.rounds,
         "clients": args.clients,
@@ -57,23 +82,6 @@ def simulate_command(args: argparse.Namespace) -> int:
         "batched": args.batched,
         "deterministic": args.deterministic,
     }
-    config = load_sim_config(_config_path(args), overrides)
-    use_profile_cache(profile_cache(args.profile_cache))
-    out = Path(args.out)
-    title, unit, fleet = _title(config)
-    with _devices_hint(config):
-        options = {
-            "password": args.broker_password,
-            "allow_config_change": args.allow_config_change,
-        }
-        if args.quiet:
-            summary = simulate(config, out, args.broker, observer=RoundObserver(), **options)
-        else:
-            with RoundProgress(config.training.rounds, title, unit=unit, fleet=fleet) as progress:
-                summary = simulate(config, out, args.broker, observer=progress, **options)
-    _print_summary(summary, out)
-    _say_if_no_better(summary, config)
-    return 0
 
 
 def _norm_hint(config: SimConfig) -> str:

@@ -5,8 +5,9 @@ a SIGTERM or Ctrl-C that stopped ``simulate`` while it wrote ``summary.json`` an
 would lose them for good. From :meth:`HeldSignals.hold` to the end of its block, the first
 two SIGINT, SIGTERM or SIGHUP wait (a note on stderr says so; ``timeout`` signals a process
 and its group at once) and are handed to the handler that was in place when the block ends;
-a third is handed over at once, for a write that hangs. Outside the main thread (where
-Python cannot set handlers) nothing is held.
+a third is handed over at once, for a write that hangs. ``edgesplit simulate`` holds them
+until its table is printed, then exits 0: the run it was asked to stop had finished. Outside
+the main thread (where Python cannot set handlers) nothing is held.
 """
 
 from __future__ import annotations
@@ -71,14 +72,26 @@ def _deliver(handler: _Handler, signum: int, frame: FrameType | None) -> None:
         signal.raise_signal(signum)
 
 
+_BLOCKS: list[HeldSignals] = []  # the blocks open now, outermost first
+
+
 @contextmanager
-def held_signals() -> Iterator[HeldSignals]:
+def held_signals(deliver: bool = True) -> Iterator[HeldSignals]:
     """A :class:`HeldSignals` whose signals, once held, are handed over when the block ends
-    (one that ends by an exception stops the command anyway: they are dropped)."""
+    (one that ends by an exception stops the command anyway: they are dropped). Inside
+    another such block, the outer block's: its end, not this one's, hands them over. With
+    ``deliver`` false they are dropped at the end too: the block is the whole command, so
+    what was asked to stop has ended (``simulate`` prints its table and exits 0)."""
+    if _BLOCKS:
+        yield _BLOCKS[-1]
+        return
     held = HeldSignals()
+    _BLOCKS.append(held)
     try:
         yield held
     except BaseException:
         held.release(deliver=False)
         raise
-    held.release()
+    finally:
+        _BLOCKS.remove(held)
+    held.release(deliver)

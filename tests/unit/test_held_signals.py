@@ -92,3 +92,29 @@ def test_outside_the_main_thread_nothing_is_held(received: list[int]) -> None:
         thread.join()
         assert signal.getsignal(signal.SIGTERM) is handler
     assert received == []
+
+
+def test_a_nested_block_hands_over_at_the_outer_end(received: list[int]) -> None:
+    order = []
+    with pytest.raises(_Stopped), held_signals() as outer:
+        with held_signals() as inner:  # simulate() inside the command's block
+            assert inner is outer
+            inner.hold()
+            _sigterm()
+        order.append("table printed")
+        assert received == []
+    assert order == ["table printed"]
+    assert received == [signal.SIGTERM]
+
+
+def test_without_deliver_a_held_signal_ends_nothing(
+    received: list[int], capfd: pytest.CaptureFixture[str]
+) -> None:
+    with held_signals(deliver=False), held_signals() as held:
+        held.hold()
+        _sigterm()
+    assert received == []
+    assert "writing its outputs before stopping" in capfd.readouterr().err
+    with pytest.raises(_Stopped):
+        _sigterm()  # the handler is back in place
+    assert received == [signal.SIGTERM]
