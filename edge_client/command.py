@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+from collections.abc import Callable
 
 from edge_client.agent import EdgeAgent
 from split_models.calibration import flops_option, measure_flops
 from split_models.data import load_dataset
 from split_models.errors import ConfigError
 from split_models.measure import release_freed_memory
-from split_models.runtime import configure_logging, wait_for_stop
+from split_models.runtime import configure_logging, serve
 from split_models.units import parse_bandwidth, parse_memory
 from split_models.zoo import check_model_name
 from wire.flower import node_will
@@ -24,6 +25,11 @@ log = logging.getLogger("edgesplit.edge")
 
 def edge_command(args: argparse.Namespace) -> int:
     configure_logging(args.verbose)
+    return serve(lambda opened: _start(args, opened), f"edge {args.id}")
+
+
+def _start(args: argparse.Namespace, opened: list[MqttTransport]) -> Callable[[], None]:
+    """The edge online; returns its stop (``opened``: its connections, as they open)."""
     release_freed_memory()  # freed tensors leave the resident set: the measured peak is true
     data = load_dataset(args.data)  # bad data is named before a speed is measured
     if not len(data):  # it would come online only to refuse every assignment
@@ -42,7 +48,9 @@ def edge_command(args: argparse.Namespace) -> int:
     config = MqttConfig.from_url(args.broker, args.broker_password, fresh_session=True)
     node = node_id_for(args.id)
     control = MqttTransport(config, f"{args.id}-control", will=node_will(node, args.id))
+    opened.append(control)
     stream = MqttTransport(config, f"{args.id}-stream")
+    opened.append(stream)
     agent = EdgeAgent(announcement, data, control, stream, models=args.models, time_tasks=measured)
     log.info(
         "edge %s online (node %d): %d samples, memory %s, broker %s",
@@ -58,7 +66,7 @@ def edge_command(args: argparse.Namespace) -> int:
         control.close()
         stream.close()
 
-    return wait_for_stop(stop)
+    return stop
 
 
 def _measured_flops() -> float:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+from collections.abc import Callable
 from dataclasses import replace
 
 from gpu_server.agent import GpuAgent
 from split_models.calibration import flops_option, measure_flops
-from split_models.runtime import configure_logging, require_device, wait_for_stop
+from split_models.runtime import configure_logging, require_device, serve
 from split_models.units import parse_memory
 from split_models.zoo import check_model_name
 from wire.flower import node_will
@@ -39,6 +40,11 @@ def _flops(option: str, device: str) -> float:
 
 def gpu_server_command(args: argparse.Namespace) -> int:
     configure_logging(args.verbose)
+    return serve(lambda opened: _start(args, opened), f"GPU server {args.id}")
+
+
+def _start(args: argparse.Namespace, opened: list[MqttTransport]) -> Callable[[], None]:
+    """The server online; returns its stop (``opened``: its connections, as they open)."""
     require_device(args.device, "--device")
     for name in args.models:  # a typo is named now, not when a run offers the model
         check_model_name(name)
@@ -52,12 +58,14 @@ def gpu_server_command(args: argparse.Namespace) -> int:
     config = MqttConfig.from_url(args.broker, args.broker_password, fresh_session=True)
     node = node_id_for(args.id)
     control = MqttTransport(config, f"{args.id}-control", will=node_will(node, args.id))
+    opened.append(control)
     # The activation stream is a shared subscription: a server that goes away must leave the
     # group at once, or the broker keeps queueing a share of every edge's batches for it.
     stream = MqttTransport(
         replace(config, session_expiry=0, clean_start=True, fresh_session=False),
         f"{args.id}-stream",
     )
+    opened.append(stream)
     agent = GpuAgent(announcement, control, stream, models=args.models)
     log.info(
         "GPU server %s online (node %d, %s), broker %s",
@@ -72,4 +80,4 @@ def gpu_server_command(args: argparse.Namespace) -> int:
         control.close()
         stream.close()
 
-    return wait_for_stop(stop)
+    return stop

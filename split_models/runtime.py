@@ -18,12 +18,14 @@ import os
 import signal
 import threading
 from collections.abc import Callable
+from typing import Any
 
 __all__ = [
     "RUNTIME_ENV",
     "configure_logging",
     "configure_process",
     "require_device",
+    "serve",
     "wait_for_stop",
 ]
 
@@ -79,11 +81,28 @@ def configure_logging(verbose: bool = False) -> None:
 
 
 def wait_for_stop(on_stop: Callable[[], None]) -> int:
-    """Block until SIGTERM or SIGINT, then run ``on_stop``; return exit status 0."""
+    """Block until SIGTERM, SIGINT or SIGHUP, then run ``on_stop``; return exit status 0."""
     stop = threading.Event()
-    for number in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(number, lambda *_: stop.set())
+    for name in ("SIGTERM", "SIGINT", "SIGHUP"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), lambda *_: stop.set())
     while not stop.wait(0.5):
         pass
     on_stop()
     return 0
+
+
+def serve(start: Callable[[list[Any]], Callable[[], None]], what: str) -> int:
+    """A long-running role (``what``: "edge pi-01"), started by ``start`` and run until it
+    is stopped: exit status 0. ``start`` appends what it opens (anything with ``close()``) to
+    the list it is given and returns the role's stop. A stop that comes while it starts (a
+    broker still unreachable, the speed being measured) closes what it opened and is a stop
+    as well: it exited 143 "interrupted" before, where a stop after start-up exits 0."""
+    opened: list[Any] = []
+    try:
+        return wait_for_stop(start(opened))
+    except KeyboardInterrupt:  # the first signal, as the command's handler raises it
+        for item in reversed(opened):
+            item.close()
+        logging.getLogger("edgesplit").info("%s stopped before it came online", what)
+        return 0

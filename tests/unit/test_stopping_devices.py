@@ -4,6 +4,10 @@ rather than blaming the coordinator for abandoning it."""
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import threading
+from collections.abc import Callable
 
 import pytest
 from flwr.app import Message, RecordDict
@@ -48,3 +52,48 @@ def test_a_round_cut_short_by_the_servers_own_stop_is_named_so(
     levels = {r.getMessage(): r.levelno for r in caplog.records}
     assert levels[stopping.error.reason] == logging.INFO  # not a warning: it was asked for
     assert levels[replaced.error.reason] == logging.WARNING
+
+
+class _Connection:
+    def __init__(self) -> None:
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_role_stopped_while_it_starts_closes_what_it_opened_and_exits_0(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from edgesplit.exits import Signalled
+    from split_models.runtime import serve
+
+    opened = _Connection()
+
+    def start(connections: list[_Connection]) -> Callable[[], None]:
+        connections.append(opened)
+        raise Signalled(signal.SIGTERM)  # as the command's handler raises it, mid-connect
+
+    with caplog.at_level(logging.INFO, logger="edgesplit"):
+        assert serve(start, "edge pi-01") == 0
+    assert opened.closed
+    assert "edge pi-01 stopped before it came online" in caplog.text
+
+
+def _unhandled(signum: int, _frame: object) -> None:
+    raise AssertionError(f"signal {signum} did not stop the role")
+
+
+def test_a_role_serves_until_a_signal_then_runs_its_stop() -> None:
+    from split_models.runtime import serve
+
+    stopped = []
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGHUP)).start()
+    try:  # a hang-up the role does not take for a stop fails the test (not the whole run)
+        signal.signal(signal.SIGHUP, _unhandled)
+        assert serve(lambda _: lambda: stopped.append("left"), "gpu server g") == 0
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+    assert stopped == ["left"]
