@@ -148,13 +148,33 @@ def _from_arrays(x: np.ndarray, y: np.ndarray, where: str) -> Dataset:
             f"{where}: expected x [N, ...] and y [N] (or [N, length]: a token per position), "
             f"got {x.shape} and {y.shape}"
         )
-    if not np.issubdtype(y.dtype, np.integer):
-        raise ConfigError(f"{where}: labels must be integers, got {y.dtype}")
+    y = _class_indices(y, where)
     features = _images(x)
     if features.dtype.kind == "f" and not np.all(np.isfinite(features)):
         raise ConfigError(f"{where}: x contains NaN or infinity")
     labels = y.astype(np.int64)
     return Dataset(features, labels, int(labels.max()) + 1 if len(labels) else 0)
+
+
+def _class_indices(y: np.ndarray, where: str) -> np.ndarray:
+    """``y`` as integers: whole numbers stored as floats are taken as they are; strings and
+    fractions are refused, naming the fix."""
+    if np.issubdtype(y.dtype, np.integer):
+        return y
+    if y.dtype.kind == "f" and np.all(np.isfinite(y)) and np.all(y == np.round(y)):
+        return y.astype(np.int64)  # 0.0, 1.0, ...: a table's labels read as floats
+    if y.dtype.kind in "USO":
+        names = np.unique(y.astype(str))
+        shown = ", ".join(repr(str(n)) for n in names[:4]) + (", ..." if len(names) > 4 else "")
+        raise ConfigError(
+            f"{where}: labels must be class indices (integers from 0), got {len(names)} "
+            f"named classes ({shown}): map them first, the same way on every device, e.g. "
+            "y = np.searchsorted(classes, y) with one sorted list of the class names"
+        )
+    raise ConfigError(
+        f"{where}: labels must be class indices (integers from 0), got {y.dtype} values that "
+        "are not whole numbers: edgesplit trains classifiers, not regression"
+    )
 
 
 def from_arrays(x: np.ndarray, y: np.ndarray, num_classes: int | None = None) -> Dataset:

@@ -47,6 +47,13 @@ def test_the_shared_mnist_sample_loads() -> None:
     assert len(data) == 8000 and data.num_classes == 10
 
 
+def test_whole_number_float_labels_are_class_indices(tmp_path: Path) -> None:
+    np.savez(tmp_path / "table.npz", x=np.zeros((3, 4)), y=np.array([0.0, 2.0, 1.0]))
+    data = load_dataset(f"npz:{tmp_path / 'table.npz'}")
+    assert data.y.dtype == np.int64 and data.y.tolist() == [0, 2, 1]
+    assert data.num_classes == 3
+
+
 def test_bad_npz_files_are_rejected(tmp_path: Path) -> None:
     np.savez(tmp_path / "no_y.npz", x=np.zeros((3, 4)))
     with pytest.raises(ConfigError, match="expected arrays 'x' and 'y'"):
@@ -54,9 +61,12 @@ def test_bad_npz_files_are_rejected(tmp_path: Path) -> None:
     np.savez(tmp_path / "objects.npz", x=np.array([{"a": 1}], dtype=object), y=np.zeros(1, int))
     with pytest.raises(ConfigError, match="cannot be read"):  # no pickle, ever
         load_dataset(f"npz:{tmp_path / 'objects.npz'}")
-    np.savez(tmp_path / "float_labels.npz", x=np.zeros((3, 4)), y=np.zeros(3))
-    with pytest.raises(ConfigError, match="labels must be integers"):
+    np.savez(tmp_path / "float_labels.npz", x=np.zeros((3, 4)), y=np.array([0.0, 1.5, 2.0]))
+    with pytest.raises(ConfigError, match="float64 values that are not whole numbers"):
         load_dataset(f"npz:{tmp_path / 'float_labels.npz'}")
+    np.savez(tmp_path / "names.npz", x=np.zeros((3, 4)), y=np.array(["cat", "dog", "cat"]))
+    with pytest.raises(ConfigError, match=r"2 named classes \('cat', 'dog'\): map them"):
+        load_dataset(f"npz:{tmp_path / 'names.npz'}")
     with pytest.raises(ConfigError, match="cannot be read"):
         load_dataset(f"npz:{tmp_path / 'missing.npz'}")
     with pytest.raises(ConfigError, match="unknown dataset spec"):
