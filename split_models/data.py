@@ -159,8 +159,8 @@ def _from_arrays(x: np.ndarray, y: np.ndarray, where: str) -> Dataset:
 def _class_indices(y: np.ndarray, where: str) -> np.ndarray:
     """``y`` as integers: whole numbers stored as floats are taken as they are; strings and
     fractions are refused, naming the fix."""
-    if np.issubdtype(y.dtype, np.integer):
-        return y
+    if np.issubdtype(y.dtype, np.integer) or y.dtype == np.bool_:
+        return y.astype(np.int64)  # False, True: classes 0 and 1
     if y.dtype.kind == "f" and np.all(np.isfinite(y)) and np.all(y == np.round(y)):
         return y.astype(np.int64)  # 0.0, 1.0, ...: a table's labels read as floats
     if y.dtype.kind in "USO":

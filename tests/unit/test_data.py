@@ -52,6 +52,8 @@ def test_whole_number_float_labels_are_class_indices(tmp_path: Path) -> None:
     data = load_dataset(f"npz:{tmp_path / 'table.npz'}")
     assert data.y.dtype == np.int64 and data.y.tolist() == [0, 2, 1]
     assert data.num_classes == 3
+    np.savez(tmp_path / "flags.npz", x=np.zeros((2, 4)), y=np.array([True, False]))
+    assert load_dataset(f"npz:{tmp_path / 'flags.npz'}").y.tolist() == [1, 0]
 
 
 def test_bad_npz_files_are_rejected(tmp_path: Path) -> None:
