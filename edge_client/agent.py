@@ -47,7 +47,7 @@ from split_models.evaluation import (
     evaluate_weights,
 )
 from split_models.measure import PeakMeter, peak_supported
-from split_models.sections import block_count
+from split_models.sections import batch_norm_blocks, block_count
 from split_models.segment import Segment
 from split_models.timing import StepClock
 from split_models.units import format_bytes
@@ -165,6 +165,11 @@ class EdgeAgent:
         if task.end > (blocks := block_count(model)):
             raise AssignmentRefused(
                 f"blocks [{task.start}, {task.end}): {model.name} has {blocks} blocks"
+            )
+        if len(self.data) < 2 and (norms := batch_norm_blocks(model)):
+            raise AssignmentRefused(  # BatchNorm in train mode needs 2 examples a batch
+                f"the model's BatchNorm layers (in blocks {sorted(norms)}) cannot train on "
+                f"{len(self.data)} example; give this device at least 2"
             )
         budget = self.budget
         if task.estimated_peak_bytes > budget:

@@ -205,7 +205,8 @@ def _print_summary(summary: dict[str, object], out: object) -> None:
     if idle and summary.get("method") not in BASELINES:
         print(
             f"note: {len(idle)} of {len(clients)} {'hosts' if hosts else 'clients'} took no "
-            "part: their memory holds no segment of this model (the warning above says why)"
+            "part: no plan gave them blocks (their memory or their data; the warnings above say "
+            "why)"
         )
     print(
         f"final accuracy {_accuracy(summary['final_accuracy'])}, "

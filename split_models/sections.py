@@ -12,7 +12,13 @@ from split_models.config import ModelConfig, TrainingConfig, config_keys, parse_
 from split_models.errors import ConfigError
 from split_models.options import ZOO_NAMES
 
-__all__ = ["block_count", "flat_model_section", "parse_task_sections", "task_sections"]
+__all__ = [
+    "batch_norm_blocks",
+    "block_count",
+    "flat_model_section",
+    "parse_task_sections",
+    "task_sections",
+]
 
 
 def flat_model_section(data: Mapping[str, Any]) -> dict[str, Any]:
@@ -50,11 +56,29 @@ def task_sections(
     return _remembered(key, tuple(models))
 
 
-@functools.lru_cache(maxsize=8)
 def block_count(model: ModelConfig) -> int:
     """How many blocks ``model`` has (built once per model a process: a task's blocks are
     checked against it before anything is built for them)."""
-    return model.build(seed=0).num_blocks
+    return _shape_of(model)[0]
+
+
+def batch_norm_blocks(model: ModelConfig) -> frozenset[int]:
+    """The blocks of ``model`` holding a BatchNorm layer, which cannot train on a batch of
+    one example (built once per model a process, as :func:`block_count`)."""
+    return _shape_of(model)[1]
+
+
+@functools.lru_cache(maxsize=8)
+def _shape_of(model: ModelConfig) -> tuple[int, frozenset[int]]:
+    from torch import nn
+
+    blocks = model.build(seed=0).blocks
+    norms = (nn.modules.batchnorm._BatchNorm,)
+    return len(blocks), frozenset(
+        index
+        for index, block in enumerate(blocks)
+        if any(isinstance(m, norms) for m in block.modules())
+    )
 
 
 @functools.lru_cache(maxsize=64)

@@ -205,7 +205,7 @@ def test_the_summary_says_how_many_clients_took_no_part(
     }
     _print_summary(summary, "out")
     printed = capsys.readouterr().out
-    note = "note: 1 of 2 clients took no part: their memory holds no segment of this model"
+    note = "note: 1 of 2 clients took no part: no plan gave them blocks (their memory or"
     assert (note in printed) is noted
 
 

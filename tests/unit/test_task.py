@@ -410,3 +410,19 @@ def test_a_gpu_server_refuses_weights_with_nan_in_one_line(
     assert reply.has_error(), "NaN weights were taken"
     assert reply.error.reason == f"ModelError: {name}: holds NaN or infinity", reply.error.reason
     assert not any(r.exc_info for r in caplog.records)
+
+
+def test_an_edge_with_one_example_refuses_a_model_with_batch_norm_when_asked() -> None:
+    """Its one-example batches failed every round with BatchNorm's ValueError, logged as a
+    ClientApp traceback; the coordinator now plans without it, told why."""
+    hub = InProcessHub()
+    agent = _edge_agent(hub)
+    agent.data = agent.data.subset(np.arange(1))
+    norm = config_to_dict(ModelConfig("resnet8", (1, 8, 8), 10))
+    asked = _reply_to(agent, hub, _task(model=norm), "pi-01", "query")
+    answer = asked.content  # type: ignore[attr-defined]
+    assert answer.metric_records["metrics"]["accepted"] == 0
+    reason = str(answer.config_records["answer"]["reason"])
+    assert "BatchNorm layers (in blocks [" in reason and "cannot train on 1 example" in reason
+    plain = _reply_to(agent, hub, _task(), "pi-01", "query")  # mlp: one example trains
+    assert plain.content.metric_records["metrics"]["accepted"] == 1  # type: ignore[attr-defined]
