@@ -199,21 +199,25 @@ def _print_summary(summary: dict[str, object], out: object) -> None:
             + ("  does not fit its budget" if client.get("fits") is False else "")
             + (_held(hosts[client["name"]]) if client["name"] in hosts else "")
         )
-    from simulation.config import BASELINES
-
-    idle = [c["name"] for c in clients if not c["blocks"]]
-    if idle and summary.get("method") not in BASELINES:
-        print(
-            f"note: {len(idle)} of {len(clients)} {'hosts' if hosts else 'clients'} took no "
-            "part: no plan gave them blocks (their memory or their data; the warnings above say "
-            "why)"
-        )
+    _say_idle(clients, "hosts" if hosts else "clients", summary.get("method"))
     print(
         f"final accuracy {_accuracy(summary['final_accuracy'])}, "
         f"wall {summary['total_wall_seconds']:.1f} s "
         f"(training {summary.get('training_wall_seconds', 0.0):.1f} s), "
         f"simulated {summary['total_simulated_seconds']:.1f} s on the declared devices"
     )
+
+
+def _say_idle(clients: list[dict[str, Any]], kind: str, method: object) -> None:
+    """A note when some of a split run's ``clients`` (or hosts) were given no blocks."""
+    from simulation.config import BASELINES
+
+    idle = [c["name"] for c in clients if not c["blocks"]]
+    if idle and method not in BASELINES:
+        print(
+            f"note: {len(idle)} of {len(clients)} {kind} took no part: no plan gave them "
+            "blocks (their memory or their data; the warnings above say why)"
+        )
 
 
 def _held(count: int) -> str:
