@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
+from split_models.options import ADAMS
 from split_models.randomness import RandomStream
 from split_models.segment import OptimizerConfig, Segment, StepResult, step_factors
 from split_models.weights import load_segment_state, segment_state
@@ -79,7 +80,7 @@ class SegmentStack:
             k: p.detach().to(self.device).unsqueeze(0).repeat_interleave(slots, 0)
             for k, p in named.items()
         }
-        copies = {"sgd": 0, "sgd-momentum": 1, "adam": 2}[self.optimizer.name]
+        copies = {"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2}[self.optimizer.name]
         self._state = [
             {k: torch.zeros_like(p) for k, p in self.params.items()} for _ in range(copies)
         ]
@@ -151,9 +152,11 @@ class SegmentStack:
                 grad = grad * factors.view(shape)
             scale = config.head_scale() if name.startswith("head.") else 1.0
             rate = (lr * scale).to(param.dtype).view(shape)
-            if config.weight_decay:
+            if config.weight_decay and config.name == "adamw":  # decoupled from the moments
+                param = param * (1 - rate * config.weight_decay)
+            elif config.weight_decay:
                 grad = grad + config.weight_decay * param
-            if config.name == "adam":
+            if config.name in ADAMS:
                 first, second = self._state[0][name], self._state[1][name]
                 m = 0.9 * first[index] + 0.1 * grad
                 v = 0.999 * second[index] + 0.001 * grad * grad
@@ -166,6 +169,8 @@ class SegmentStack:
                 buffer = self._state[0][name]
                 update = config.momentum * buffer[index] + grad
                 buffer[index] = update
+                if config.nesterov:  # torch's: the gradient plus the momentum it leads to
+                    update = grad + config.momentum * update
                 param = param - rate * update
             else:
                 param = param - rate * grad

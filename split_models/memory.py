@@ -50,7 +50,7 @@ ALLOCATOR_ALLOWANCE = 0.06
 # interleave). (The meter read a floor of about 100 KiB before it stopped over-reading peaks
 # still resident when read.)
 STEP_BOOKKEEPING_BYTES = 96 * 1024
-_OPTIMIZER_COPIES = {"sgd": 0, "sgd-momentum": 1, "adam": 2}
+_OPTIMIZER_COPIES = {"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2}
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ class _Chain:
         self.batch, self.copies, self.adam = (
             batch,
             _OPTIMIZER_COPIES[optimizer] + anchor,
-            optimizer == "adam",
+            optimizer in ("adam", "adamw"),
         )
         self.label_bytes = label_bytes
         self.first: BlockProfile | None = None

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "ADAMS",
     "INPUT_DTYPE_NAMES",
     "LOCAL_LOSSES",
     "LR_DECAYS",
@@ -108,7 +109,8 @@ class ModelOptions:
         )
 
 
-OPTIMIZERS = ("sgd", "sgd-momentum", "adam")
+OPTIMIZERS = ("sgd", "sgd-momentum", "adam", "adamw")
+ADAMS = ("adam", "adamw")  # two moments a weight; steps not lr * g
 LR_DECAYS = ("none", "cosine")  # across rounds
 HEAD_RATE_CAP = 0.1  # the default rule speeds SGD heads up to this rate at most
 
@@ -142,6 +144,7 @@ class OptimizerConfig:
     lr_decay: str = "none"
     max_step: float | None = None
     head_lr_scale: float | None = None
+    nesterov: bool = False
 
     def __post_init__(self) -> None:
         if self.lr_decay not in LR_DECAYS:
@@ -170,6 +173,14 @@ class OptimizerConfig:
                 f"optimizer.head_lr_scale: must be in (0, 10000] (or absent: the rule), got "
                 f"{self.head_lr_scale}"
             )
+        if self.nesterov is not False and (
+            self.nesterov is not True or self.name != "sgd-momentum" or not self.momentum
+        ):
+            raise ConfigError(
+                f"optimizer.nesterov: true or false, and true only with sgd-momentum and a "
+                f"momentum above 0 (got {self.nesterov!r} with {self.name}, momentum "
+                f"{self.momentum})"
+            )
         if not 0 <= self.warmup_steps <= 10**9:
             raise ConfigError(
                 f"optimizer.warmup_steps: must be in [0, 1e9], got {self.warmup_steps}"
@@ -183,7 +194,7 @@ class OptimizerConfig:
         changed nothing)."""
         if self.head_lr_scale is not None:
             return self.head_lr_scale
-        if self.name == "adam":
+        if self.name in ADAMS:
             return 1.0
         return max(1.0, min(3.0, HEAD_RATE_CAP / self.lr))
 
@@ -214,7 +225,7 @@ class OptimizerConfig:
             {"params": [p for p in parameters if id(p) in heads], "lr_scale": self.head_scale()},
         ]
         groups = [g for g in groups if g["params"]]
-        if self.name == "adam":
+        if self.name in ADAMS:
             # the fused kernel updates every tensor in one call where the default is a Python
             # loop over them: the optimizer's step 2-3x faster on the CPU, a whole segment
             # step up to 1.2x (docs/benchmarks.md), same values to float rounding. Elsewhere
@@ -222,12 +233,15 @@ class OptimizerConfig:
             fused = all(
                 p.device.type in _FUSED_DEVICES and p.is_floating_point() for p in parameters
             )
-            return torch.optim.Adam(
-                groups, lr=self.lr, weight_decay=self.weight_decay, fused=fused or None
-            )
+            adam = torch.optim.AdamW if self.name == "adamw" else torch.optim.Adam
+            return adam(groups, lr=self.lr, weight_decay=self.weight_decay, fused=fused or None)
         momentum = self.momentum if self.name == "sgd-momentum" else 0.0
         return torch.optim.SGD(
-            groups, lr=self.lr, momentum=momentum, weight_decay=self.weight_decay
+            groups,
+            lr=self.lr,
+            momentum=momentum,
+            weight_decay=self.weight_decay,
+            nesterov=self.nesterov,
         )
 
 

@@ -48,3 +48,36 @@ def test_a_simulation_config_file_warns_of_unused_momentum(
         config = load_sim_config(path, {})
     assert config.training.optimizer.name == "sgd"
     assert "momentum 0.8 has no effect with optimizer 'sgd'" in caplog.text
+
+
+def test_adamw_and_nesterov_build_torchs_own() -> None:
+    import torch
+
+    from split_models.config import parse_config
+
+    weights = [torch.nn.Parameter(torch.zeros(3))]
+    adamw = parse_config(options.OptimizerConfig, {"name": "adamw", "weight_decay": 0.01}, "o")
+    assert type(adamw.build(weights)) is torch.optim.AdamW
+    assert adamw.build(weights).param_groups[0]["weight_decay"] == 0.01
+    assert adamw.head_scale() == 1.0  # as Adam's: its steps are not lr * g
+    nesterov = parse_config(options.OptimizerConfig, {"nesterov": True}, "o")
+    group = nesterov.build(weights).param_groups[0]
+    assert group["nesterov"] is True and group["momentum"] == 0.9
+    assert options.OptimizerConfig().build(weights).param_groups[0]["nesterov"] is False
+
+
+@pytest.mark.parametrize(
+    "section",
+    [
+        {"name": "adam", "nesterov": True},
+        {"name": "sgd", "nesterov": True},
+        {"momentum": 0.0, "nesterov": True},
+        {"nesterov": "yes please"},
+    ],
+)
+def test_nesterov_is_refused_where_torch_has_no_such_step(section: dict[str, object]) -> None:
+    from split_models.config import parse_config
+    from split_models.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="nesterov"):
+        parse_config(options.OptimizerConfig, section, "optimizer")
