@@ -30,6 +30,7 @@ from split_models.units import format_bytes
 from storage.base import RunStore
 from storage.records import Event, RunRecord
 from wire.flower import TransportGrid
+from wire.logs import printable
 from wire.roles import Announcement
 
 __all__ = [
@@ -353,7 +354,7 @@ def _answer(reply: Message) -> tuple[bool, int, str] | None:
     accepted, budget, reason = metrics.get("accepted"), metrics.get("budget"), answer.get("reason")
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in (accepted, budget)):
         return None
-    return bool(accepted), max(0, int(budget)), str(reason)[:500]  # type: ignore[arg-type]
+    return bool(accepted), max(0, int(budget)), printable(reason)  # type: ignore[arg-type]
 
 
 def _stored_profile(store: RunStore, run_id: str, key: dict[str, Any]) -> ModelProfile | None:
@@ -383,7 +384,7 @@ def _refusal(assignment: Assignment, reply: Message | None) -> tuple[str, int | 
     if reply is None:
         return f"did not answer the assignment within {_ASK_TIMEOUT:.0f} s", None
     if reply.has_error():
-        return f"failed on the assignment: {reply.error.reason}", None
+        return f"failed on the assignment: {printable(reply.error.reason)}", None
     if (answer := _answer(reply)) is None:
         return "sent a malformed answer to the assignment", None
     if not answer[0]:

@@ -16,6 +16,7 @@ from coordinator.guard import non_finite_tensors
 from coordinator.recorder import Outcome, RoundRecorder
 from storage.records import DeviceResult, Event
 from wire.flower import numpy_arrays
+from wire.logs import printable
 
 __all__ = ["DIVERGED", "malformed", "malformed_evaluation", "name_failed", "outcome_of"]
 
@@ -42,7 +43,9 @@ def outcome_of(
         try:
             failure = _failure(message, reply, online)
         except Exception as error:  # what no check foresaw fails its device, not the round
-            failure = f"sent a reply that cannot be read ({type(error).__name__}: {error})"[:500]
+            failure = printable(
+                f"sent a reply that cannot be read ({type(error).__name__}: {error})"
+            )
         if failure is None:
             outcome.results.append(_result(device, replies[device], now - started, outcome))
             outcome.ok.append(device)
@@ -61,7 +64,7 @@ def _failure(message: Message, reply: Message | None, online: set[int]) -> str |
         here = message.metadata.dst_node_id in online
         return "no reply before the deadline" if here else "offline"
     if reply.has_error():
-        return (reply.error.reason or "failed")[:500]
+        return printable(reply.error.reason or "failed")
     if problem := malformed(reply):
         return problem
     arrays = numpy_arrays(reply, key=None)  # decoded once: judged by what they hold

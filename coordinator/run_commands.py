@@ -14,6 +14,7 @@ from split_models.errors import ConfigError
 from storage import RunStore
 from storage.errors import NotFoundError
 from storage.records import Event
+from wire.logs import printable
 
 __all__ = ["event_record", "format_event", "runs_command"]
 
@@ -27,8 +28,8 @@ def format_event(event: Event) -> str:
     if event.round is not None:
         parts.append(f"round {event.round}")
     if event.device:
-        parts.append(event.device)
-    parts.append(event.detail)
+        parts.append(printable(event.device, 200))
+    parts.append(printable(event.detail, 10_000))  # stored before devices' text was escaped
     return "  ".join(p for p in parts if p)
 
 

@@ -41,6 +41,7 @@ from coordinator.recorder import Outcome, RoundRecorder
 from coordinator.replies import malformed_evaluation, name_failed, outcome_of
 from storage.records import RoundRecord
 from wire.flower import TRAINED_RECORD, TransportGrid, array_record
+from wire.logs import printable
 from wire.presence import WillGrace
 
 __all__ = [
@@ -465,7 +466,9 @@ def _usable_evaluations(replies: Mapping[str, Message], strategy: FedAvg) -> dic
     counted: dict[str, Message] = {}
     for device, reply in sorted(replies.items()):
         if reply.has_error():
-            log.warning("federated evaluation on %s failed: %s", device, reply.error.reason)
+            log.warning(
+                "federated evaluation on %s failed: %s", device, printable(reply.error.reason)
+            )
         elif (problem := malformed_evaluation(reply)) is not None:
             log.warning("federated evaluation on %s left out: %s", device, problem)
         elif _examples(reply) > 0:

@@ -36,6 +36,7 @@ from split_models.evaluation import (
     statistic_layers,
 )
 from wire.flower import array_record, numpy_arrays
+from wire.logs import printable
 
 __all__ = [
     "DEVICES",
@@ -70,14 +71,14 @@ def statistics_of(
 ) -> tuple[int, dict[str, np.ndarray]] | str:
     """The sample count and statistics a reply carries, or what is wrong with it."""
     if reply.has_error():
-        return f"failed: {reply.error.reason}"
+        return f"failed: {printable(reply.error.reason)}"
     count = _count(reply)
     if count is None or not 1 < count <= most:
         return f"a sample count outside (1, {most}]"
     try:
         arrays = numpy_arrays(reply)
     except Exception as error:  # a device may send anything: undecodable is no statistics
-        return f"no statistics ({type(error).__name__}: {error})"[:500]
+        return printable(f"no statistics ({type(error).__name__}: {error})")
     if set(arrays) != set(expected):
         unknown = sorted(set(arrays) ^ set(expected))[:3]
         return f"other layers than asked ({', '.join(unknown)})"

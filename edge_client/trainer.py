@@ -31,6 +31,7 @@ from wire.channel import Channel
 from wire.codec import Envelope
 from wire.errors import WireError
 from wire.flow import CreditGate
+from wire.logs import printable
 from wire.presence import PeerOffline
 from wire.session import RoundAbandoned
 
@@ -52,7 +53,7 @@ class BatchRefused(WireError):
     no gradient will come for it, so the round fails now, saying why."""
 
     def __init__(self, seq: int, why: str) -> None:
-        super().__init__("refused", f"the GPU server refused batch {seq}: {why[:500]}")
+        super().__init__("refused", f"the GPU server refused batch {seq}: {printable(why)}")
 
 
 @dataclass(frozen=True)

@@ -11,9 +11,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import unicodedata
 from collections.abc import Callable, Hashable
 
-__all__ = ["BURST", "WINDOW", "WarningLimiter", "warn"]
+__all__ = ["BURST", "WINDOW", "WarningLimiter", "printable", "warn"]
 
 BURST = 5
 WINDOW = 60.0
@@ -62,3 +63,15 @@ def warn(
         if suppressed:
             message += f" ({suppressed} more like it left out of the log)"
         log.log(level, message, *args)
+
+
+def printable(text: object, limit: int = 500) -> str:
+    """``text`` from a device, safe to log and print: control and format characters (a
+    newline that forges a log line, a terminal's escape sequences, a right-to-left
+    override) written as escapes (``\\n``, ``\\x1b``), at most ``limit`` characters."""
+    value = str(text)[:limit]
+    if value.isprintable():
+        return value
+    return "".join(
+        c if c.isprintable() or unicodedata.category(c) == "Zs" else ascii(c)[1:-1] for c in value
+    )

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from flwr.app import Array, ArrayRecord, Error, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
 from coordinator.recorder import Outcome
@@ -273,3 +273,40 @@ def test_a_device_claiming_huge_test_data_does_not_set_the_federated_accuracy_al
     untouched = {"a": evaluated(100, 0.9), "b": evaluated(120, 0.92)}
     _bound_evaluation(untouched, 0.0)  # the bound off (examples_bound: 0)
     assert untouched["a"].content.metric_records["metrics"]["num-examples"] == 100
+
+
+FORGED = "no room\n2026-12-07 15:00:00  run-finished  FORGED\x1b]0;pwned\x07\x1b[2J\u202e"
+
+
+def test_a_devices_text_cannot_forge_a_log_line_or_drive_the_terminal(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A reason a device sends reaches logs, events and `runs events` with its control
+    characters escaped: a newline in it printed a forged line, escapes drove the terminal."""
+    from coordinator.planner import _answer
+    from coordinator.run_commands import format_event
+    from storage.records import Event
+    from wire.logs import printable
+
+    for field in ("_run_id", "_node_id", "_task_id"):
+        monkeypatch.setattr(TaskIdentity, field, 1)
+    asked = Message(RecordDict({"arrays": array_record(GIVEN)}), 1, "train")
+    failed = outcome_of(
+        {"liar": asked}, {"liar": Message(Error(1, FORGED), reply_to=asked)}, 0.0, {1}, 1.0
+    )  # type: ignore[arg-type]
+    refused = Message(
+        RecordDict(
+            {
+                "metrics": MetricRecord({"accepted": 0, "budget": 1}),
+                "answer": ConfigRecord({"reason": FORGED}),
+            }
+        ),
+        reply_to=asked,
+    )
+    answer = _answer(refused)
+    assert answer is not None
+    for text in (failed.results[0].failure, answer[2], format_event(Event("refused", FORGED))):
+        assert text is not None and text.isprintable(), text
+        assert "no room\\n2026-12-07" in text and "\\x1b]0;pwned\\x07\\x1b[2J\\u202e" in text
+    assert printable("plain words, kept") == "plain words, kept"
+    assert len(printable("x" * 900)) == 500
