@@ -53,7 +53,7 @@ from wire.codec import Envelope
 from wire.errors import WireError
 from wire.flow import CreditGranter
 from wire.logs import warn
-from wire.stream_records import EarlyNotes, Parked, StreamStats, envelope_attempt, sender_of
+from wire.stream_records import EarlyNotes, ParkingLot, StreamStats, envelope_attempt, sender_of
 
 __all__ = ["StreamServer", "StreamStats"]
 
@@ -101,7 +101,7 @@ class StreamServer:
         self._ledger = RoundLedger(0, (), self.name)
         self._attempt = 1  # the coordinator's try of the current round
         self._progress: dict[str, float] = {}  # sender -> when its latest batch or done came
-        self._parked: list[Parked] = []
+        self._parked = ParkingLot(_MAX_PARKED, _PARKED_PER_SENDER)
         self._early = EarlyNotes(_MAX_EARLY, _EARLY_PER_SENDER)
         self._rejections: set[tuple[int, str, str, int]] = set()  # (round, sender, epoch, seq)
         self._rejections_by: collections.Counter[str] = collections.Counter()  # per sender
@@ -120,6 +120,8 @@ class StreamServer:
         """Leave the stream: a replaced server must not keep taking a share of it."""
         for topic_filter in self._filters:
             self.channel.transport.unsubscribe(topic_filter)
+        with self._lock:
+            self._parked.clear()
 
     def join(self) -> None:
         """Take a share of the stream's batches (again: each round it serves begins so)."""
@@ -160,8 +162,7 @@ class StreamServer:
             self._rejections = {k for k in self._rejections if k[0] >= number}
             self._rejections_by = collections.Counter(k[1] for k in self._rejections)
             self._apply_early(number)
-            ready = [p for p in self._parked if p.number == number]
-            self._parked = [p for p in self._parked if p.number > number]
+            ready = self._parked.take(number)
             strangers = [p for p in ready if p.sender not in self._ledger.senders]
             ready = [p for p in ready if p.sender in self._ledger.senders]
             for _stranger in (p for p in strangers if p.envelope is not None):
@@ -271,8 +272,9 @@ class StreamServer:
             return
         with self._lock:
             number = self._ledger.number
-            if envelope.round > number and self._may_park(sender):
-                self._parked.append(Parked(envelope.round, sender, envelope))
+            if envelope.round > number and self._parked.admit(
+                number, envelope.round, sender, envelope
+            ):
                 return  # handled (and its credit returned) when the round begins here
             if envelope.round == number and sender not in self._ledger.senders:
                 self._stranger(sender, number)
@@ -404,8 +406,7 @@ class StreamServer:
             self._rejections.add(seen)
             self._rejections_by[sender] += 1
             if number > current:
-                if self._may_park(sender):
-                    self._parked.append(Parked(number, sender, None, (key[1], detail or reason)))
+                self._parked.admit(current, number, sender, None, (key[1], detail or reason))
                 return
             handled = self._admit(sender, None)
             self._tell_refused(sender, number, key[1], detail or reason)
@@ -455,12 +456,6 @@ class StreamServer:
             if not self._ledger.peer_counts(peer, raw):
                 return
         self._settle()
-
-    def _may_park(self, sender: str) -> bool:
-        """Whether another batch of ``sender`` may wait for a round not begun here: a few per
-        sender (a peer may begin a round first), so one cannot crowd out the others'."""
-        mine = sum(1 for p in self._parked if p.sender == sender)
-        return len(self._parked) < _MAX_PARKED and mine < _PARKED_PER_SENDER
 
     def _apply_early(self, number: int) -> None:
         for what, who, value in self._early.take(number):

@@ -10,7 +10,14 @@ from typing import Any
 
 from wire.codec import Envelope
 
-__all__ = ["EarlyNotes", "Parked", "StreamStats", "envelope_attempt", "sender_of"]
+__all__ = [
+    "EarlyNotes",
+    "Parked",
+    "ParkingLot",
+    "StreamStats",
+    "envelope_attempt",
+    "sender_of",
+]
 
 
 @dataclass
@@ -63,3 +70,61 @@ class EarlyNotes:
         self._notes = {k: v for k, v in self._notes.items() if k[1] > number}
         self._by = collections.Counter(k[2] for k in self._notes)
         return notes
+
+
+class ParkingLot:
+    """Batches (and rejections) of a round a server has not begun yet, which a peer began
+    first. A few per sender and bytes per sender, within totals, so one sender crowds out no
+    other; and once this server has begun a round, only for the round after it: a batch for
+    a round far ahead is no peer's. (Any round ahead was parked, each up to the largest
+    message, and held until the run ended: a device grew a GPU server by gigabytes.)"""
+
+    def __init__(self, most: int, per_sender: int, bytes_most: int = 1 << 30) -> None:
+        self.most, self.per_sender, self.bytes_most = most, per_sender, bytes_most
+        self._parked: list[Parked] = []
+        self._bytes: collections.Counter[str] = collections.Counter()
+
+    def admit(
+        self,
+        begun: int,
+        number: int,
+        sender: str,
+        envelope: Envelope | None,
+        refusal: tuple[int, str] | None = None,
+    ) -> bool:
+        """Park ``sender``'s batch of round ``number`` (None: rejected, with ``refusal``; this
+        server's round is ``begun``, 0 before its first); whether it was."""
+        parked = Parked(number, sender, envelope, refusal)
+        if begun and parked.number != begun + 1:
+            return False
+        size = _size(parked)
+        mine = sum(1 for p in self._parked if p.sender == parked.sender)
+        if len(self._parked) >= self.most or mine >= self.per_sender:
+            return False
+        if self._bytes[parked.sender] + size > self.bytes_most // 4:  # a quarter each at most
+            return False
+        if sum(self._bytes.values()) + size > self.bytes_most:
+            return False
+        self._parked.append(parked)
+        self._bytes[parked.sender] += size
+        return True
+
+    def take(self, number: int) -> list[Parked]:
+        """What waited for round ``number``; earlier rounds' are dropped, later ones kept."""
+        ready = [p for p in self._parked if p.number == number]
+        self._parked = [p for p in self._parked if p.number > number]
+        self._bytes = collections.Counter()
+        for kept in self._parked:
+            self._bytes[kept.sender] += _size(kept)
+        return ready
+
+    def clear(self) -> None:
+        self._parked, self._bytes = [], collections.Counter()
+
+    def __len__(self) -> int:
+        return len(self._parked)
+
+
+def _size(parked: Parked) -> int:
+    envelope = parked.envelope
+    return 0 if envelope is None else sum(a.nbytes for a in envelope.tensors.values())
