@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -50,7 +51,14 @@ from flwr.serverapp.strategy import (
     MultiKrum,
 )
 
-from coordinator.bounds import EXAMPLES_BOUND, NORM_BOUND, clip_update, norm_limit, update_norm
+from coordinator.bounds import (
+    EXAMPLES_BOUND,
+    NORM_BOUND,
+    bound_replica,
+    norm_limit,
+    plausible_limit,
+    update_norm,
+)
 from coordinator.strategy_options import check_options
 from split_models.errors import ConfigError
 from wire.flower import array_numpy, array_record, numpy_arrays
@@ -260,9 +268,10 @@ def _settled(
 def _bound_updates(strategy: Any, replies: list[Message]) -> list[dict[str, np.ndarray]]:
     """The replicas ``replies`` hold, with every update whose norm is above
     ``strategy.norm_bound`` times the median of its group (the replicas holding the same
-    tensors) clipped onto that bound (the norm bound of :mod:`coordinator.bounds`), each named
-    in ``strategy.clips``; trusted replicas (the GPU servers) count towards the median but are
-    never clipped."""
+    tensors) clipped onto that bound (the norm bound of :mod:`coordinator.bounds`), and one
+    beyond :func:`~coordinator.bounds.plausible_limit` kept at the round's start, in a group
+    of any size; each named in ``strategy.clips``. Trusted replicas (the GPU servers) count
+    towards the median but are never clipped."""
     mirrors = _mirrors(strategy)  # an edge's head that is the back's classifier is a replica
     received = [numpy_arrays(m, key=None) for m in replies]
     replicas = [{mirrors.get(k, k): v for k, v in r.items()} for r in received]
@@ -270,19 +279,19 @@ def _bound_updates(strategy: Any, replies: list[Message]) -> list[dict[str, np.n
     for indices, keys in key_groups(replicas).items():
         group = [{k: replicas[i][k] for k in keys} for i in indices]
         norms = [update_norm(g, start) for g in group]
-        limit = norm_limit(norms, strategy.norm_bound)
+        plausible = plausible_limit(list(keys), start) if strategy.norm_bound else math.inf
+        limits = (norm_limit(norms, strategy.norm_bound), plausible)
         for i, tensors, norm in zip(indices, group, norms, strict=True):
             node = replies[i].metadata.src_node_id
-            if limit is None or norm <= limit or node in strategy.trusted_nodes:
+            if node in strategy.trusted_nodes:
                 continue
-            bounded[i].update(clip_update(tensors, start, limit / norm))
             device = strategy.node_names.get(node, f"node {node}")
-            why = (
-                f"{device}'s update of {_describe(tensors)} has norm {norm:.4g}, above "
-                f"{strategy.norm_bound:g} x the median {limit / strategy.norm_bound:.4g} of the "
-                f"{len(group)} replicas holding them; clipped to {limit:.4g} (norm bound)"
-            )
-            strategy.clips.append((device, why))
+            named = f"{device}'s update of {_describe(tensors)}"
+            limited = (len(group), *limits)
+            clipped, why = bound_replica(tensors, start, norm, limited, named, strategy.norm_bound)
+            if clipped is not None:
+                bounded[i].update(clipped)
+                strategy.clips.append((device, why))
     return bounded
 
 

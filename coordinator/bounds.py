@@ -23,13 +23,19 @@ servers' back, say) or a tensor of another shape is left out of the round, named
 Among the replicas holding the same tensors, an update ``w_i - w_round_start`` whose norm is
 above ``factor`` times the group's median norm is scaled down onto that bound. A group of
 fewer than :data:`MIN_JUDGED` replicas cannot judge (no majority defines "normal"), nor can
-one whose median update is zero.
+one whose median update is zero. Every group, judged or not, refuses an update more than
+:data:`IMPLAUSIBLE` times the norm its tensors start the round with (at least 1): no training
+step moves a block that far, and a device that alone holds its blocks (a cut no other edge
+shares, which a device may get by announcing a large memory) wrote ``1e20`` into them
+unjudged, failing every try of the round. Its replica is kept at the round's start instead
+(:func:`plausible_limit`). A subtler lie in blocks no other edge holds is not caught: only
+replicas can say what is normal (``cuts: uniform`` gives every edge the same blocks).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,13 +43,16 @@ import numpy as np
 
 __all__ = [
     "EXAMPLES_BOUND",
+    "IMPLAUSIBLE",
     "MIN_JUDGED",
     "NORM_BOUND",
     "Cap",
+    "bound_replica",
     "cap_examples",
     "clip_update",
     "foreign_tensors",
     "norm_limit",
+    "plausible_limit",
     "server_counts",
     "update_norm",
 ]
@@ -51,6 +60,10 @@ __all__ = [
 EXAMPLES_BOUND = 10.0  # peer-median: at most this many times the other edges' median claim
 NORM_BOUND = 10.0  # norm bound: at most this many times the group's median update norm
 MIN_JUDGED = 3  # replicas a group needs before its median says what a normal update is
+IMPLAUSIBLE = 10.0  # an update above this many times its tensors' norm is no training step
+# BatchNorm's statistics are measured, not learned: a running variance may grow 1000-fold in
+# a round on unscaled inputs, so they are no part of an update's plausibility
+_STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
 
 
 @dataclass(frozen=True)
@@ -150,6 +163,22 @@ def norm_limit(norms: Sequence[float], factor: float = NORM_BOUND) -> float | No
     return factor * median if median > 0 and math.isfinite(median) else None
 
 
+def plausible_limit(keys: Sequence[str], start: Mapping[str, np.ndarray]) -> float:
+    """The largest update norm any replica of the tensors ``keys`` may have, in a group of
+    any size: :data:`IMPLAUSIBLE` times their norm at the round's start, at least 1 (a block
+    of zeros, such as a fresh bias, still learns); BatchNorm's statistics count in neither."""
+    squares = sum(
+        float(np.sum(start[k].astype(np.float64) ** 2))
+        for k in _learned(keys)
+        if np.issubdtype(start[k].dtype, np.floating)
+    )
+    return IMPLAUSIBLE * max(math.sqrt(squares), 1.0)
+
+
+def _learned(keys: Iterable[str]) -> list[str]:
+    return [k for k in keys if k.rsplit(".", 1)[-1] not in _STATISTICS]
+
+
 def clip_update(
     replica: Mapping[str, np.ndarray], start: Mapping[str, np.ndarray], scale: float
 ) -> dict[str, np.ndarray]:
@@ -163,3 +192,30 @@ def clip_update(
         else array
         for key, array in replica.items()
     }
+
+
+def bound_replica(
+    tensors: Mapping[str, np.ndarray],
+    start: Mapping[str, np.ndarray],
+    norm: float,
+    limits: tuple[int, float | None, float],
+    named: str,
+    factor: float,
+) -> tuple[dict[str, np.ndarray] | None, str]:
+    """``tensors``, one replica (``named``: "pi-03's update of block2.*") of a group of
+    ``size`` whose update has ``norm``, within the group's ``limits`` (size, the norm bound's
+    limit or None, :func:`plausible_limit`): clipped, and why; ``(None, "")`` when within."""
+    size, judged, plausible = limits
+    step = update_norm({k: tensors[k] for k in _learned(tensors)}, start)
+    if not step <= plausible:
+        return clip_update(tensors, start, 0.0), (
+            f"{named} has norm {step:.4g}, over {plausible / IMPLAUSIBLE:.4g} x "
+            f"{IMPLAUSIBLE:g} (the norm of the weights it was given, at least 1): no training "
+            "step moves them that far; left out (its replica kept at the round's start)"
+        )
+    if judged is None or norm <= judged:
+        return None, ""
+    return clip_update(tensors, start, judged / norm), (
+        f"{named} has norm {norm:.4g}, above {factor:g} x the median {judged / factor:.4g} of "
+        f"the {size} replicas holding them; clipped to {judged:.4g} (norm bound)"
+    )

@@ -9,10 +9,12 @@ from flwr.app import Message, MetricRecord, RecordDict
 
 from coordinator.aggregation import build_strategy
 from coordinator.bounds import (
+    bound_replica,
     cap_examples,
     clip_update,
     foreign_tensors,
     norm_limit,
+    plausible_limit,
     server_counts,
     update_norm,
 )
@@ -88,15 +90,22 @@ def _reply(node: int, arrays: dict[str, np.ndarray], examples: int = 10) -> Mess
     )
 
 
-def _aggregate(norm_bound: float, trusted: frozenset[int] = frozenset()) -> tuple[dict, object]:
-    """Four replicas of one tensor moving by 1, 2, 3 and (node 4) 1000."""
+def _aggregate(
+    norm_bound: float,
+    trusted: frozenset[int] = frozenset(),
+    steps: dict[int, float] | None = None,
+) -> tuple[dict, object]:
+    """Replicas of one tensor (norm 10 at the round's start) moving by 1, 2, 3 and (node 4)
+    60 (``steps``: by node, others)."""
     TransportGrid(InProcessHub().connect("coordinator"))  # Flower's identity, as a run sets it
     strategy = build_strategy("fedavg", norm_bound=norm_bound)
-    strategy._current = {"block0.w": np.zeros(4, np.float32)}  # type: ignore[attr-defined]
+    strategy._current = {"block0.w": np.full(4, 5.0, np.float32)}  # type: ignore[attr-defined]
     strategy.node_names = {n: f"pi-0{n}" for n in range(1, 5)}  # type: ignore[attr-defined]
     strategy.trusted_nodes = trusted  # type: ignore[attr-defined]
-    steps = {1: 1.0, 2: 2.0, 3: 3.0, 4: 1000.0}
-    replies = [_reply(n, {"block0.w": np.full(4, s / 2, np.float32)}) for n, s in steps.items()]
+    steps = steps or {1: 1.0, 2: 2.0, 3: 3.0, 4: 60.0}
+    replies = [
+        _reply(n, {"block0.w": np.full(4, 5.0 + s / 2, np.float32)}) for n, s in steps.items()
+    ]
     arrays, _ = strategy.aggregate_train(1, replies)
     assert arrays is not None
     return {k: v.numpy() for k, v in arrays.items()}, strategy
@@ -106,12 +115,12 @@ def test_the_strategy_clips_an_outlying_update_and_names_its_device() -> None:
     bounded, strategy = _aggregate(norm_bound=10)
     clips = strategy.clips  # type: ignore[attr-defined]
     assert [device for device, _ in clips] == ["pi-04"], clips
-    assert "norm 1000, above 10 x the median 2.5" in clips[0][1], clips
+    assert "norm 60, above 10 x the median 2.5" in clips[0][1], clips
     # node 4's update is clipped to norm 25 (each coordinate 12.5): the mean of 0.5, 1, 1.5, 12.5
-    np.testing.assert_allclose(bounded["block0.w"], np.full(4, 15.5 / 4), rtol=1e-5)
+    np.testing.assert_allclose(bounded["block0.w"], np.full(4, 5 + 15.5 / 4), rtol=1e-5)
     unbounded, off = _aggregate(norm_bound=0)
     assert off.clips == []  # type: ignore[attr-defined]
-    np.testing.assert_allclose(unbounded["block0.w"], np.full(4, 503.0 / 4), rtol=1e-5)
+    np.testing.assert_allclose(unbounded["block0.w"], np.full(4, 5 + 33.0 / 4), rtol=1e-5)
     _, trusting = _aggregate(norm_bound=10, trusted=frozenset({4}))
     assert trusting.clips == [], "a GPU server's update is never clipped"  # type: ignore[attr-defined]
 
@@ -133,3 +142,37 @@ def test_a_reply_may_hold_only_the_tensors_it_was_given_in_their_shapes() -> Non
     assert extra == "sent tensors it was not given (c, z.w)"
     grown = foreign_tensors(given, {"a": np.zeros((3, 3))})
     assert grown == "sent a of shape [3, 3], it was given [2, 3]"
+
+
+@pytest.mark.parametrize("holders", [1, 2])
+def test_an_implausible_update_is_left_out_where_too_few_replicas_judge(holders: int) -> None:
+    """A device alone with its blocks (or with one other) wrote 1e20 into them unjudged: the
+    round failed on every try. An update over 10 x its weights' norm is no training step."""
+    honest = {n: float(n) for n in range(1, holders)}
+    bounded, strategy = _aggregate(norm_bound=10, steps={**honest, 4: 2e20})
+    clips = strategy.clips  # type: ignore[attr-defined]
+    assert [device for device, _ in clips] == ["pi-04"], clips
+    assert "over 10 x 10 (the norm of the weights it was given" in clips[0][1], clips
+    assert "left out (its replica kept at the round's start)" in clips[0][1]
+    # its replica counts as the start (5.0): alone, the tensor stays; else it halves the step
+    want = 5.0 if holders == 1 else 5.0 + 0.5 / 2
+    np.testing.assert_allclose(bounded["block0.w"], np.full(4, want), rtol=1e-6)
+    _, fine = _aggregate(norm_bound=10, steps={**honest, 4: 19.0})
+    assert fine.clips == []  # type: ignore[attr-defined]
+    _, off = _aggregate(norm_bound=0, steps={**honest, 4: 2e20})
+    assert off.clips == [], "norm_bound: 0 turns the update bounds off"  # type: ignore[attr-defined]
+
+
+def test_batch_norm_statistics_are_no_part_of_an_updates_plausibility() -> None:
+    """A running variance that grows 1000-fold in a round (unscaled inputs) is measured, not
+    a step: the replica is kept."""
+    start = {"b.weight": np.ones(4, np.float32), "b.running_var": np.ones(4, np.float32)}
+    grown = {"b.weight": np.full(4, 1.5, np.float32), "b.running_var": np.full(4, 1000.0)}
+    limit = plausible_limit(["b.weight", "b.running_var"], start)
+    assert limit == pytest.approx(20.0)  # 10 x the weight's norm 2, the statistics left out
+    clipped, why = bound_replica(grown, start, 2000.0, (1, None, limit), "pi-01's update", 10)
+    assert clipped is None and why == ""
+    lying = {**grown, "b.weight": np.full(4, 1e6, np.float32)}
+    clipped, why = bound_replica(lying, start, 2e6, (1, None, limit), "pi-01's update", 10)
+    assert clipped is not None and "left out" in why
+    np.testing.assert_array_equal(clipped["b.weight"], start["b.weight"])
