@@ -171,8 +171,11 @@ class RoundRunner:
         """The online ``nodes`` the strategy chooses for round ``number``, reproducibly."""
         online = set(self.grid.get_node_ids())
         view = EdgeView(self.grid, lambda: sorted(n for n in nodes if n in online))
-        if not view.get_node_ids():
+        if not (available := len(view.get_node_ids())):
             return {}
+        # Flower samples max(fraction_train x available, this): the run's least, up to those
+        # online (Flower waits for more in a loop of its own; fewer left every try short)
+        self.strategy.min_train_nodes = min(self.min_edges, available)
         random.seed(self.seed * 100_003 + number)
         with flower_quiet():  # Flower logs each round's sample at INFO
             messages = self.strategy.configure_train(

@@ -333,10 +333,17 @@ def parse_sim_config(data: object, overrides: Mapping[str, Any] | None = None) -
     config = replace(config, training=replace(config.training, mode=mode))
     if config.fleet.group_clients:
         _check_grouping(config)
-    if (availability := config.fleet.availability) is not None:
-        needed = int(config.aggregation.options.get("min_train_nodes", 1))
-        fleet, training = config.fleet, config.training
+    needed = int(config.aggregation.options.get("min_train_nodes", 1))
+    fleet, training = config.fleet, config.training
+    if (availability := fleet.availability) is not None:
         availability.check(fleet.clients, training.rounds, training.seed, needed)
+    edges = len(fleet.hosts()) if fleet.group_clients else fleet.clients
+    if needed > edges and config.method != "centralized":  # no device can join a simulation
+        kind = "hosts (group_clients)" if fleet.group_clients else "clients"
+        raise ConfigError(
+            f"strategy.min_train_nodes: {needed}, but the simulation has {edges} {kind}: no "
+            "round could start; lower it or simulate more clients"
+        )
     return config
 
 

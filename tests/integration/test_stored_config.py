@@ -68,3 +68,13 @@ def test_fraction_train_samples_that_share_of_the_registered_clients_each_round(
     trained = [c for c in summary["clients"] if c["examples"]]
     assert 4 <= len(trained) <= 8  # two rounds' samples (they may overlap), nobody else
     assert summary["final_accuracy"] is not None
+
+
+def test_fraction_train_samples_at_least_min_train_nodes(tmp_path: Path) -> None:
+    """A quarter of 4 clients with min_train_nodes 2 sampled one, and every try waited for a
+    second that was online all along ('1 edge(s) online, 2 needed')."""
+    pytest.importorskip("sklearn")
+    strategy = {"name": "fedavg", "fraction_train": 0.25, "min_train_nodes": 2}
+    config = parse_sim_config(_quick("local-loss") | {"clients": 4, "strategy": strategy})
+    summary = simulate(config, tmp_path, run_id="least")
+    assert [r["participants"] for r in summary["rounds"]] == [2]

@@ -227,3 +227,17 @@ def test_a_key_written_beside_the_section_that_takes_it_is_pointed_there() -> No
     assert "belongs in" not in str(raised.value)
     with pytest.raises(ConfigError, match="lr belongs in optimizer"):
         RunConfig.parse({"run_id": "r", "model": "cnn", "lr": 0.1})
+
+
+@pytest.mark.parametrize("method", ["local-loss", "splitfed", "fedavg"])
+def test_a_simulation_refuses_min_train_nodes_above_its_clients(method: str) -> None:
+    """Nobody can join a simulation: a round waiting for 10 of 4 clients waited out every
+    try's deadline (30 minutes) without a word but 'waits for its devices'."""
+    from simulation.config import parse_sim_config
+    from split_models.errors import ConfigError
+
+    strategy = {"name": "fedavg", "min_train_nodes": 10}
+    with pytest.raises(ConfigError, match="min_train_nodes: 10, but the simulation has 4 clients"):
+        parse_sim_config({"method": method, "clients": 4, "strategy": strategy})
+    assert parse_sim_config({"method": method, "clients": 10, "strategy": strategy})
+    assert parse_sim_config({"method": "centralized", "clients": 4, "strategy": strategy})
