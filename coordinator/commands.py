@@ -13,6 +13,7 @@ from coordinator.planner import unfit_edges
 from split_models.config import ModelConfig, parse_config
 from split_models.devices import load_devices
 from split_models.errors import ConfigError
+from split_models.options import LOCAL_LOSSES
 from split_models.profiler import profile_model
 from split_models.units import format_bytes
 
@@ -93,7 +94,8 @@ def plan_command(args: argparse.Namespace) -> int:
 def profile_command(args: argparse.Namespace) -> int:
     """``edgesplit profile``: per-block profile of a model at a batch size."""
     model = model_section(args).build(seed=0)
-    losses = tuple(args.local_loss or ("linear", "mlp", "supcon"))
+    every = ("linear", "mlp") if model.options.task == "language-model" else LOCAL_LOSSES
+    losses = tuple(args.local_loss or every)  # a language model's heads: a token a position
     profile = profile_model(model, local_losses=losses, batch_size=args.batch_size)
     if args.json:
         print(json.dumps(profile.to_dict()))

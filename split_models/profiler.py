@@ -39,6 +39,7 @@ from split_models.measure import (
     resident_bytes,
     trim_heap,
 )
+from split_models.sections import check_norm_batch
 from split_models.zoo import SplittableModel, example_input
 
 if TYPE_CHECKING:
@@ -446,6 +447,7 @@ def profile_model(
     its own that built the model (a fork per distinct block, about 0.1 s each, of one fresh
     interpreter: :mod:`split_models.cold_setup`): what a segment starting mid-model pays on its
     device."""
+    check_norm_batch(model.blocks, batch_size)
     blocks: list[BlockProfile] = []
     shape = model.input_shape
     ids = model.options.input_range

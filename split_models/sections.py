@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 from split_models.config import ModelConfig, TrainingConfig, config_keys, parse_config
@@ -15,6 +15,7 @@ from split_models.options import ZOO_NAMES
 __all__ = [
     "batch_norm_blocks",
     "block_count",
+    "check_norm_batch",
     "flat_model_section",
     "parse_task_sections",
     "task_sections",
@@ -70,15 +71,29 @@ def batch_norm_blocks(model: ModelConfig) -> frozenset[int]:
 
 @functools.lru_cache(maxsize=8)
 def _shape_of(model: ModelConfig) -> tuple[int, frozenset[int]]:
+    blocks = model.build(seed=0).blocks
+    return len(blocks), _norm_blocks(blocks)
+
+
+def _norm_blocks(blocks: Iterable[Any]) -> frozenset[int]:
     from torch import nn
 
-    blocks = model.build(seed=0).blocks
     norms = (nn.modules.batchnorm._BatchNorm,)
-    return len(blocks), frozenset(
+    return frozenset(
         index
         for index, block in enumerate(blocks)
         if any(isinstance(m, norms) for m in block.modules())
     )
+
+
+def check_norm_batch(blocks: Iterable[Any], batch_size: int | None) -> None:
+    """A batch of one cannot train a model's BatchNorm ``blocks`` (BatchNorm's own
+    ValueError read as an unexpected error in plan and simulate)."""
+    if batch_size is not None and batch_size < 2 and (norms := _norm_blocks(blocks)):
+        raise ConfigError(
+            f"batch_size: {batch_size}, but the model's BatchNorm layers (in blocks "
+            f"{sorted(norms)}) cannot train on a batch of one example; use a batch of 2 or more"
+        )
 
 
 @functools.lru_cache(maxsize=64)

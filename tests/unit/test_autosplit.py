@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import uuid
 
 import pytest
@@ -424,3 +425,31 @@ def test_tracing_leaves_each_submodule_in_the_mode_it_had() -> None:
     model.b.eval()
     auto_blocks(model, torch.zeros(2, 1, 8, 8))
     assert model.training and model.a.training and not model.b.training
+
+
+def test_profile_of_a_language_model_takes_the_heads_that_apply(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Without --local-loss, `edgesplit profile` asked for supcon heads too and refused."""
+    from edgesplit.cli import main
+
+    code = main(
+        [
+            "profile",
+            "--model",
+            "tests.fixtures.gallery:tiny_gpt",
+            "--input-shape",
+            "12",
+            "--num-classes",
+            str(gallery.VOCAB),
+            "--input-dtype",
+            "int64",
+            "--input-range",
+            str(gallery.VOCAB),
+            "--task",
+            "language-model",
+            "--json",
+        ]
+    )
+    assert code == 0, capsys.readouterr().err
+    assert set(json.loads(capsys.readouterr().out)["heads"]) == {"linear", "mlp"}

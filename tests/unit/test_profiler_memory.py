@@ -185,3 +185,11 @@ def test_the_last_segment_needs_no_profile_of_the_configured_local_head() -> Non
     assert whole.total > 0
     with pytest.raises(ConfigError, match="'linear' was not profiled"):
         estimate_segment_memory(profile, 0, 1, 16, "sgd")  # a front does need its head
+
+
+def test_a_batch_of_one_for_a_model_with_batch_norm_is_refused_by_name() -> None:
+    """It failed as an 'unexpected ValueError' from BatchNorm, in plan and simulate."""
+    model = build_model("resnet8", (3, 16, 16), 10, seed=0)
+    with pytest.raises(ConfigError, match=r"batch_size: 1, but the model's BatchNorm layers"):
+        profile_model(model, local_losses=("linear",), batch_size=1)
+    assert profile_model(build_model("mlp", (1, 8, 8), 10, seed=0), ("linear",), batch_size=1)
