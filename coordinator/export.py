@@ -119,6 +119,7 @@ def export_run(
             f"--per-device: run {run_id!r} has no stored plan, so no device segments (a "
             "fedavg or centralized run trains the whole model); export without it"
         )
+    _say_if_replanned_since(store, run_id, number, per_device)
     out.mkdir(parents=True, exist_ok=True)
     results = [_export(whole, f"{run_id}-round{number}-model", spec, out)]
     if plan is not None:
@@ -147,3 +148,21 @@ def _rounds(numbers: list[int]) -> str:
         else:
             spans.append([n, n])
     return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in spans) or "none"
+
+
+def _say_if_replanned_since(store: RunStore, run_id: str, number: int, per_device: bool) -> None:
+    """The device segments (``per_device``) follow the stored plan, the run's latest: a warning
+    when a re-plan came after round ``number``, whose devices were cut otherwise (only the
+    latest plan is stored)."""
+    if not per_device:
+        return
+    replans = [e.round for e in store.events(run_id) if e.kind == "replanned" and e.round]
+    if replans and number <= max(replans):
+        log.warning(
+            "the device segments follow the run's latest plan, made after round %d; round %d "
+            "trained with an earlier one, whose cuts 'edgesplit runs events %s' lists "
+            "(replanned): a segment may hold blocks its device did not train then",
+            max(replans),
+            number,
+            run_id,
+        )

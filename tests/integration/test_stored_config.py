@@ -78,3 +78,23 @@ def test_fraction_train_samples_at_least_min_train_nodes(tmp_path: Path) -> None
     config = parse_sim_config(_quick("local-loss") | {"clients": 4, "strategy": strategy})
     summary = simulate(config, tmp_path, run_id="least")
     assert [r["participants"] for r in summary["rounds"]] == [2]
+
+
+def test_per_device_export_of_a_round_before_a_replan_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Only the latest plan is stored: round 1's device segments were cut as the re-plan
+    after it said, without a word."""
+    import logging
+
+    from storage.records import Event
+
+    pytest.importorskip("sklearn")
+    simulate(parse_sim_config(_quick("local-loss") | {"rounds": 2}), tmp_path, run_id="moved")
+    with open_store(f"sqlite:///{tmp_path / 'runs.db'}") as store:
+        store.add_event("moved", Event("replanned", "measured speeds: new cuts {}", None, 1))
+        with caplog.at_level(logging.WARNING, logger="coordinator.export"):
+            export_run(store, "moved", tmp_path / "late", round_number=2, per_device=True)
+            assert "latest plan" not in caplog.text
+            export_run(store, "moved", tmp_path / "early", round_number=1, per_device=True)
+    assert "follow the run's latest plan, made after round 1; round 1 trained" in caplog.text
