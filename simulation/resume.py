@@ -8,11 +8,12 @@ it trains the rounds it lacks); asked for no more, a new run starts."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from coordinator.config import (
     describe_changes,
 )
 from coordinator.resumption import code_change, create_or_check, model_code, stored_code
+from coordinator.stopping import mark_cancelled
 from simulation.config import Profile, SimConfig, run_config
 from split_models.data import Dataset
 from split_models.errors import ConfigError
@@ -70,6 +72,18 @@ def start_run(store: RunStore, run: RunConfig, prints: Mapping[str, str]) -> Non
     except NotFoundError:
         create_or_check(store, run, allow_config_change=False)
         store.add_event(run.run_id, Event(RECORD, json.dumps(dict(prints), sort_keys=True)))
+
+
+@contextlib.contextmanager
+def started_run(store: RunStore, run: RunConfig, prints: Mapping[str, str]) -> Iterator[None]:
+    """:func:`start_run`; a stop (Ctrl-C, a signal) within the block, before the coordinator
+    watches the run, leaves it ``cancelled`` with an event (it stayed ``created`` for good)."""
+    start_run(store, run, prints)
+    try:
+        yield
+    except KeyboardInterrupt as stop:
+        mark_cancelled(store, run.run_id, f"interrupted ({stop or 'SIGINT'})")
+        raise
 
 
 def _recorded(store: RunStore, run_id: str) -> dict[str, str] | None:

@@ -41,7 +41,7 @@ from simulation.config import (
 from simulation.hosts import ClientGroup, HostAgent
 from simulation.pool import SegmentPool
 from simulation.report import client_rows, majority_share, round_rows, write_outputs
-from simulation.resume import fingerprint, run_id_for, start_run
+from simulation.resume import fingerprint, run_id_for, started_run
 from simulation.shield import HeldSignals, held_signals
 from split_models.data import (
     Dataset,
@@ -374,15 +374,15 @@ def _split_learning(
         observers = _Observers(fleet, *([observer] if observer is not None else []))
         run, prints, allow_config_change = started
         with open_store(f"sqlite:///{out / 'runs.db'}") as store:
-            start_run(store, run, prints)  # a new run is created with its digests
-            coordinator = Coordinator(
-                run,
-                store,
-                connect("coordinator"),
-                observer=observers,
-                profile=lambda run: model_profile(run.model, run.training),
-                allow_config_change=allow_config_change,
-            )
+            with started_run(store, run, prints):  # a new run is created with its digests
+                coordinator = Coordinator(
+                    run,
+                    store,
+                    connect("coordinator"),
+                    observer=observers,
+                    profile=lambda run: model_profile(run.model, run.training),
+                    allow_config_change=allow_config_change,
+                )
             fleet.coordinator = coordinator
             ran = coordinator.run()  # rounds trained now (a resumed run had others before)
             held.hold()  # finished: a new command would start a new run, so write its outputs

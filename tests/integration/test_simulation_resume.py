@@ -265,3 +265,21 @@ def test_changed_model_code_resumes_only_with_allow_config_change(
     with open_store(f"sqlite:///{out / 'runs.db'}") as store:
         changed = [e.detail for e in store.events(first) if e.kind == "config-changed"]
     assert len(changed) == 1 and "the model's code changed" in changed[0], changed
+
+
+def test_a_stop_after_the_run_is_created_and_before_it_trains_cancels_it(
+    tmp_path: Path,
+) -> None:
+    """A Ctrl-C while the coordinator was being set up left the run 'created' for good, with
+    no event: the next command started another run beside it."""
+    from simulation.config import run_config
+    from simulation.resume import started_run
+
+    run = run_config(parse_sim_config({"rounds": 1}), "early", "digits")
+    with open_store(f"sqlite:///{tmp_path / 'runs.db'}") as store:
+        with pytest.raises(Signalled), started_run(store, run, {}):
+            raise Signalled(signal.SIGINT)
+        assert store.get_run("early").status == "cancelled"
+        assert [e.detail for e in store.events("early") if e.kind == "cancelled"] == [
+            "interrupted (SIGINT)"
+        ]
