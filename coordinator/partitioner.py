@@ -37,7 +37,7 @@ from coordinator.plan_config import COMPRESSION_BYTES as COMPRESSION_BYTES
 from coordinator.plan_config import ENCODE_WORK
 from coordinator.plan_config import PartitionConfig as PartitionConfig
 from split_models.devices import DeviceSpec
-from split_models.errors import ConfigError, InfeasiblePlanError, ModelError
+from split_models.errors import ConfigError, InfeasiblePlanError, ModelError, ServersTooSmall
 from split_models.memory import estimate_segment_memory, segment_memory_table
 from split_models.plan import EdgeAssignment, Plan, ServerAssignment
 from split_models.profiler import ModelProfile
@@ -403,7 +403,7 @@ def plan_split(
     packable = [s for s in range(config.min_edge_blocks, n) if finish[s]]
     if not packable:
         largest = max(servers, key=lambda s: s.memory)
-        raise InfeasiblePlanError(
+        raise ServersTooSmall(
             f"the GPU servers cannot hold the back of the model even from block {n - 1}: "
             f"blocks [{n - 1}, {n}) need {_describe(profile, config, n - 1, n)}, the largest "
             f"server {largest.name!r} has {format_bytes(largest.memory)}; add GPU memory or "

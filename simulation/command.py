@@ -128,8 +128,8 @@ def _say_if_majority(accuracy: object, classes: int, majority: float) -> None:
         return  # balanced enough: the chance check says it
     if accuracy <= majority + 0.005:
         print(
-            f"warning: the final accuracy {accuracy:.4f} is what always answering the most "
-            f"common class gives ({majority:.1%} of the test set): the run may have learned "
+            f"warning: the final accuracy {accuracy:.4f} is no better than always answering "
+            f"the most common class ({majority:.1%} of the test set): the run may have learned "
             "nothing but the class balance (accuracy alone hides it on imbalanced data; the "
             "loss in rounds.csv and a balanced test set tell more)."
         )
@@ -139,10 +139,15 @@ def _say_if_majority(accuracy: object, classes: int, majority: float) -> None:
 def _devices_hint(config: SimConfig) -> Iterator[None]:
     """A plan the simulated devices cannot hold says where their memory is set: the devices
     are the configuration's (``devices:``, defaults sized for the digits cnn), not real ones."""
-    from split_models.errors import InfeasiblePlanError
+    from split_models.errors import InfeasiblePlanError, ServersTooSmall
 
     try:
         yield
+    except ServersTooSmall as error:
+        raise ServersTooSmall(
+            f"{error}. The simulated GPU server is SIM.yaml's gpu: section (memory "
+            f"{format_bytes(config.gpu.memory)}); give it more there"
+        ) from error
     except InfeasiblePlanError as error:
         profiles = ", ".join(f"{p.name} {format_bytes(p.memory)}" for p in config.fleet.devices)
         raise InfeasiblePlanError(

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "InfeasiblePlanError", "ModelError", "SplitError"]
+__all__ = [
+    "ConfigError",
+    "InfeasiblePlanError",
+    "ModelError",
+    "ServersTooSmall",
+    "SplitError",
+]
 
 
 class SplitError(Exception):
@@ -19,3 +25,7 @@ class ModelError(SplitError):
 
 class InfeasiblePlanError(SplitError):
     """No assignment of segments to devices satisfies the memory budgets."""
+
+
+class ServersTooSmall(InfeasiblePlanError):
+    """The GPU servers cannot hold the back of the model, however the edges are cut."""

@@ -231,3 +231,19 @@ def test_a_baseline_names_the_split_keys_it_ignores() -> None:
     fedavg = central | {"method": "fedavg"}  # its clients are split and averaged
     assert ignored_by_baseline(parse_sim_config(fedavg)) == ["cuts", "compression"]
     assert ignored_by_baseline(parse_sim_config({"method": "fedavg"})) == []
+
+
+def test_a_plan_the_gpu_server_cannot_hold_points_at_the_gpu_section() -> None:
+    """It pointed at the clients' memory, which had nothing to do with it."""
+    from simulation.command import _devices_hint
+    from simulation.config import parse_sim_config
+    from split_models.errors import InfeasiblePlanError, ServersTooSmall
+
+    config = parse_sim_config({"gpu": {"memory": "10KiB"}})
+    servers = r"gpu: section \(memory 10.0 KiB\)"
+    with pytest.raises(ServersTooSmall, match=servers) as raised, _devices_hint(config):
+        raise ServersTooSmall("the GPU servers cannot hold the back of the model")
+    assert "clients" not in str(raised.value)
+    edges = r"profiles of SIM\.yaml's devices"
+    with pytest.raises(InfeasiblePlanError, match=edges), _devices_hint(config):
+        raise InfeasiblePlanError("edge client-000 cannot hold blocks [0, 1)")
