@@ -18,9 +18,17 @@ from storage.records import DeviceResult, Event
 from wire.flower import numpy_arrays
 from wire.logs import printable
 
-__all__ = ["DIVERGED", "malformed", "malformed_evaluation", "name_failed", "outcome_of"]
+__all__ = [
+    "DIVERGED",
+    "NO_REPLY",
+    "malformed",
+    "malformed_evaluation",
+    "name_failed",
+    "outcome_of",
+]
 
 log = logging.getLogger(__name__)
+NO_REPLY = "no reply before the deadline"  # online all the while (else: offline)
 _COUNTS = ("cut-bytes-sent", "cut-bytes-received", "clients")  # stored per device, as metrics
 DIVERGED = "sent weights holding NaN or infinity"  # how a device's failure says it diverged
 _STORED = ("wall-seconds", "bytes-sent", "bytes-received")  # stored as sent: finite, >= 0
@@ -62,7 +70,7 @@ def _failure(message: Message, reply: Message | None, online: set[int]) -> str |
     """Why the device sent ``message`` fails its round with ``reply``, or None: it trained."""
     if reply is None:
         here = message.metadata.dst_node_id in online
-        return "no reply before the deadline" if here else "offline"
+        return NO_REPLY if here else "offline"
     if reply.has_error():
         return printable(reply.error.reason or "failed")
     if problem := malformed(reply):

@@ -24,6 +24,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import FedAvg
 
 from coordinator.aggregation import WEIGHT_KEY, flower_quiet
+from coordinator.bench import Bench
 from coordinator.bounds import EXAMPLES_BOUND, cap_examples, server_counts
 from coordinator.devices import GracefulNodes
 from coordinator.errors import CoordinatorError
@@ -133,6 +134,12 @@ class EdgeView(Grid):
         return self._grid.send_and_receive(messages, timeout=timeout)
 
 
+_OUTAGE_NOTE = (
+    "the coordinator lost the broker during try {attempt}; the round is redone from the last "
+    "committed weights once its devices are back (not counted as an attempt)"
+)
+
+
 class RoundRunner:
     """Runs rounds over ``grid`` with ``strategy``; commits through ``recorder``."""
 
@@ -156,6 +163,7 @@ class RoundRunner:
         self.first_try: dict[int, int] = {}  # round -> its first try's number (a resumed one's)
         self.seed, self.deadline = seed, deadline
         self.attempts, self.min_edges = attempts, min_edges
+        self.bench = Bench()  # edges online that answer nothing are not waited for every round
         self._clock, self._sleep = clock, sleep
         transport = getattr(grid, "transport", None)
         self.link = LinkWatch(transport, clock, sleep)
@@ -169,8 +177,9 @@ class RoundRunner:
         self, number: int, nodes: Sequence[int], weights: Mapping[str, np.ndarray]
     ) -> Sampled:
         """The online ``nodes`` the strategy chooses for round ``number``, reproducibly."""
-        online = set(self.grid.get_node_ids())
-        view = EdgeView(self.grid, lambda: sorted(n for n in nodes if n in online))
+        online = sorted(set(nodes) & set(self.grid.get_node_ids()))
+        online = self.bench.choose(number, online, self.min_edges)
+        view = EdgeView(self.grid, lambda: online)
         if not (available := len(view.get_node_ids())):
             return {}
         # Flower samples max(fraction_train x available, this): the run's least, up to those
@@ -261,6 +270,7 @@ class RoundRunner:
             return _OUTAGE
         online = set(self.grid.get_node_ids())
         outcome = outcome_of(work.messages, replies, started, online, self._clock())
+        self.bench.after(number, outcome, work.messages, self.recorder.event)
         servers = [d for d in work.servers if d in outcome.ok]
         lost, (last, before) = lost_senders(servers, replies), self._lost
         self._lost = number, lost
@@ -280,12 +290,7 @@ class RoundRunner:
         """The coordinator lost the broker during try ``attempt``: record it (unless told to
         stop: e.g. its run was taken over) and wait until the link and the devices are back."""
         self.stop_check()
-        self.recorder.event(
-            number,
-            "broker-outage",
-            f"the coordinator lost the broker during try {attempt}; the round is redone from "
-            "the last committed weights once its devices are back (not counted as an attempt)",
-        )
+        self.recorder.event(number, "broker-outage", _OUTAGE_NOTE.format(attempt=attempt))
         nodes = [m.metadata.dst_node_id for m in work.messages.values()]
         self.link.wait_back(nodes, self.grid.get_node_ids)
 
