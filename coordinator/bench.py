@@ -11,7 +11,7 @@ round fewer edges than it needs (``min_train_nodes``): then everyone is asked, a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from flwr.app import Message
@@ -44,11 +44,15 @@ class Bench:
         outcome: Outcome,
         messages: Mapping[str, Message],
         event: Callable[[int, str, str, str], None],
+        servers: Collection[str] = (),
     ) -> None:
         """Count a try of round ``number`` (``messages``: what each device was sent, by name;
-        ``event(number, kind, detail, device)`` records a bench)."""
+        ``event(number, kind, detail, device)`` records a bench; ``servers``, the GPU servers
+        among them, are no edges to bench)."""
         late = {r.device for r in outcome.results if r.failure == NO_REPLY}
         for device, message in messages.items():
+            if device in servers:
+                continue
             record = self._records.setdefault(message.metadata.dst_node_id, _Record())
             if device not in outcome.silent:  # it answered: trained, or said why not
                 record.strikes = record.benched = 0

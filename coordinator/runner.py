@@ -270,7 +270,7 @@ class RoundRunner:
             return _OUTAGE
         online = set(self.grid.get_node_ids())
         outcome = outcome_of(work.messages, replies, started, online, self._clock())
-        self.bench.after(number, outcome, work.messages, self.recorder.event)
+        self.bench.after(number, outcome, work.messages, self.recorder.event, work.servers)
         servers = [d for d in work.servers if d in outcome.ok]
         lost, (last, before) = lost_senders(servers, replies), self._lost
         self._lost = number, lost

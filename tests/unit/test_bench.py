@@ -56,3 +56,11 @@ def test_an_offline_edge_is_not_benched() -> None:
     for number in (1, 2, 3):
         bench.after(number, offline, SENT, lambda *said: events.append(said))  # type: ignore[arg-type]
     assert events == [] and bench.choose(4, [1, 2, 3], 1) == [1, 2, 3]
+
+
+def test_a_gpu_server_is_no_edge_to_bench() -> None:
+    bench, events = Bench(), []
+    late = _outcome(**{"pi-01": NO_REPLY})
+    for number in (1, 2):
+        bench.after(number, late, SENT, lambda *said: events.append(said), servers=["pi-01"])  # type: ignore[arg-type]
+    assert events == [] and bench.choose(3, [1, 2, 3], 1) == [1, 2, 3]
