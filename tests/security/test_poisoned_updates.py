@@ -90,7 +90,7 @@ def test_a_claim_of_a_billion_examples_is_capped_at_what_the_gpu_server_trained(
     assert _distance(lied["weights"], clean["weights"]) < 1e-6
 
 
-def test_a_hugely_scaled_update_is_clipped_and_the_run_still_trains(
+def test_a_hugely_scaled_update_is_left_out_and_the_run_still_trains(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     clean = _simulate(tmp_path, "clean")
@@ -98,7 +98,8 @@ def test_a_hugely_scaled_update_is_clipped_and_the_run_still_trains(
     boosted = _simulate(tmp_path, "boosted")
     clipped = [e for e in boosted["events"] if e[0] == "update-clipped"]
     assert [device for _, device, _ in clipped] == [LIAR, LIAR], boosted["events"]
-    assert "above 10 x the median" in clipped[0][2] and "of the 4 replicas" in clipped[0][2]
+    # 1000 x its step is also 48 x the weights it was given: left out, not only clipped
+    assert "left out (its replica kept at the round's start)" in clipped[0][2], clipped
     assert not [e for e in boosted["events"] if e[0] == "round-failed"], boosted["events"]
     assert boosted["final_accuracy"] > clean["final_accuracy"] - 0.05, (boosted, clean)
     assert _distance(boosted["weights"], clean["weights"]) < 0.3
@@ -115,6 +116,17 @@ def test_a_hugely_scaled_update_is_clipped_and_the_run_still_trains(
         assert not [e for e in store.events("unbounded") if e.kind == "update-clipped"]
     assert refused and "the evaluation loss jumped" in refused[0], refused
     assert ruined["final_accuracy"] < clean["final_accuracy"] - 0.3, (ruined, clean)
+
+
+def test_a_scaled_update_within_reach_of_the_weights_is_clipped_onto_the_norm_bound(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """30 x its step: over 10 x the median of the replicas, under 10 x the weights' norm."""
+    monkeypatch.setattr(EdgeAgent, "_train", _lie(scale=30.0))
+    boosted = _simulate(tmp_path, "boosted")
+    clipped = [e for e in boosted["events"] if e[0] == "update-clipped"]
+    assert [device for _, device, _ in clipped] == [LIAR, LIAR], boosted["events"]
+    assert "above 10 x the median" in clipped[0][2] and "of the 4 replicas" in clipped[0][2]
 
 
 def _overreach(change: Callable[[dict[str, np.ndarray]], None]) -> Callable[..., Message]:
