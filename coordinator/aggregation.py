@@ -54,6 +54,7 @@ from flwr.serverapp.strategy import (
 from coordinator.bounds import (
     EXAMPLES_BOUND,
     NORM_BOUND,
+    STATISTICS,
     bound_replica,
     norm_limit,
     plausible_limit,
@@ -241,11 +242,6 @@ def _per_group(
     return merged
 
 
-# what normalisation layers track rather than learn: a server step (momentum, moments) on
-# them is no step of gradient descent, and FedAvgM's took running variances below zero (NaN)
-_STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
-
-
 def _settled(
     strategy: Any, arrays: ArrayRecord | None, mean: Mapping[str, np.ndarray]
 ) -> ArrayRecord | None:
@@ -257,7 +253,10 @@ def _settled(
     current = strategy._current
     settled = {}
     for key, array in arrays.items():
-        value = mean[key] if key.rsplit(".", 1)[-1] in _STATISTICS else array_numpy(array)
+        # what normalisation layers track rather than learn takes the plain mean: a server
+        # step (momentum, moments) on it is no gradient step, and FedAvgM's took running
+        # variances below zero (NaN)
+        value = mean[key] if key.rsplit(".", 1)[-1] in STATISTICS else array_numpy(array)
         settled[key] = np.asarray(value).astype(current[key].dtype, copy=False)
     record = array_record(_mirrored(strategy, settled))
     if isinstance(getattr(strategy, "current_arrays", None), ArrayRecord):

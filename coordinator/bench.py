@@ -61,11 +61,8 @@ class Bench:
             if record.strikes < STRIKES:
                 continue
             rounds = min(LONGEST, 2**record.benched)
-            record.strikes, record.benched, record.until = (
-                0,
-                record.benched + 1,
-                number + 1 + rounds,
-            )
+            record.strikes, record.until = 0, number + 1 + rounds
+            record.benched += 1
             event(
                 number,
                 "device-benched",

@@ -46,6 +46,7 @@ __all__ = [
     "IMPLAUSIBLE",
     "MIN_JUDGED",
     "NORM_BOUND",
+    "STATISTICS",
     "Cap",
     "bound_replica",
     "cap_examples",
@@ -63,7 +64,7 @@ MIN_JUDGED = 3  # replicas a group needs before its median says what a normal up
 IMPLAUSIBLE = 10.0  # an update above this many times its tensors' norm is no training step
 # BatchNorm's statistics are measured, not learned: a running variance may grow 1000-fold in
 # a round on unscaled inputs, so they are no part of an update's plausibility
-_STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
+STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
 
 
 @dataclass(frozen=True)
@@ -176,7 +177,7 @@ def plausible_limit(keys: Sequence[str], start: Mapping[str, np.ndarray]) -> flo
 
 
 def _learned(keys: Iterable[str]) -> list[str]:
-    return [k for k in keys if k.rsplit(".", 1)[-1] not in _STATISTICS]
+    return [k for k in keys if k.rsplit(".", 1)[-1] not in STATISTICS]
 
 
 def clip_update(
@@ -206,7 +207,12 @@ def bound_replica(
     ``size`` whose update has ``norm``, within the group's ``limits`` (size, the norm bound's
     limit or None, :func:`plausible_limit`): clipped, and why; ``(None, "")`` when within."""
     size, judged, plausible = limits
-    step = update_norm({k: tensors[k] for k in _learned(tensors)}, start)
+    learned = _learned(tensors)  # the update's norm again only where statistics are left out
+    step = (
+        norm
+        if len(learned) == len(tensors)
+        else update_norm({k: tensors[k] for k in learned}, start)
+    )
     if not step <= plausible:
         return clip_update(tensors, start, 0.0), (
             f"{named} has norm {step:.4g}, over {plausible / IMPLAUSIBLE:.4g} x "

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
-from split_models.options import ADAMS
+from split_models.options import ADAMS, OPTIMIZER_STATES
 from split_models.randomness import RandomStream
 from split_models.segment import OptimizerConfig, Segment, StepResult, step_factors
 from split_models.weights import load_segment_state, segment_state
@@ -80,7 +80,7 @@ class SegmentStack:
             k: p.detach().to(self.device).unsqueeze(0).repeat_interleave(slots, 0)
             for k, p in named.items()
         }
-        copies = {"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2}[self.optimizer.name]
+        copies = OPTIMIZER_STATES[self.optimizer.name]
         self._state = [
             {k: torch.zeros_like(p) for k, p in self.params.items()} for _ in range(copies)
         ]

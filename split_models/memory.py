@@ -33,6 +33,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from split_models.errors import ConfigError
+from split_models.options import ADAMS, OPTIMIZER_STATES
 from split_models.profiler import BlockProfile, ModelProfile
 from split_models.segment import OPTIMIZERS
 
@@ -50,7 +51,6 @@ ALLOCATOR_ALLOWANCE = 0.06
 # interleave). (The meter read a floor of about 100 KiB before it stopped over-reading peaks
 # still resident when read.)
 STEP_BOOKKEEPING_BYTES = 96 * 1024
-_OPTIMIZER_COPIES = {"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2}
 
 
 @dataclass(frozen=True)
@@ -102,8 +102,8 @@ class _Chain:
     ) -> None:
         self.batch, self.copies, self.adam = (
             batch,
-            _OPTIMIZER_COPIES[optimizer] + anchor,
-            optimizer in ("adam", "adamw"),
+            OPTIMIZER_STATES[optimizer] + anchor,
+            optimizer in ADAMS,
         )
         self.label_bytes = label_bytes
         self.first: BlockProfile | None = None

@@ -30,6 +30,7 @@ __all__ = [
     "LOCAL_LOSSES",
     "LR_DECAYS",
     "OPTIMIZERS",
+    "OPTIMIZER_STATES",
     "TASKS",
     "ZOO_NAMES",
     "ModelOptions",
@@ -111,6 +112,7 @@ class ModelOptions:
 
 OPTIMIZERS = ("sgd", "sgd-momentum", "adam", "adamw")
 ADAMS = ("adam", "adamw")  # two moments a weight; steps not lr * g
+OPTIMIZER_STATES = {"sgd": 0, "sgd-momentum": 1, "adam": 2, "adamw": 2}  # copies of the weights
 LR_DECAYS = ("none", "cosine")  # across rounds
 HEAD_RATE_CAP = 0.1  # the default rule speeds SGD heads up to this rate at most
 
