@@ -68,7 +68,7 @@ from storage.base import RunStore
 from storage.errors import StoreError
 from storage.records import Event
 from wire.errors import TransportError
-from wire.flower import TransportGrid, array_record, numpy_arrays
+from wire.flower import TransportGrid, array_record, attempt_of, numpy_arrays, round_of
 from wire.roles import Announcement
 from wire.session import SessionGuard, new_session
 from wire.transport import Transport
@@ -253,6 +253,7 @@ class Coordinator:
         guard = self._guard = SessionGuard(self.transport, config.run_id, self.session)
         guard.start()
         self.runner.on_attempt = guard.attempt
+        self.grid.on_train_error = _out_on_error(guard)
         # the run's one coordinator: files a killed predecessor was committing are garbage
         if discarded := store.discard_pending(config.run_id):
             log.info("removed %d checkpoint file(s) of an unfinished commit", discarded)
@@ -445,6 +446,12 @@ def _failed(store: RunStore, run_id: str, why: str) -> None:
     """The run failed (a round gave up): its status, and an event that says why."""
     store.set_run_status(run_id, "failed")
     store.add_event(run_id, Event("run-failed", why))
+
+
+def _out_on_error(guard: SessionGuard) -> Callable[[str, Message], None]:
+    """What the grid calls when a device answers a train message with an error: its stream
+    has ended, and the try's announcement says so (GPU servers stop waiting for it)."""
+    return lambda name, sent: guard.out(name, round_of(sent), attempt_of(sent))
 
 
 def _say_ended(guard: SessionGuard | None) -> None:

@@ -157,16 +157,20 @@ class GpuAgent:
 
         return app
 
-    def _offline(self, task: Task, peers: list[str]) -> Callable[[], list[str]]:
-        """The round's senders to stop waiting for: those offline, or every one when a peer
-        sharing the stream went offline (the batches it held are lost, and the edges it gave
-        credits give the round up). A sender restarted since is offline for this round."""
-        since = time.monotonic()
+    def _offline(
+        self, task: Task, peers: list[str], work: tuple[int, int]
+    ) -> Callable[[], list[str]]:
+        """The round's senders to stop waiting for: those offline or out of ``work`` (round,
+        try: the coordinator has their error reply), or every one when a peer sharing the
+        stream went offline (the batches it held are lost, and the edges it gave credits give
+        the round up). A sender restarted since is offline for this round."""
+        since, senders = time.monotonic(), set(task.edges)
 
         def offline() -> list[str]:
             if self.presence.offline(peers, since):
                 return list(task.edges)
-            return self.presence.offline(task.edges, since)
+            out = self.sessions.out(task.run, task.session, work) & senders
+            return sorted(out.union(self.presence.offline(task.edges, since)))
 
         return offline
 
@@ -199,7 +203,7 @@ class GpuAgent:
         scale, random = sections[1].lr_scale(number), self._stream(message, task, sections[1])
         back.begin_round(number, task.edges, weights, peers, *options, scale, random)
         wait = server_wait_seconds(sections[1].round_deadline_seconds)
-        offline = self._offline(task, peers)
+        offline = self._offline(task, peers, work)
         examples, loss = back.wait_round(task.edges, wait, cancelled, offline, GAP_QUIET_SECONDS)
         _log_batches(back, task.run, work, self.device)
         back.part()  # left out of the next plan, it must not take a share of this stream

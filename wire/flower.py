@@ -15,7 +15,7 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from flwr.app import Context, Error, Message, RecordDict
@@ -193,6 +193,9 @@ class TransportGrid(Grid):
         self._online: set[int] = set()
         self._names: dict[int, str] = {}  # node id -> the name its topics carry
         self._condition = threading.Condition()
+        # told (node name, the train message) when a node answers a train message with an
+        # error: the coordinator tells the GPU servers to stop waiting for that node's stream
+        self.on_train_error: Callable[[str, Message], None] | None = None
         # Flower's own runtime sets this process-wide identity; here the grid is the runtime.
         TaskIdentity.run_id = run_id
         TaskIdentity.node_id = SUPERLINK_NODE_ID
@@ -210,8 +213,9 @@ class TransportGrid(Grid):
             return
         reply_to = message.metadata.reply_to_message_id
         with self._condition:
-            addressee, _ = self._sent.get(reply_to, (None, None))
-            if addressee is None:  # late: a try given up, or a coordinator before this one
+            addressee, sent = self._sent.get(reply_to, (None, None))
+            # late: a try given up, or a coordinator before this one
+            if addressee is None or sent is None:
                 warn(
                     log,
                     (sender, "unknown"),
@@ -233,6 +237,9 @@ class TransportGrid(Grid):
             message.metadata.__dict__["_src_node_id"] = node_id_of(sender)
             self._replies[reply_to] = message
             self._condition.notify_all()
+        told = self.on_train_error
+        if told is not None and message.has_error() and sent.metadata.message_type == "train":
+            told(sender, sent)
 
     def _on_presence(self, topic: str, payload: bytes) -> None:
         """Retained ``online <node id> <incarnation>`` or ``offline`` on

@@ -12,6 +12,12 @@ on a development broker: the shipped ACL lets the coordinator's account alone pu
 replaced as soon as the coordinator sees it and publishes its own again (:class:`SessionGuard`).
 A task whose session is not the announced one is given :data:`GRACE_SECONDS` for its own
 announcement to arrive (a task may overtake it) before it counts as another process's work.
+
+A try's announcement also names the devices out of it, ``<session> <round> <try> out <a>,<b>``:
+they answered its task with an error (:meth:`SessionGuard.out`). Their streams have ended, so a
+GPU server stops waiting for them (:meth:`SessionWatch.out`) instead of waiting until the
+round's deadline for batches or a count that a device failing before training may never send.
+It is part of the retained announcement, so a server that starts watching late still hears it.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ _SESSION = re.compile(r"^[0-9a-f]{16}-[0-9a-f]{8}$")
 GRACE_SECONDS = 3.0
 _FOREIGN_KEPT = 16
 _LAST_ROUND = 999_999_999  # the largest round an announcement carries: after every real one
+_OUT_MOST = 4096  # devices an announcement names out of a try (a longer list is refused)
 
 
 class RoundAbandoned(RuntimeError):
@@ -80,6 +87,8 @@ class SessionWatch:
         self._grace, self._clock = grace, clock
         # run -> (session, its newest (round, attempt), when the session arrived)
         self._latest: dict[str, tuple[str, tuple[int, int], float]] = {}
+        # run -> (session, (round, try), the devices out of that try: they answered with an error)
+        self._out: dict[str, tuple[str, tuple[int, int], frozenset[str]]] = {}
         self._watched: set[str] = set()
         self._lock = threading.Lock()
 
@@ -94,18 +103,30 @@ class SessionWatch:
         )
 
     def _on_session(self, run: str, payload: bytes) -> None:
-        announced = parse_announcement(payload)
+        announced = _parse(payload)
         if announced is None:
             if payload:  # an empty payload clears a retained message
                 warn(log, run, "dropped a bad coordinator session for run %s: %.80r", run, payload)
             return
-        session, work = announced
+        session, work, out = announced
         with self._lock:
+            kept = self._out.get(run)
+            if out and (kept is None or kept[0] != session or kept[1] <= work):
+                self._out[run] = (session, work, out)  # the list grows within a try
             latest = self._latest.get(run)
             if latest is None or latest[0] != session:
                 self._latest[run] = (session, work, self._clock())
             elif work > latest[1]:
                 self._latest[run] = (session, work, latest[2])
+
+    def out(self, run: str, session: str | None, work: tuple[int, int]) -> frozenset[str]:
+        """The devices the coordinator names out of ``work`` (round, try) of ``session``: they
+        answered its task with an error, so whatever they stream has ended."""
+        with self._lock:
+            kept = self._out.get(run)
+        if session is None or kept is None or kept[:2] != (session, work):
+            return frozenset()
+        return kept[2]
 
     def follow(
         self, run: str, session: str | None, work: tuple[int, int] | None = None
@@ -173,15 +194,33 @@ def _why(session: str, work: tuple[int, int], latest: tuple[str, tuple[int, int]
 
 
 def parse_announcement(payload: bytes) -> tuple[str, tuple[int, int]] | None:
-    """``<session>`` or ``<session> <round> <attempt>`` (None when neither)."""
+    """``<session>``, ``<session> <round> <attempt>``, or that with ``out <device>,...``
+    (None when none of them)."""
+    parsed = _parse(payload)
+    return None if parsed is None else parsed[:2]
+
+
+def _parse(payload: bytes) -> tuple[str, tuple[int, int], frozenset[str]] | None:
+    """An announcement's session, (round, attempt) and the devices out of that attempt."""
     parts = payload.decode("ascii", errors="replace").split(" ")
-    if not _SESSION.match(parts[0]) or len(parts) not in (1, 3):
+    if not _SESSION.match(parts[0]) or len(parts) not in (1, 3, 5):
         return None
     if len(parts) == 1:
-        return parts[0], (0, 0)
-    if not all(p.isdigit() and len(p) <= 9 for p in parts[1:]):
+        return parts[0], (0, 0), frozenset()
+    if not all(p.isdigit() and len(p) <= 9 for p in parts[1:3]):
         return None
-    return parts[0], (int(parts[1]), int(parts[2]))
+    out = frozenset(parts[4].split(",")) if len(parts) == 5 else frozenset()
+    if len(parts) == 5 and (parts[3] != "out" or len(out) > _OUT_MOST or not all(map(_named, out))):
+        return None
+    return parts[0], (int(parts[1]), int(parts[2])), out
+
+
+def _named(name: str) -> bool:
+    try:
+        topics.check_name(name, "device")
+    except ValueError:
+        return False
+    return True
 
 
 class SessionGuard:
@@ -193,6 +232,8 @@ class SessionGuard:
     def __init__(self, transport: Transport, run: str, session: str) -> None:
         self._transport, self._run, self.session = transport, run, session
         self._payload = session.encode()
+        self._work, self._out = (0, 0), set[str]()  # the try under way, the devices out of it
+        self._lock = threading.Lock()
         self._last_repair = 0.0
         self.foreign: list[str] = []  # the first other payloads seen (bounded), for tests
 
@@ -203,14 +244,30 @@ class SessionGuard:
     def attempt(self, round_number: int, attempt: int) -> None:
         """Round ``round_number``'s try ``attempt`` starts: devices still at an earlier round
         or try of this session give it up."""
-        self._payload = f"{self.session} {round_number} {attempt}".encode()
-        self._announce()
+        with self._lock:
+            self._work, self._out = (round_number, attempt), set()
+            self._payload = f"{self.session} {round_number} {attempt}".encode()
+            self._announce()
+
+    def out(self, device: str, round_number: int, attempt: int) -> None:
+        """``device`` answered try ``attempt`` of round ``round_number`` with an error: the
+        announcement of that try names it, and the GPU servers stop waiting for its stream
+        (ignored once another try started, or past :data:`_OUT_MOST` devices)."""
+        with self._lock:
+            if (round_number, attempt) != self._work or len(self._out) >= _OUT_MOST:
+                return
+            self._out.add(device)
+            listed = ",".join(sorted(self._out))
+            self._payload = f"{self.session} {round_number} {attempt} out {listed}".encode()
+            self._announce()
 
     def end(self) -> None:
         """The run stops (cancelled): every device gives up whatever it does for this session
         at once, as it would for a later round (a resumed run announces a new session)."""
-        self._payload = f"{self.session} {_LAST_ROUND} 0".encode()
-        self._announce()
+        with self._lock:
+            self._work, self._out = (_LAST_ROUND, 0), set()
+            self._payload = f"{self.session} {_LAST_ROUND} 0".encode()
+            self._announce()
 
     def _announce(self) -> None:
         self._transport.publish(topics.coordinator(self._run), self._payload, True)

@@ -209,8 +209,9 @@ class StreamServer:
                 self._changed.wait(min(_POLL, max(0.0, deadline - time.monotonic())))
 
     def leave(self, sender: str) -> bool:
-        """End ``sender``'s part of the current round (it went offline): nobody waits for its
-        count; False when it is no sender of the round, or finished or left already."""
+        """End ``sender``'s part of the current round (it went offline, or failed): nobody
+        waits for its count; False when it is no sender of the round, or finished or left
+        already."""
         with self._changed:
             was, number = self._ledger.complete, self._ledger.number
             if not self._ledger.leave(sender):
@@ -219,7 +220,11 @@ class StreamServer:
             handled = self._drain()  # ordered: its waiting batches, then the next sender's
             completed = not was and self._ledger.complete
             self._changed.notify_all()
-        log.warning("round %d: %s's part ends: it or a peer server went offline", number, sender)
+        log.warning(
+            "round %d: %s's part ends: it went offline or failed, or a peer server went offline",
+            number,
+            sender,
+        )
         self._credit(handled, number)
         if completed and self.on_complete is not None:
             self.on_complete(number)

@@ -222,3 +222,51 @@ def test_a_malformed_attempt_announcement_is_dropped(payload: bytes) -> None:
         "0123456789abcdef-01234567",
         (3, 2),
     )
+
+
+def test_servers_hear_which_devices_are_out_of_a_try(caplog: pytest.LogCaptureFixture) -> None:
+    """A device that answered its task with an error is out of that try: the try's retained
+    announcement names it (a server watching late hears it too), for that session and try
+    only; the guard takes its own word for no forgery."""
+    hub = InProcessHub()
+    mine, guard = _guard(hub)
+    guard.attempt(3, 1)
+    watch = _watch(hub)
+    _until(lambda: watch.replaced("run", mine, work=(2, 1)))
+    guard.out("pi-02", 3, 1)
+    _until(lambda: watch.out("run", mine, (3, 1)))
+    guard.out("pi-01", 3, 1)
+    _until(lambda: len(watch.out("run", mine, (3, 1))) == 2)
+    assert watch.out("run", mine, (3, 1)) == {"pi-01", "pi-02"}
+    assert watch.out("run", mine, (3, 2)) == set() and watch.out("run", "other", (3, 1)) == set()
+    late = _watch(hub, "run")  # retained: a server that starts watching now hears it
+    _until(lambda: late.out("run", mine, (3, 1)))
+    assert late.out("run", mine, (3, 1)) == {"pi-01", "pi-02"}
+    guard.attempt(3, 2)  # the retry starts with nobody out
+    guard.out("pi-09", 3, 1)  # late, of the try before: not named in the retry's
+    guard.out("pi-03", 3, 2)
+    _until(lambda: watch.out("run", mine, (3, 2)))
+    assert watch.out("run", mine, (3, 2)) == {"pi-03"}
+    assert not watch.replaced("run", mine, work=(3, 2)) and watch.replaced("run", mine, work=(3, 1))
+    assert guard.foreign == [] and "dropped a bad" not in caplog.text
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"0123456789abcdef-01234567 3 1 out pi/01",  # not a name
+        b"0123456789abcdef-01234567 3 1 in pi-01",
+        b"0123456789abcdef-01234567 3 1 out pi-01,,pi-02",
+        b"0123456789abcdef-01234567 3 x out pi-01",
+        b"0123456789abcdef-01234567 3 1 out",
+        b"0123456789abcdef-01234567 3 1 out " + b",".join(b"d%d" % i for i in range(4097)),
+    ],
+)
+def test_an_announcement_with_a_malformed_out_list_is_dropped(payload: bytes) -> None:
+    from wire.session import parse_announcement
+
+    assert parse_announcement(payload) is None
+    assert parse_announcement(b"0123456789abcdef-01234567 3 1 out pi-01,pi-02") == (
+        "0123456789abcdef-01234567",
+        (3, 1),
+    )
