@@ -27,6 +27,7 @@ import contextlib
 import copy
 import inspect
 import io
+import logging
 import operator
 import threading
 from collections.abc import Callable, Hashable, Sequence
@@ -41,6 +42,8 @@ from split_models.errors import ModelError
 from split_models.trace_modes import following_mode, kept_modes, traced_in_both_modes
 
 __all__ = ["auto_blocks", "disable_inplace", "split_point"]
+
+log = logging.getLogger(__name__)
 
 _OPS = ("call_function", "call_method", "call_module")
 _TRACE_LOCK = threading.Lock()
@@ -161,14 +164,17 @@ def _trace(module: nn.Module) -> fx.GraphModule:
             )
         concrete[extra.name] = extra.default
     try:  # in both modes: what forward reads of self.training is fixed in a trace
-        graphs = traced_in_both_modes(module, concrete)
+        *graphs, leaves = traced_in_both_modes(module, concrete)
     except Exception as error:  # fx raises TraceError, TypeError, RuntimeError, NotImplementedError
         raise ModelError(
             f"model: cannot trace {name}.forward with torch.fx to split it: "
-            f"{type(error).__name__}: {error}. Data-dependent Python control flow (an `if` or "
-            "loop on a tensor's values) cannot be traced: move it into a submodule of its own "
-            "(a block that is never cut), or return an nn.Sequential or a list of blocks"
+            f"{type(error).__name__}: {error}. Python control flow on a tensor (an `if` or a "
+            "loop on its values or shape) does not trace in the model's own forward; in a "
+            "submodule's it is kept whole (a block never cut inside): move it into one, or "
+            "return an nn.Sequential or a list of blocks"
         ) from error
+    if leaves:
+        log.info("%s: kept whole, as their forward does not trace: %s", name, ", ".join(leaves))
     graph = following_mode(graphs[0], graphs[1], name)
     _drop_concrete_arguments(graph, name)
     return fx.GraphModule(module, graph, class_name=name)

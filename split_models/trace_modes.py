@@ -5,6 +5,9 @@ function (``F.dropout(x, p, self.training)``, ``dropout_p=p if self.training els
 dropout on in evaluation and export. The model is traced in both modes
 (:func:`split_models.autosplit.auto_blocks`); where the two graphs differ only in such values,
 the graph reads the block's own ``training`` flag when it runs.
+
+A submodule whose own ``forward`` does not trace is kept whole (a leaf of the graph, run as it
+is), and the trace starts again (:func:`traced_in_both_modes`).
 """
 
 from __future__ import annotations
@@ -32,18 +35,68 @@ def kept_modes(module: nn.Module) -> Iterator[None]:
             part.training = training
 
 
-def traced_in_both_modes(module: nn.Module, concrete: dict[str, Any]) -> tuple[fx.Graph, fx.Graph]:
+def traced_in_both_modes(
+    module: nn.Module, concrete: dict[str, Any]
+) -> tuple[fx.Graph, fx.Graph, list[str]]:
     """Traces of ``module`` in train and in eval mode, each submodule left in the mode it had
-    (a frozen backbone kept in eval stays so). fx keeps a tensor made in ``forward``
-    (``torch.tensor(2.0)``) on ``module`` as ``_tensor_constant0``: both traces name it alike,
-    and the train trace's constants stay on ``module``, as one trace leaves them."""
+    (a frozen backbone kept in eval stays so), and the submodules kept whole. fx keeps a
+    tensor made in ``forward`` (``torch.tensor(2.0)``) on ``module`` as ``_tensor_constant0``:
+    both traces name it alike, and the train trace's constants stay on ``module``, as one trace
+    leaves them.
+
+    A submodule whose own ``forward`` cannot be traced (Python control flow on its input's
+    shape or dtype, a loop over a tensor: the usual case in third-party models) is kept whole,
+    a leaf of the graph that runs its forward as it is, and the trace starts again; the blocks
+    can then be cut around it but not inside it. Only the root's own code must trace."""
+    leaves: set[str] = set()
+    for _ in range(sum(1 for _ in module.modules()) + 1):
+        tracer = _LeafTracer(leaves)
+        try:
+            training, evaluating = _both(module, concrete, tracer)
+        except Exception:
+            if tracer.culprit is None or tracer.culprit in leaves:
+                raise
+            leaves.add(tracer.culprit)
+            continue
+        return training, evaluating, sorted(leaves)
+    raise AssertionError("unreachable: every submodule is a leaf by now")
+
+
+class _LeafTracer(fx.Tracer):
+    """fx's tracer, keeping ``leaves`` (qualified names) whole, and recording the innermost
+    submodule whose forward raised (``culprit``; None when the root's own code did)."""
+
+    def __init__(self, leaves: set[str]) -> None:
+        super().__init__()
+        self.leaves = leaves
+        self.culprit: str | None = None
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return module_qualified_name in self.leaves or super().is_leaf_module(
+            m, module_qualified_name
+        )
+
+    def call_module(
+        self, m: nn.Module, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            if self.culprit is None:
+                self.culprit = self.path_of_module(m)
+            raise
+
+
+def _both(
+    module: nn.Module, concrete: dict[str, Any], tracer: fx.Tracer
+) -> tuple[fx.Graph, fx.Graph]:
     known = set(vars(module))
     graphs: list[fx.Graph] = []
     kept: dict[str, Any] = {}
     try:
         with kept_modes(module):
             for mode in (True, False):
-                graphs.append(fx.Tracer().trace(module.train(mode), concrete_args=concrete or None))
+                graphs.append(tracer.trace(module.train(mode), concrete_args=concrete or None))
                 added = {name: vars(module).pop(name) for name in set(vars(module)) - known}
                 kept = added if mode else kept
     finally:

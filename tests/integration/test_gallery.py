@@ -44,6 +44,8 @@ MODELS: dict[str, dict[str, Any]] = {
         **TOKENS,
     },
     "resnet8": {"input_shape": [3, 16, 16], "data": "images"},  # the zoo's, with BatchNorm
+    # layers whose forward checks its input in Python and returns a tuple, kept whole
+    "guarded_convnet": {"input_shape": [3, 16, 16], "data": "images"},
     "tiny_gpt": {"input_shape": [12], "data": "text", "task": "language-model", **TOKENS},
 }
 EDGES = ("pi-01", "pi-02")
