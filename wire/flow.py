@@ -51,9 +51,7 @@ class CreditGate:
         if valid and isinstance(granted, int) and 0 < granted <= 1_000_000:
             key = (envelope.round, attempt)
             with self._condition:
-                if key < self._round:
-                    return  # a credit of a past round or attempt: the weights have moved on
-                if key > self._round:
+                if key != self._round:  # an attempt not started here (yet): kept for it
                     if key in self._ahead or len(self._ahead) < 64:
                         self._ahead[key] = self._ahead.get(key, 0) + granted
                     return
@@ -62,7 +60,11 @@ class CreditGate:
     def start_round(self, round_number: int, attempt: int = 1) -> None:
         """Forget unused credits: in the new round (or a new attempt of it, when the
         coordinator retries it) the server grants a fresh window, after loading the round's
-        weights, so no batch reaches it early."""
+        weights, so no batch reaches it early. Credits that came for this attempt before it
+        started here are taken, whichever attempt was last: a coordinator that resumes from
+        an earlier checkpoint (a later one was corrupt) redoes a round this edge has passed,
+        and its server's window may come first (dropped as past, it left the edge waiting for
+        credits until the round's deadline)."""
         with self._condition:
             self._round = key = (round_number, attempt)
             self._credits = self._ahead.pop(key, 0)

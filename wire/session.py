@@ -97,10 +97,26 @@ class SessionWatch:
         with self._lock:
             if run in self._watched:
                 return
+            first = not self._watched
             self._watched.add(run)
+        if first:
+            self._transport.on_reconnect(self._again)
+        self._subscribe(run)
+
+    def _subscribe(self, run: str) -> None:
         self._transport.subscribe(
             topics.coordinator(run), lambda _topic, payload: self._on_session(run, payload)
         )
+
+    def _again(self) -> None:
+        """After a reconnection, subscribe again: the broker sends each run's retained
+        announcement anew. One missed while the link was down (or while a second agent with
+        this one's id held its session) left the device inside a stopped or replaced round
+        until that round's deadline."""
+        with self._lock:
+            runs = sorted(self._watched)
+        for run in runs:
+            self._subscribe(run)
 
     def _on_session(self, run: str, payload: bytes) -> None:
         announced = _parse(payload)

@@ -270,3 +270,45 @@ def test_an_announcement_with_a_malformed_out_list_is_dropped(payload: bytes) ->
         "0123456789abcdef-01234567",
         (3, 1),
     )
+
+
+class _Reconnecting(InProcessTransport):
+    """An in-process client whose link can drop (its subscriptions stay with the broker's
+    session, but messages published meanwhile never reach it) and come back."""
+
+    def __init__(self, hub: InProcessHub, client_id: str) -> None:
+        super().__init__(hub, client_id)
+        self.hooks: list[object] = []
+        self.down = False
+
+    def on_reconnect(self, callback: object) -> None:  # type: ignore[override]
+        self.hooks.append(callback)
+
+    def subscribe(self, topic_filter: str, handler: object) -> None:  # type: ignore[override]
+        super().subscribe(topic_filter, lambda t, p: None if self.down else handler(t, p))  # type: ignore[operator]
+
+    def back(self) -> None:
+        self.down = False
+        for hook in self.hooks:
+            hook()  # type: ignore[operator]
+
+
+def test_an_announcement_missed_while_the_link_was_down_arrives_after_it_comes_back() -> None:
+    """A second agent with the same id held the session while the run was stopped: the
+    original sat inside the stopped round until its deadline (and then missed the next run's
+    assignment). After a reconnection the watch subscribes again and the retained
+    announcement comes anew."""
+    hub = InProcessHub()
+    mine, guard = _guard(hub)
+    guard.attempt(4, 1)
+    link = _Reconnecting(hub, "device")
+    watch = SessionWatch(link)
+    work = watch.follow("run", mine, (4, 1))
+    _until(lambda: watch.replaced("run", mine, work=(3, 1)))
+    link.down = True
+    guard.end()  # the run stops while the device's link is down
+    time.sleep(0.2)
+    assert not work()
+    link.back()
+    _until(work)
+    assert watch.why("run", mine, (4, 1)) == "the run was stopped"

@@ -269,6 +269,23 @@ def test_a_retried_rounds_credits_are_kept_apart_from_the_first_attempts() -> No
     assert gate.available == 2
 
 
+def test_a_round_redone_after_a_rewind_takes_the_window_that_came_before_it_began() -> None:
+    """A coordinator resumed from an earlier checkpoint (a later one was corrupt) redoes a
+    round this edge has passed; its server's window came before the edge began the round and
+    was dropped as a past round's, so every edge waited for credits until the deadline."""
+    hub = InProcessHub()
+    gate = CreditGate(Channel(hub.connect(EDGE), EDGE), RUN, EDGE, subscribe=False)
+
+    def credit(number: int, attempt: int, credits: int = 4) -> None:
+        meta = {"credits": credits, "attempt": attempt}
+        gate.on_credit(Envelope("credit", RUN, "gpu-a", 0, number, meta, {}))
+
+    gate.start_round(3)  # the round the run was at when it stopped
+    credit(2, 3)  # round 2 again, try 3: the server's window comes first
+    gate.start_round(2, attempt=3)
+    assert gate.available == 4
+
+
 def test_one_device_cannot_fill_what_the_server_keeps_for_rounds_not_begun() -> None:
     """Batches, rejections and done counts for far rounds are bounded per sender: mallory's
     flood leaves room for pi-01's batch and done count that arrive before round 2 begins."""
