@@ -381,6 +381,9 @@ class TransportGrid(Grid):
 
 
 _SEEN_MESSAGES = 4096  # message ids a node remembers, to drop repeats
+# An offline said of a node this soon after it reconnected is its own will, published when the
+# connection dropped (a broker stopped cleanly publishes every client's): no warning then
+_WILL_AFTER_RECONNECT = 60.0
 
 
 class FlowerNode:
@@ -442,14 +445,19 @@ class FlowerNode:
         if now - self._contradicted < 1.0:
             return
         self._contradicted = now
-        warn(
-            log,
-            ("contradicted", self.name),
-            "node %s: its presence said offline while it runs (a late last will, or another "
-            "broker client wrote it: check which accounts may write %s); said online again",
-            self.name,
-            topic,
-        )
+        back = getattr(self.transport, "last_reconnect", None)
+        if back is not None and now - back < _WILL_AFTER_RECONNECT:  # its own will
+            log.info("node %s: its will came after it reconnected; online again", self.name)
+        else:
+            warn(
+                log,
+                ("contradicted", self.name),
+                "node %s: its presence said offline while it runs (a late last will, or "
+                "another broker client wrote it: check which accounts may write %s); said "
+                "online again",
+                self.name,
+                topic,
+            )
         self._announce()
 
     def _on_message(self, topic: str, payload: bytes) -> None:
