@@ -203,7 +203,9 @@ def _drop_concrete_arguments(graph: fx.Graph, name: str) -> None:
 
 def _make_out_of_place(graph: fx.Graph) -> None:
     """Rewrite ``x.relu_()``, ``x += y`` and ``F.relu(x, inplace=True)`` out of place where
-    nothing reads the mutated tensor afterwards (else the mutation is kept)."""
+    nothing reads the mutated tensor afterwards (else the mutation is kept), unless it
+    mutates one of the model's buffers or parameters (``self.running.mul_(0.9)``): that
+    update is the point, and rewritten it was dead code, the buffer never changed."""
     order = {node: index for index, node in enumerate(graph.nodes)}
     for node in list(graph.nodes):
         if node.kwargs.get("inplace") is True:
@@ -215,7 +217,22 @@ def _make_out_of_place(graph: fx.Graph) -> None:
         mutated = node.args[0]
         if any(order[user] > order[node] for user in mutated.users if user is not node):
             continue
+        if _state_of_model(mutated):
+            continue
         node.target = target
+
+
+def _state_of_model(node: fx.Node) -> bool:
+    """Whether ``node`` is one of the model's own tensors (a buffer or parameter), or the
+    result of in-place operations or views on one (``self.a.mul_(0.9).add_(x)``)."""
+    while node.op != "get_attr":
+        inplace = _out_of_place(node) is not None or node.kwargs.get("inplace") is True
+        view = node.op == "call_function" and node.target is operator.getitem
+        view |= node.op == "call_method" and node.target in ("view", "view_as", "detach")
+        if not (inplace or view) or not node.args or not isinstance(node.args[0], fx.Node):
+            return False
+        node = node.args[0]
+    return True
 
 
 def _out_of_place(node: fx.Node) -> Any:
@@ -229,9 +246,12 @@ def _out_of_place(node: fx.Node) -> Any:
 
 
 def _propagate_shapes(graph_module: fx.GraphModule, example: torch.Tensor) -> None:
+    buffers = {name: b.clone() for name, b in graph_module.named_buffers()}
     try:  # ShapeProp prints the traceback of a failing node: the one line below says it
         with kept_modes(graph_module), torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):
             ShapeProp(graph_module.eval()).propagate(example)
+            for name, value in buffers.items():  # what forward updates in place, as it was
+                graph_module.get_buffer(name).copy_(value)
     except Exception as error:
         cause = error.__cause__ if isinstance(error.__cause__, Exception) else error
         raise ModelError(

@@ -68,6 +68,10 @@ class _LeafTracer(fx.Tracer):
 
     def __init__(self, leaves: set[str]) -> None:
         super().__init__()
+        # a buffer read in forward is the model's tensor, not a constant of the trace: an
+        # in-place update of it (``self.running.mul_(0.9)``) is recorded, not run once on it
+        # while tracing and lost
+        self.proxy_buffer_attributes = True
         self.leaves = leaves
         self.culprit: str | None = None
 

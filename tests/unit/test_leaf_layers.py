@@ -3,12 +3,16 @@ kept whole, and the model is cut around them."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
 
 from split_models.autosplit import auto_blocks
+from split_models.onnx_export import export_checked
 from split_models.zoo import build_model
+from tests.fixtures.user_models import stateful
 
 pytestmark = pytest.mark.unit
 
@@ -60,3 +64,37 @@ def test_models_from_transformers_split_around_the_layers_that_do_not_trace(fami
     for block in blocks:
         y = block.eval()(y)
     assert torch.allclose(y, model(x), atol=1e-5)
+
+
+def test_buffers_a_forward_updates_in_place_are_updated_by_its_blocks() -> None:
+    """Making in-place operations out of place turned ``self.running.mul_(0.9).add_(m)``
+    into dead code: the buffer never changed in any block, checkpoint or export, and a
+    buffer used only so dropped out of the blocks altogether."""
+    eager, split = stateful((6,), 3), stateful((6,), 3)
+    split.load_state_dict(eager.state_dict())
+    blocks = auto_blocks(split, torch.zeros(4, 6))
+    for _ in range(3):
+        x = torch.randn(4, 6)
+        y = x
+        for block in blocks:
+            y = block.train()(y)
+        assert torch.allclose(y, eager.train()(x), atol=1e-6)
+    running = eager.get_buffer("center.running")
+    assert running.abs().sum() > 0 and torch.allclose(split.get_buffer("center.running"), running)
+    assert float(split.get_buffer("center.steps")) == 3.0
+    held = {name for block in blocks for name, _ in block.named_buffers()}
+    assert {"center.running", "center.steps"} <= held, held
+
+
+def test_a_model_updating_its_buffers_exports_and_checks_with_the_buffers_it_has(
+    tmp_path: Path,
+) -> None:
+    """Its forward changes the buffer on every call: the export and onnxruntime check each
+    ran it at another state (the check failed by 0.17), and left the buffer moved."""
+    model = build_model("tests.fixtures.user_models:stateful", (6,), 3).full()
+    for _ in range(2):
+        model.train()(torch.randn(8, 6))
+    before = {name: b.clone() for name, b in model.named_buffers()}
+    check = export_checked(model, (6,), tmp_path / "stateful.onnx")
+    assert check.max_abs_diff < 1e-4, check
+    assert all(torch.equal(b, before[name]) for name, b in model.named_buffers())
