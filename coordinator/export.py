@@ -1,9 +1,12 @@
-"""``edgesplit export``: a run's trained model, and each device's segment, as checked ONNX.
+"""``edgesplit export``: a run's trained model, and each device's segment, as checked ONNX,
+and the model's weights as a PyTorch state dict.
 
 The weights come from a committed round of the run store: every segment of its checkpoint
 carries tensors under their global names (``block<k>.*``, ``head<cut>.*``), which are merged and
 loaded into the model built from the run's configuration. Local-loss heads are not exported.
-Each file is run through onnxruntime against torch on a sample batch.
+Each file is run through onnxruntime against torch on a sample batch. Beside the model's file,
+``<name>.safetensors`` holds its state dict under the model's own names, for
+``model.load_state_dict`` (:func:`_write_state`).
 """
 
 from __future__ import annotations
@@ -15,6 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
+from safetensors.torch import save_file
+from torch import fx
 
 from coordinator.planner import stored_plan
 from coordinator.recorder import LOCAL_PREFIX
@@ -30,7 +36,7 @@ from storage.base import RunStore
 from storage.errors import NotFoundError
 from storage.records import RoundRecord
 
-__all__ = ["TOLERANCE", "ExportResult", "export_run"]
+__all__ = ["TOLERANCE", "ExportResult", "export_run", "state_dict_of"]
 
 TOLERANCE = 1e-4
 log = logging.getLogger(__name__)
@@ -120,8 +126,8 @@ def export_run(
             "fedavg or centralized run trains the whole model); export without it"
         )
     _say_if_replanned_since(store, run_id, number, per_device)
-    out.mkdir(parents=True, exist_ok=True)
-    results = [_export(whole, f"{run_id}-round{number}-model", spec, out)]
+    results = [_export(whole, f"{run_id}-round{number}-model", spec, out)]  # makes ``out``
+    _write_state(model, results[0].path.with_suffix(".safetensors"))
     if plan is not None:
         done: dict[int, ExportResult] = {}  # by end block: devices of one cut share a file
         for edge in plan.edges:
@@ -137,6 +143,24 @@ def export_run(
             done.setdefault(end, result)
             results.append(result)
     return results
+
+
+def state_dict_of(model: SplittableModel) -> dict[str, torch.Tensor]:
+    """The trained model's state dict under its own names: a traced model's blocks hold its
+    modules under their names in it (``features.0.weight``), so ``MyNet().load_state_dict``
+    takes it as it is; a model given in blocks (the zoo's, an ``nn.Sequential``, a list) is
+    keyed as an ``nn.Sequential`` of them (``0.weight``). Parameters and buffers that forward
+    never uses belong to no block and are not in it (load with ``strict=False`` then)."""
+    traced = all(isinstance(block, fx.GraphModule) for block in model.blocks)
+    state: dict[str, torch.Tensor] = {}
+    for index, block in enumerate(model.blocks):
+        for name, value in block.state_dict().items():
+            state[name if traced else f"{index}.{name}"] = value.detach().clone().contiguous()
+    return state
+
+
+def _write_state(model: SplittableModel, path: Path) -> None:
+    save_file(state_dict_of(model), str(path))
 
 
 def _rounds(numbers: list[int]) -> str:

@@ -190,6 +190,8 @@ def export_command(args: argparse.Namespace) -> int:
             f"max |onnx - torch| = {result.max_abs_diff:.2e}  {verdict}  "
             f"({result.exporter} exporter)"
         )
+    weights = results[0].path.with_suffix(".safetensors")
+    print(f"{weights}  the model's state dict (safetensors.torch.load_file, load_state_dict)")
     if failed := [r for r in results if not r.ok]:  # kept, named: a file to look into
         print(
             f"edgesplit export: error: {len(failed)} of {len(results)} file(s) compute other "

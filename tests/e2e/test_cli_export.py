@@ -76,6 +76,8 @@ def test_export_writes_checked_onnx_for_the_model_and_each_device(tmp_path: Path
         "exp-1-round1-pi-02.onnx",
     ]
     assert done.stdout.count(" ok") == 3 and "max |onnx - torch|" in done.stdout
+    weights = tmp_path / "onnx" / "exp-1-round1-model.safetensors"
+    assert f"{weights}  the model's state dict" in done.stdout and weights.is_file()
 
 
 def test_export_errors_exit_2(tmp_path: Path) -> None:

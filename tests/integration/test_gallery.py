@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from safetensors.torch import load_file
 
 from coordinator.config import RunConfig
 from coordinator.export import export_run
@@ -20,6 +21,8 @@ from simulation.config import parse_sim_config
 from simulation.simulator import simulate
 from split_models import load_dataset
 from split_models.config import ModelConfig
+from split_models.onnx_export import check_onnx
+from split_models.zoo import build_model
 from storage import open_store
 from tests.fixtures import gallery
 from wire.flower import node_will
@@ -119,6 +122,17 @@ def test_gallery_model_simulates_in_both_modes_and_exports_checked_onnx(
     for result in results:
         assert result.ok, (result.name, result.max_abs_diff)
         assert result.path.stat().st_size > 0
+    # the state dict beside it loads into the user's own model, which computes what the
+    # exported file does
+    spec, shape = MODELS[name], tuple(MODELS[name]["input_shape"])
+    if name == "resnet8":  # the zoo's: an nn.Sequential of its blocks
+        own = build_model(name, shape, 10).full()
+    else:
+        own = getattr(gallery, name)(shape, _classes(name))
+    own.load_state_dict(load_file(results[0].path.with_suffix(".safetensors")))
+    ids = tuple(spec["input_range"]) if "input_range" in spec else None
+    check = check_onnx(results[0].path, own, shape, input_range=ids)
+    assert check.max_abs_diff < 1e-4, check
 
 
 def _sim_run(store: Any) -> str:
