@@ -130,7 +130,7 @@ def test_gallery_model_simulates_in_both_modes_and_exports_checked_onnx(
     else:
         own = getattr(gallery, name)(shape, _classes(name))
     own.load_state_dict(load_file(results[0].path.with_suffix(".safetensors")))
-    ids = tuple(spec["input_range"]) if "input_range" in spec else None
+    ids = (0, spec["input_range"]) if "input_range" in spec else None  # token ids
     check = check_onnx(results[0].path, own, shape, input_range=ids)
     assert check.max_abs_diff < 1e-4, check
 
