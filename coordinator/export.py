@@ -6,7 +6,7 @@ carries tensors under their global names (``block<k>.*``, ``head<cut>.*``), whic
 loaded into the model built from the run's configuration. Local-loss heads are not exported.
 Each file is run through onnxruntime against torch on a sample batch. Beside the model's file,
 ``<name>.safetensors`` holds its state dict under the model's own names, for
-``model.load_state_dict`` (:func:`_write_state`).
+``model.load_state_dict`` (:func:`state_dict_of`).
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def export_run(
         )
     _say_if_replanned_since(store, run_id, number, per_device)
     results = [_export(whole, f"{run_id}-round{number}-model", spec, out)]  # makes ``out``
-    _write_state(model, results[0].path.with_suffix(".safetensors"))
+    save_file(state_dict_of(model), str(results[0].path.with_suffix(".safetensors")))
     if plan is not None:
         done: dict[int, ExportResult] = {}  # by end block: devices of one cut share a file
         for edge in plan.edges:
@@ -157,10 +157,6 @@ def state_dict_of(model: SplittableModel) -> dict[str, torch.Tensor]:
         for name, value in block.state_dict().items():
             state[name if traced else f"{index}.{name}"] = value.detach().clone().contiguous()
     return state
-
-
-def _write_state(model: SplittableModel, path: Path) -> None:
-    save_file(state_dict_of(model), str(path))
 
 
 def _rounds(numbers: list[int]) -> str:

@@ -39,7 +39,12 @@ from torch import fx, nn
 from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
 
 from split_models.errors import ModelError
-from split_models.trace_modes import following_mode, kept_modes, traced_in_both_modes
+from split_models.trace_modes import (
+    following_mode,
+    kept_buffers,
+    kept_modes,
+    traced_in_both_modes,
+)
 
 __all__ = ["auto_blocks", "disable_inplace", "split_point"]
 
@@ -246,12 +251,10 @@ def _out_of_place(node: fx.Node) -> Any:
 
 
 def _propagate_shapes(graph_module: fx.GraphModule, example: torch.Tensor) -> None:
-    buffers = {name: b.clone() for name, b in graph_module.named_buffers()}
+    quiet = contextlib.redirect_stderr(io.StringIO())
     try:  # ShapeProp prints the traceback of a failing node: the one line below says it
-        with kept_modes(graph_module), torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):
+        with kept_modes(graph_module), kept_buffers(graph_module), torch.no_grad(), quiet:
             ShapeProp(graph_module.eval()).propagate(example)
-            for name, value in buffers.items():  # what forward updates in place, as it was
-                graph_module.get_buffer(name).copy_(value)
     except Exception as error:
         cause = error.__cause__ if isinstance(error.__cause__, Exception) else error
         raise ModelError(

@@ -18,7 +18,7 @@ import os
 import sys
 import tempfile
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +28,7 @@ from torch import nn
 
 from split_models.activations import Activation, primary, side, wire_names
 from split_models.errors import ModelError
+from split_models.trace_modes import kept_buffers
 from split_models.zoo import example_input
 
 __all__ = ["EXPORTERS", "OnnxCheck", "check_onnx", "export_checked", "export_onnx", "onnx_session"]
@@ -81,15 +82,13 @@ def export_onnx(
     example = example_input(
         input_shape, input_range, _MIN_BATCH + 1, torch.Generator().manual_seed(0)
     )
-    restore = _kept_buffers(module)  # a forward that updates its buffers: exported as they are
-    with torch.no_grad():
+    with kept_buffers(module), torch.no_grad():  # a forward may update its buffers
         names = _output_names(wrapped(example))
-    restore()
     exporter_log = logging.getLogger("torch.onnx")
     level = exporter_log.level
     exporter_log.setLevel(logging.ERROR)
     try:
-        with warnings.catch_warnings(), torch.no_grad():
+        with warnings.catch_warnings(), torch.no_grad(), kept_buffers(module):
             warnings.simplefilter("ignore")
             if exporter == "torchscript":
                 _torchscript(wrapped, example, names, target)
@@ -111,22 +110,7 @@ def export_onnx(
         raise ModelError(f"ONNX export to {target} failed: {error}") from error
     finally:
         exporter_log.setLevel(level)
-        restore()
     return target
-
-
-def _kept_buffers(module: nn.Module) -> Callable[[], None]:
-    """A function that puts ``module``'s buffers back as they are now: a model whose forward
-    updates a buffer in place (a running mean of its own) changes it on every call, and its
-    export and check must see the buffers the file holds."""
-    kept = [(b, b.clone()) for b in module.buffers()]
-
-    def restore() -> None:
-        with torch.no_grad():
-            for buffer, value in kept:
-                buffer.copy_(value)
-
-    return restore
 
 
 def _torchscript(module: nn.Module, example: torch.Tensor, names: list[str], path: Path) -> None:
@@ -218,12 +202,10 @@ def check_onnx(
     module.eval()
     generator = torch.Generator().manual_seed(seed)
     worst = 0.0
-    restore = _kept_buffers(module)
     for batch in batch_sizes:
         sample = example_input(input_shape, input_range, batch, generator)
-        with torch.no_grad():
+        with torch.no_grad(), kept_buffers(module):  # each batch at the buffers the file holds
             value = module(sample)
-        restore()
         expected = [t.numpy() for t in (primary(value), *side(value))]
         outputs = session.run(_output_names(value), {"x": sample.numpy()})  # type: ignore[attr-defined]
         for want, got in zip(expected, outputs, strict=True):

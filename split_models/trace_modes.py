@@ -16,11 +16,26 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch import fx, nn
 
 from split_models.errors import ModelError
 
-__all__ = ["by_mode", "following_mode", "kept_modes", "traced_in_both_modes"]
+__all__ = ["by_mode", "following_mode", "kept_buffers", "kept_modes", "traced_in_both_modes"]
+
+
+@contextlib.contextmanager
+def kept_buffers(module: nn.Module) -> Iterator[None]:
+    """Put every buffer of ``module`` back as it is now: a model whose forward updates a buffer
+    in place (a running mean of its own) changes it on every call, and an example pass, an
+    export and its check must leave it, and see it, as it was."""
+    kept = [(buffer, buffer.clone()) for buffer in module.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in kept:
+                buffer.copy_(value)
 
 
 @contextlib.contextmanager
