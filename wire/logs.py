@@ -14,7 +14,7 @@ import time
 import unicodedata
 from collections.abc import Callable, Hashable
 
-__all__ = ["BURST", "WINDOW", "WarningLimiter", "printable", "warn"]
+__all__ = ["BURST", "WINDOW", "WarningLimiter", "printable", "reset_warnings", "warn"]
 
 BURST = 5
 WINDOW = 60.0
@@ -49,6 +49,11 @@ class WarningLimiter:
             self._windows[key] = (start, count + 1)
             return count < self.burst, suppressed
 
+    def reset(self) -> None:
+        """Forget every key's window (each test starts with a fresh allowance)."""
+        with self._lock:
+            self._windows.clear()
+
 
 _LIMITER = WarningLimiter()
 
@@ -63,6 +68,11 @@ def warn(
         if suppressed:
             message += f" ({suppressed} more like it left out of the log)"
         log.log(level, message, *args)
+
+
+def reset_warnings() -> None:
+    """Let every key warn again at once, as in a fresh process."""
+    _LIMITER.reset()
 
 
 def printable(text: object, limit: int = 500) -> str:
