@@ -139,12 +139,16 @@ def coordinator_command(args: argparse.Namespace) -> int:
     from coordinator.service import Coordinator, CoordinatorError
     from split_models.runtime import configure_logging
     from storage import open_store
+    from storage.outage import DEFAULT_OUTAGE_WAIT
     from wire.mqtt import MqttConfig, MqttTransport
 
     configure_logging(args.verbose)
     config = load_run_config(args.config)
     shown = _store_shown(args.db)
-    store = open_store(args.db, args.checkpoints, password=args.db_password)
+    wait = DEFAULT_OUTAGE_WAIT if args.db_outage_wait is None else args.db_outage_wait
+    if not 0 <= wait <= 86400:
+        raise ConfigError(f"--db-outage-wait: expected 0 to 86400 s, got {wait:g}")
+    store = open_store(args.db, args.checkpoints, password=args.db_password, outage_wait=wait)
     store.check_can_commit()  # a PostgreSQL store told no checkpoint folder stops here
     broker = MqttConfig.from_url(args.broker, args.broker_password)
     try:

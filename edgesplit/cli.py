@@ -219,6 +219,14 @@ def _coordinator_parser(commands: argparse._SubParsersAction) -> None:  # type: 
         help="how long the run stays this coordinator's after its last sign of life; another "
         "coordinator takes it over after that (default: %(default)s)",
     )
+    coordinator.add_argument(
+        "--db-outage-wait",
+        type=float,
+        metavar="SECONDS",
+        help="how long to wait for a database server that stops answering (a restart, a "
+        "failover) before giving up; the round under way goes on meanwhile (default: 120, "
+        "storage/outage.py; 0 gives up at once)",
+    )
     coordinator.add_argument("-v", "--verbose", action="store_true")
 
 

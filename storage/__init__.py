@@ -83,9 +83,12 @@ def open_store(
     checkpoint_dir: str | Path | None = None,
     password: str | None = None,
     readonly: bool = False,
+    outage_wait: float = 0.0,
 ) -> RunStore:
     """Open (and, unless ``readonly``, migrate) the store at ``url``; ``password`` is the
-    database user's when the URL holds none (ignored for SQLite and memory)."""
+    database user's when the URL holds none (ignored for SQLite and memory). ``outage_wait``:
+    seconds each transaction waits for an unreachable database server (:mod:`storage.outage`;
+    0 fails at once, as a command should; a coordinator rides through a restart)."""
     if url in MEMORY_URLS:
         return InMemoryRunStore()
     from storage.sql import SqlRunStore
@@ -95,4 +98,10 @@ def open_store(
         inside = folder / "runs.db"
         hint = f": give the file, {inside}" if inside.is_file() else ": give the database file"
         raise StoreError(f"{folder} is a folder, not a SQLite database{hint}")
-    return SqlRunStore(normalise_url(url), checkpoint_dir, password=password, readonly=readonly)
+    return SqlRunStore(
+        normalise_url(url),
+        checkpoint_dir,
+        password=password,
+        readonly=readonly,
+        outage_wait=outage_wait,
+    )

@@ -77,6 +77,19 @@ def _locked_hint(reason: str) -> str:
     )
 
 
+# A server that vanished without closing the connection (a host gone, a network cut) is
+# noticed in seconds, not after the system's TCP timeouts (minutes; a connect to a host that
+# drops packets hung for about two): a connect gives up after 10 s, an idle connection is
+# probed after 30 s. The URL's own settings (?connect_timeout=...) win.
+_SERVER_LINK = {
+    "connect_timeout": 10,
+    "keepalives": 1,
+    "keepalives_idle": 30,
+    "keepalives_interval": 10,
+    "keepalives_count": 3,
+}
+
+
 def create_store_engine(url: str, password: str | None = None, readonly: bool = False) -> Engine:
     """An engine with the settings the store relies on (SQLite: WAL, foreign keys, busy
     timeout, BEGIN IMMEDIATE so writers queue instead of failing with 'database is locked');
@@ -92,7 +105,9 @@ def create_store_engine(url: str, password: str | None = None, readonly: bool = 
     if parsed.get_backend_name() != "sqlite":
         if password is not None and parsed.password is None:
             parsed = parsed.set(password=password)
-        arguments = {"options": "-c default_transaction_read_only=on"} if readonly else {}
+        arguments: dict[str, Any] = {k: v for k, v in _SERVER_LINK.items() if k not in parsed.query}
+        if readonly:
+            arguments["options"] = "-c default_transaction_read_only=on"
         return create_engine(parsed, pool_pre_ping=True, connect_args=arguments)
     database = parsed.database
     if readonly:

@@ -27,6 +27,7 @@ from storage.errors import NotAStoreError, NotFoundError, StateError, StoreError
 from storage.integrity import integrity_problems
 from storage.lease import SqlLeases, fence_in
 from storage.location import choose_root, default_root, unknown_root_error
+from storage.outage import ServerWait, rides_outages
 from storage.records import (
     CheckpointRef,
     DeviceRecord,
@@ -59,6 +60,7 @@ _ROOT_KEY = "checkpoint_root"
 _AGE = 3600.0  # files younger than this may belong to a commit under way in another process
 
 
+@rides_outages
 class SqlRunStore(SqlLeases, RunStore):
     """Rows in SQL, checkpoint tensors in content-addressed safetensors files."""
 
@@ -69,6 +71,7 @@ class SqlRunStore(SqlLeases, RunStore):
         migrate: bool = True,
         password: str | None = None,
         readonly: bool = False,
+        outage_wait: float = 0.0,  # s a transaction waits for its server (storage.outage)
     ) -> None:
         self.url = url  # as given: no password that was given apart
         self.readonly = readonly
@@ -78,6 +81,8 @@ class SqlRunStore(SqlLeases, RunStore):
         except (ArgumentError, NoSuchModuleError, DatabaseError, ValueError) as error:
             raise opening_error(url, error) from None
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        sqlite = self.engine.dialect.name == "sqlite"  # no server to wait for
+        self._server = ServerWait(shown_url(url), 0.0 if sqlite else outage_wait, self.engine)
         self._files: CheckpointFiles | None = None
         explicit = None if checkpoint_dir is None else Path(checkpoint_dir).absolute()
         root = self._checkpoint_root(explicit)
@@ -148,7 +153,7 @@ class SqlRunStore(SqlLeases, RunStore):
         """A transaction; ``fence``: a run whose lease must still be this store's holder's
         (:meth:`fence`), renewed in the transaction, else :class:`LeaseLostError`."""
         try:
-            with self._sessions.begin() as session:
+            with self._server.session(self._sessions) as session:
                 if fence is not None and (holder := self.fenced(fence)) is not None:
                     fence_in(session, fence, holder)
                 yield session
@@ -186,10 +191,8 @@ class SqlRunStore(SqlLeases, RunStore):
 
     def list_devices(self) -> list[DeviceRecord]:
         with self._session() as session:
-            return [
-                device_record(r)
-                for r in session.scalars(select(DeviceRow).order_by(DeviceRow.name))
-            ]
+            rows = session.scalars(select(DeviceRow).order_by(DeviceRow.name))
+            return [device_record(r) for r in rows]
 
     # ---------------------------------------------------------------- runs
     def _create_run(self, run_id: str, config: dict[str, Any], seed: int) -> RunRecord:
@@ -224,9 +227,8 @@ class SqlRunStore(SqlLeases, RunStore):
 
     def list_runs(self) -> list[RunRecord]:
         with self._session() as session:
-            return [
-                run_record(r) for r in session.scalars(select(RunRow).order_by(RunRow.created_at))
-            ]
+            rows = session.scalars(select(RunRow).order_by(RunRow.created_at))
+            return [run_record(r) for r in rows]
 
     def _set_run_status(self, run_id: str, status: str) -> None:
         with self._session(run_id) as session:
