@@ -61,7 +61,8 @@ _UNREACHABLE = re.compile(
     r"|server closed the connection|connection to server .* failed|no route to host"
     r"|network is unreachable|the database system is (starting up|shutting down|in recovery"
     r"|not yet accepting)|terminating connection|consuming input failed|ssl syscall error"
-    r"|eof detected|broken pipe|connection reset|could not receive data|could not send data",
+    r"|eof detected|broken pipe|connection reset|could not receive data|could not send data"
+    r"|too many clients|remaining connection slots",
     re.IGNORECASE,
 )
 # what waiting cannot fix
@@ -208,6 +209,7 @@ class ServerWait:
                 f"{self.wait:.0f} s ({_reason(lost.error)}); run the same command again "
                 "once it is back"
             ) from None
+        self._sleep(_FIRST_DELAY)  # a server closing every connection is not asked in a loop
         return began
 
     def _connect(self, sessions: sessionmaker[Session]) -> Session:
