@@ -179,7 +179,11 @@ def _trace(module: nn.Module) -> fx.GraphModule:
             "return an nn.Sequential or a list of blocks"
         ) from error
     if leaves:
-        log.info("%s: kept whole, as their forward does not trace: %s", name, ", ".join(leaves))
+        log.info(
+            "%s: kept whole, as their forward does not trace or branches on self.training: %s",
+            name,
+            ", ".join(leaves),
+        )
     graph = following_mode(graphs[0], graphs[1], name)
     _drop_concrete_arguments(graph, name)
     return fx.GraphModule(module, graph, class_name=name)

@@ -6,13 +6,15 @@ dropout on in evaluation and export. The model is traced in both modes
 (:func:`split_models.autosplit.auto_blocks`); where the two graphs differ only in such values,
 the graph reads the block's own ``training`` flag when it runs.
 
-A submodule whose own ``forward`` does not trace is kept whole (a leaf of the graph, run as it
-is), and the trace starts again (:func:`traced_in_both_modes`).
+A submodule whose own ``forward`` does not trace, or takes another path in each mode, is kept
+whole (a leaf of the graph, run as it is), and the trace starts again
+(:func:`traced_in_both_modes`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -62,7 +64,10 @@ def traced_in_both_modes(
     A submodule whose own ``forward`` cannot be traced (Python control flow on its input's
     shape or dtype, a loop over a tensor: the usual case in third-party models) is kept whole,
     a leaf of the graph that runs its forward as it is, and the trace starts again; the blocks
-    can then be cut around it but not inside it. Only the root's own code must trace."""
+    can then be cut around it but not inside it. So is one whose forward takes another path in
+    each mode (``if self.training: x = x + noise``): run whole, it follows its own mode. Only
+    the root's own code must trace, and branch on its mode through values alone
+    (:func:`following_mode`)."""
     leaves: set[str] = set()
     for _ in range(sum(1 for _ in module.modules()) + 1):
         tracer = _LeafTracer(leaves)
@@ -73,7 +78,10 @@ def traced_in_both_modes(
                 raise
             leaves.add(tracer.culprit)
             continue
-        return training, evaluating, sorted(leaves)
+        branching = _branching_part(training, evaluating)
+        if branching is None or branching in leaves:
+            return training, evaluating, sorted(leaves)
+        leaves.add(branching)
     raise AssertionError("unreachable: every submodule is a leaf by now")
 
 
@@ -104,6 +112,42 @@ class _LeafTracer(fx.Tracer):
             if self.culprit is None:
                 self.culprit = self.path_of_module(m)
             raise
+
+
+def _branching_part(training: fx.Graph, evaluating: fx.Graph) -> str | None:
+    """The submodule (qualified name) whose forward took another path in train mode than in
+    eval mode, where the two traces first part ways; None where they do not part (values
+    chosen by mode aside) or the root's own forward did."""
+    for ours, theirs in itertools.zip_longest(training.nodes, evaluating.nodes):
+        if ours is not None and theirs is not None and _alike(ours, theirs):
+            continue
+        parts = [p for p in (_part_of(ours), _part_of(theirs)) if p]
+        # of two nested parts the inner one (keep as little whole as will do)
+        inner = [p for p in parts if all(q == p or p.startswith(f"{q}.") for q in parts)]
+        return (inner or parts)[0] if parts else None
+    return None
+
+
+def _alike(ours: fx.Node, theirs: fx.Node) -> bool:
+    """The same step in both traces, but for values chosen by mode (:func:`following_mode`)."""
+    if (ours.op, ours.target, len(ours.args)) != (theirs.op, theirs.target, len(theirs.args)):
+        return False
+    if set(ours.kwargs) != set(theirs.kwargs):
+        return False
+    values = [_ModeValue(a, b) for a, b in zip(ours.args, theirs.args, strict=True)]
+    values += [_ModeValue(v, theirs.kwargs[k]) for k, v in ours.kwargs.items()]
+    return all(v.same or v.by_mode for v in values)
+
+
+def _part_of(node: fx.Node | None) -> str | None:
+    """The submodule whose forward made ``node`` (a called module's own call is its caller's
+    step); None for the root's."""
+    stack = (
+        [] if node is None else [path for path, _ in node.meta.get("nn_module_stack", {}).values()]
+    )
+    if node is not None and node.op == "call_module":
+        stack = stack[:-1]
+    return stack[-1] if stack else None
 
 
 def _both(
@@ -148,9 +192,10 @@ def following_mode(training: fx.Graph, evaluating: fx.Graph, name: str) -> fx.Gr
     if not same:
         raise ModelError(
             f"model: {name}.forward computes something else in training than in evaluation "
-            "(it branches on self.training), and a traced graph holds one of the two: use "
-            "modules that follow train() and eval() (nn.Dropout, nn.BatchNorm2d), or return "
-            "the model as an nn.Sequential or a list of blocks, which run as they are (untraced)"
+            "(it branches on self.training in its own code), and a traced graph holds one of "
+            "the two: move the branch into a submodule (kept whole, it follows its own mode), "
+            "use modules that follow train() and eval() (nn.Dropout, nn.BatchNorm2d), or "
+            "return the model as an nn.Sequential or a list of blocks, which run as they are"
         )
     return training
 

@@ -98,3 +98,61 @@ def test_a_model_updating_its_buffers_exports_and_checks_with_the_buffers_it_has
     check = export_checked(model, (6,), tmp_path / "stateful.onnx")
     assert check.max_abs_diff < 1e-4, check
     assert all(torch.equal(b, before[name]) for name, b in model.named_buffers())
+
+
+class _Noise(nn.Module):
+    """Noise in training only: a path of its own in each mode (torch.fx keeps one)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            x = x + 0.1 * torch.randn_like(x)
+        return x
+
+
+class _Halved(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 0.5 if not self.training else x
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear, self.halved = nn.Linear(16, 16), _Halved()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.halved(self.linear(x)))
+
+
+class _Branching(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.noise = nn.Linear(8, 16), _Noise()
+        self.body, self.head = nn.Sequential(_Block(), _Block()), nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.noise(torch.relu(self.stem(x)))))
+
+
+def test_layers_branching_on_self_training_are_kept_whole_and_follow_their_mode(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A submodule taking another path in training (noise added, a rescale in evaluation)
+    made the whole model refused: a traced graph holds one of the two paths. Kept whole, each
+    runs its own forward in the mode its block is in; only the innermost such part is."""
+    model = _Branching()
+    x = torch.randn(5, 8)
+    with caplog.at_level("INFO", logger="split_models.autosplit"):
+        blocks = auto_blocks(model, x)
+    assert "body.0.halved, body.1.halved, noise" in caplog.text
+    assert len(blocks) >= 3
+    for mode in (False, True):
+        model.train(mode)
+        torch.manual_seed(1)
+        expected = model(x)
+        torch.manual_seed(1)
+        y = x
+        for block in blocks:
+            y = block.train(mode)(y)
+        assert torch.allclose(y, expected, atol=1e-6), f"training={mode}"
+    model.eval()
+    assert not torch.allclose(model(x), model.train()(x)), "the two modes differ"
