@@ -359,8 +359,15 @@ def _median_if_too_few(
     senders = ", ".join(
         names.get(m.metadata.src_node_id, f"node {m.metadata.src_node_id}") for m in replies
     )
+    rule = type(strategy).__name__.removeprefix("SplitAware").lower()
+    if len(group) == 1:  # the median of one is that one: say what it is
+        strategy.notes.append(
+            f"{rule}: {senders} alone holds {_describe(group[0])}: taken as it is (no rule "
+            "can judge a single replica)"
+        )
+        return {k: v.copy() for k, v in group[0].items()}
     strategy.notes.append(
-        f"{type(strategy).__name__.removeprefix('SplitAware').lower()}: {len(group)} "
+        f"{rule}: {len(group)} "
         f"replica(s) ({senders}) hold {_describe(group[0])}, fewer than the {needed} "
         "the rule needs; aggregated by the coordinate-wise median instead"
     )

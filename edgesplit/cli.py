@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from coordinator.plan_config import CUTS, PartitionConfig
 from edgesplit import __version__
 from edgesplit.exits import EXIT_OK, exit_for, signals_interrupt, wants_traceback
+from edgesplit.once import refuse_repeats
 from edgesplit.passwords import read_passwords
 from edgesplit.runs_cli import export_parser, runs_parser
 from simulation.config import BASELINES, METHODS, SimConfig
@@ -419,6 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
     _simulate_parser(commands)
     export_parser(commands, _db_flags)
     _store_parsers(commands)
+    refuse_repeats(parser)
     return parser
 
 

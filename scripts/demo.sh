@@ -5,4 +5,4 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh
-.venv/bin/edgesplit simulate --out sim-out "$@"
+.venv/bin/edgesplit simulate "$@"  # --out defaults to sim-out

@@ -86,13 +86,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, object]:
 
 def _norm_hint(config: SimConfig) -> str:
     """For a model with BatchNorm layers averaged as they are: what to try first."""
-    from split_models.segment import Segment
-    from split_models.weights import norm_keys
-
-    if config.training.norm != "average" or config.method == "centralized":
-        return ""
-    model = config.model.build(seed=0)
-    if not norm_keys(Segment.from_model(model, 0, model.num_blocks)):
+    if not _has_norm_layers(config, "average"):
         return ""
     return (
         " The model has BatchNorm layers, whose averaged running statistics fit none of the "
@@ -102,10 +96,32 @@ def _norm_hint(config: SimConfig) -> str:
 
 def _say_if_no_better(summary: dict[str, Any], config: SimConfig) -> None:
     """A warning when the run ends no better than guessing, or than always answering the test
-    set's most common class."""
+    set's most common class; a note on what the accuracy means under ``norm: local``."""
     accuracy, classes = summary["final_accuracy"], config.model.num_classes
     _say_if_at_chance(accuracy, classes, _norm_hint(config))
     _say_if_majority(accuracy, classes, summary.get("test_majority_share", 0.0))
+    if _has_norm_layers(config, "local"):
+        print(
+            "note: with norm: local (FedBN) each client keeps its own BatchNorm layers; the "
+            "accuracy above is the model with their averaged statistics, which fit none of the "
+            "clients, so it understates theirs"
+            + (
+                ""
+                if config.training.federated_eval > 0
+                else ": set federated_eval (e.g. 0.1) to measure each client on its own data"
+            )
+        )
+
+
+def _has_norm_layers(config: SimConfig, norm: str) -> bool:
+    """Whether a split run (not centralized) with ``norm`` has BatchNorm layers."""
+    from split_models.segment import Segment
+    from split_models.weights import norm_keys
+
+    if config.training.norm != norm or config.method == "centralized":
+        return False
+    model = config.model.build(seed=0)
+    return bool(norm_keys(Segment.from_model(model, 0, model.num_blocks)))
 
 
 def _say_if_at_chance(accuracy: object, classes: int, hint: str = "") -> None:

@@ -118,7 +118,7 @@ def resumable_run(
     partition or devices) differ is gone on with too; the coordinator records the change."""
     wanted = config.training.rounds
     with open_store(f"sqlite:///{out / 'runs.db'}") as store:
-        listed = store.list_runs()
+        listed = _take_up_orphans(store)
         runs = sorted(
             (r for r in listed if r.status == "cancelled" or _shorter(r, wanted)),
             key=lambda r: r.updated_at,
@@ -141,6 +141,8 @@ def resumable_run(
                 return run.run_id
             settings_only = differ == "settings"
             passed = passed or (f"{run.status} run {run.run_id}", reasons, settings_only)
+    if passed is None:
+        _say_if_new_beside(listed, wanted)
     if passed is not None:
         latest, reason, settings_only = passed
         hint = " (--allow-config-change resumes it with these settings)" if settings_only else ""
@@ -202,6 +204,35 @@ def _shorter(run: RunRecord, rounds: int) -> bool:
     return run.status == "finished" and (run.current_round or 0) < rounds
 
 
+def _say_if_new_beside(listed: Sequence[RunRecord], wanted: int) -> None:
+    """A new run where one already finished with ``wanted`` rounds or more: said, since its
+    outputs replace that run's in the folder (it was silent)."""
+    done = [r for r in listed if r.status == "finished" and not _shorter(r, wanted)]
+    if done:
+        latest = max(done, key=lambda r: r.updated_at)
+        log.warning(
+            "run %s in this --out finished with %d round(s), no fewer than %d: starting a new "
+            "run, whose outputs here replace its own (it stays in runs.db; another --out "
+            "keeps both)",
+            latest.run_id,
+            latest.current_round or 0,
+            wanted,
+        )
+
+
+def _take_up_orphans(store: RunStore) -> list[RunRecord]:
+    """The runs in the store, those left ``training`` by a process that is gone (killed on
+    this host, or silent past its lease) marked cancelled first, so that they resume: a
+    `kill -9` needed `edgesplit runs stop` before the same command went on with the run."""
+    for run in store.list_runs():
+        lease = store.lease(run.run_id) if run.status == "training" else None
+        if lease is not None and lease.gone():
+            why = f"its process is gone ({lease.describe()}); taken up by a new simulate"
+            mark_cancelled(store, run.run_id, why)
+            log.warning("run %s in this --out was left training: %s", run.run_id, why)
+    return store.list_runs()
+
+
 def _hint_orphans(training: Sequence[str], out: Path) -> None:
     """Runs still marked training in ``out`` when a simulation starts there: their process was
     killed (or another simulation still runs there); say how to resume them."""
@@ -220,6 +251,6 @@ def _check_rounds(run_id: str, committed: int, rounds: int) -> None:
     if committed > rounds:
         raise ConfigError(
             f"rounds: cancelled run {run_id} in this --out has {committed} rounds committed "
-            f"and {rounds} would end before them; resume it with --rounds {committed + 1} or "
-            "more, or give another --out for a new run"
+            f"and {rounds} would end before them; resume it with --rounds {committed} or more "
+            f"({committed} ends it with the rounds it has), or give another --out for a new run"
         )

@@ -13,7 +13,9 @@ from storage.records import RoundRecord, RunRecord
 __all__ = ["check_run", "clients_of", "round_summary", "run_status", "runs_overview", "spans"]
 
 
-def round_summary(record: RoundRecord, servers: Collection[str] = ()) -> dict[str, Any]:
+def round_summary(
+    record: RoundRecord, servers: Collection[str] = (), ended: bool = False
+) -> dict[str, Any]:
     """One round: state, evaluation, participants and traffic. ``participants`` and
     ``examples`` count the edges (the clients, as a simulation's table does), and so does
     ``failed``; the GPU servers in ``servers``, which train the same examples again on the
@@ -21,13 +23,16 @@ def round_summary(record: RoundRecord, servers: Collection[str] = ()) -> dict[st
     the traffic: ``bytes_up``/``bytes_down`` is the edges', ``server_bytes_up``/``_down``
     the servers' (their weights and their streams: the edges' activations again). Where the
     edges are simulation hosts (``group_clients``), ``clients`` counts the clients they
-    trained."""
+    trained. A round never committed of a run that ``ended`` (finished, failed, cancelled)
+    was given up: its state is ``abandoned``, not ``open`` (the store keeps it open, and a
+    resume with more rounds trains it anew)."""
     loss = record.evaluation.get("loss", record.metrics.get("loss"))
+    state = "abandoned" if ended and record.state != "committed" else record.state
     edges = [r for r in record.results if r.device not in servers]
     backs = [r for r in record.results if r.device in servers]
     return {
         "round": record.number,
-        "state": record.state,
+        "state": state,
         "accuracy": record.evaluation.get("accuracy"),
         "loss": loss,
         "participants": [d for d in record.participants if d not in servers],
@@ -68,6 +73,7 @@ def run_status(store: RunStore, run_id: str) -> dict[str, Any]:
     """A run with all its rounds."""
     run = store.get_run(run_id)
     servers = _servers(run, store)
+    ended = run.status in ("finished", "failed", "cancelled")
     return {
         "run_id": run.run_id,
         "status": run.status,
@@ -77,7 +83,7 @@ def run_status(store: RunStore, run_id: str) -> dict[str, Any]:
         "plan": run.plan,
         "created_at": run.created_at.isoformat(),
         "updated_at": run.updated_at.isoformat(),
-        "rounds": [round_summary(r, servers) for r in store.list_rounds(run_id)],
+        "rounds": [round_summary(r, servers, ended) for r in store.list_rounds(run_id)],
         "checkpoint": _latest_problem(store, run, deep=True),
         "coordinator": _driver(store, run_id),
     }
@@ -132,7 +138,7 @@ def _overview(run: RunRecord, rounds: list[RoundRecord], problem: str | None) ->
         "rounds_planned": _rounds_planned(run),
         "accuracy": last.evaluation.get("accuracy") if last else None,
         "updated_at": run.updated_at.isoformat(),
-        "checkpoint": "ok" if problem is None else "BAD",
+        "checkpoint": "BAD" if problem else "ok" if run.current_round else "none",
         "checkpoint_problem": problem,
     }
 

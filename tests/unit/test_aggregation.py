@@ -152,6 +152,10 @@ def test_a_group_too_small_for_the_rule_falls_back_to_the_median_and_says_so() -
     notes = list(strategy.notes)  # type: ignore[attr-defined]
     assert len(notes) == 3, notes  # block0 (3 holders), block1 + head2 (2), head1 (1)
     assert any("block0.*" in n and "fewer than the 5" in n for n in notes), notes
+    # a group of one (a single GPU server's back, here head1) is taken as it is: a "median"
+    # of one replica said the rule had fallen back to something it had not
+    (alone,) = [n for n in notes if "head1" in n]
+    assert "alone holds" in alone and "taken as it is" in alone and "median" not in alone
     for key, value in oracle("median").items():
         np.testing.assert_allclose(got[key], value, rtol=1e-6)
     _, plain = federate_with("krum")  # f = 0 needs 3: only the smaller groups fall back

@@ -41,6 +41,33 @@ def test_a_batchnorm_model_averaged_as_it_is_gets_a_hint(
 
 
 @pytest.mark.parametrize(
+    ("model", "extra", "noted"),
+    [
+        ("resnet8", {}, "set federated_eval"),
+        ("resnet8", {"federated_eval": 0.1}, "understates theirs"),
+        ("cnn", {}, None),
+    ],
+)
+def test_fedbn_says_its_accuracy_is_of_averaged_statistics_at_any_accuracy(
+    model: str, extra: dict[str, object], noted: str | None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A user's FedBN run ended at 0.25 against 0.87 with recalibrate: no word said why (the
+    chance warning is for 0.15 and below, and its hint named norm: average only)."""
+    from simulation.command import _say_if_no_better
+    from simulation.config import parse_sim_config
+
+    config = {"model": model, "input_shape": [1, 28, 28], "num_classes": 10, "norm": "local"}
+    summary = {"final_accuracy": 0.25, "test_majority_share": 0.1}
+    _say_if_no_better(summary, parse_sim_config({**config, **extra}))
+    out = capsys.readouterr().out
+    if noted is None:
+        assert "FedBN" not in out
+    else:
+        assert "norm: local (FedBN)" in out and noted in out, out
+        assert ("set federated_eval" in out) is (not extra), out
+
+
+@pytest.mark.parametrize(
     ("accuracy", "majority", "warned"),
     [(0.9112, 0.9112, True), (0.914, 0.9112, True), (0.95, 0.9112, False), (0.11, 0.11, False)],
 )

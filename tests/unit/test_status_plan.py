@@ -121,3 +121,26 @@ def test_a_splitfed_plan_says_so_in_its_header() -> None:
         assert Plan.from_dict(plan.to_dict()).mode == mode
     older = {k: v for k, v in plan.to_dict().items() if k != "mode"}  # stored before the field
     assert Plan.from_dict(older).mode == "local-loss"
+
+
+def test_a_round_an_ended_run_never_committed_is_abandoned_not_open() -> None:
+    """A run interrupted in round 3 and then ended at 2 rounds showed round 3 'open' in a
+    'finished' run; a run with no committed round showed its checkpoint 'ok'."""
+    import numpy as np
+
+    from storage import open_store
+    from storage.report import run_status, runs_overview
+
+    with open_store("memory://") as store:
+        store.create_run("r", {}, seed=0)
+        store.set_run_status("r", "training")
+        assert runs_overview(store)[0]["checkpoint"] == "none"
+        for number in (1, 2):
+            store.open_round("r", number, ["pi-01"])
+        store.commit_round("r", 1, {"model": {"w": np.zeros(2, np.float32)}})
+        assert [r["state"] for r in run_status(store, "r")["rounds"]] == ["committed", "open"]
+        assert runs_overview(store)[0]["checkpoint"] == "ok"
+        for ended in ("finished", "cancelled", "failed"):
+            store.set_run_status("r", ended)
+            states = [r["state"] for r in run_status(store, "r")["rounds"]]
+            assert states == ["committed", "abandoned"], ended
