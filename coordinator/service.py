@@ -65,7 +65,7 @@ from split_models.segment import Segment
 from split_models.weights import in_dtypes_of, norm_keys, segment_state
 from split_models.zoo import SplittableModel
 from storage.base import RunStore
-from storage.errors import StoreError
+from storage.errors import StoreError, UnreachableError
 from storage.records import Event
 from wire.errors import TransportError
 from wire.flower import TransportGrid, array_record, attempt_of, numpy_arrays, round_of
@@ -238,7 +238,7 @@ class Coordinator:
         )
         # first the store (which refuses a coordinator whose run was taken over), then the
         # devices give up the round under way at once
-        mark_cancelled(self.store, self.config.run_id, why)
+        _record_stop(self.store, self.config.run_id, why)
         _say_ended(self._guard)
         log.info("run %s cancelled: %s", self.config.run_id, why)
         return RunCancelled(
@@ -446,6 +446,16 @@ def _failed(store: RunStore, run_id: str, why: str) -> None:
     """The run failed (a round gave up): its status, and an event that says why."""
     store.set_run_status(run_id, "failed")
     store.add_event(run_id, Event("run-failed", why))
+
+
+def _record_stop(store: RunStore, run_id: str, why: str) -> None:
+    """Mark the run cancelled; in an outage of the database, at once and not at all (it
+    stays ``training``, and resumes the same way): a stop does not wait for the server."""
+    store.stop_waiting()
+    try:
+        mark_cancelled(store, run_id, why)
+    except UnreachableError as error:
+        log.warning("run %s stays marked training (%s)", run_id, error)
 
 
 def _out_on_error(guard: SessionGuard) -> Callable[[str, Message], None]:

@@ -224,9 +224,9 @@ def _coordinator_parser(commands: argparse._SubParsersAction) -> None:  # type: 
         "--db-outage-wait",
         type=float,
         metavar="SECONDS",
-        help="how long to wait for a database server that stops answering (a restart, a "
-        "failover) before giving up; the round under way goes on meanwhile (default: 120, "
-        "storage/outage.py; 0 gives up at once)",
+        help="how long to wait for a database server that does not answer (a restart, a "
+        "failover; at start too) before exiting 3; the round under way goes on meanwhile "
+        "(default: 120, storage/outage.py; 0 gives up at once)",
     )
     coordinator.add_argument("-v", "--verbose", action="store_true")
 

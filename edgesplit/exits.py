@@ -122,8 +122,17 @@ def exit_for(command: str, error: BaseException, show_traceback: bool = False) -
     if show_traceback:
         traceback.print_exception(error, file=sys.stderr)
     line = f"edgesplit {command}: " + (f"{prefix}: " if prefix else "") + _one_line(error)
-    print(line, file=sys.stderr, flush=True)
+    print(line + _resume_hint(command, error), file=sys.stderr, flush=True)
     return code
+
+
+def _resume_hint(command: str, error: BaseException) -> str:
+    """For a coordinator whose database went away: that the same command resumes the run."""
+    from storage.errors import UnreachableError
+
+    if command != "coordinator" or not isinstance(error, UnreachableError):
+        return ""
+    return "; run the same command again once it answers: the run resumes from its last round"
 
 
 def _one_line(error: BaseException) -> str:

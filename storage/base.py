@@ -277,6 +277,10 @@ class RunStore(abc.ABC):
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections and files."""
 
+    def stop_waiting(self) -> None:  # noqa: B027 - no server to wait for in memory
+        """From now on, fail at once where the database server does not answer, instead of
+        waiting for it (a coordinator told to stop records what it can and exits)."""
+
     def __enter__(self) -> RunStore:
         return self
 

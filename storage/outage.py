@@ -6,13 +6,20 @@ lost (a restart resumed from the last committed round). Now, up to ``wait`` seco
 
 - :class:`ServerWait` waits for the server before a transaction begins (nothing of it has
   run until a connection is made, so trying again is always safe);
-- a transaction that loses its connection before its commit (or at the commit, when it
-  wrote nothing) is rolled back by the server, and the store call that ran it runs again
-  from its start (:func:`rides_outages`).
+- a transaction that loses its connection before its commit is rolled back by the server,
+  and the store call that ran it runs again from its start (:func:`rides_outages`);
+- one whose commit lost its connection is asked about once the server answers: committed,
+  the call returns as if nothing happened; not, it runs again. PostgreSQL says which
+  (``txid_status`` of the id the transaction got before its commit); a transaction that only
+  read lost nothing either way.
 
-What it does not cover: a connection lost while a transaction that wrote commits. Whether the
-server kept the commit is unknown, so it fails as before (a window of one round trip); the
-coordinator stops and, run again, resumes.
+One deadline an outage, for every call and thread: ``wait`` after the outage was first met.
+Once a call gave up, or a wait was interrupted (Ctrl-C, SIGTERM), or the store was told to stop
+waiting, no call waits again until the server answers: a coordinator stopping records what it
+can and exits, instead of waiting again for each call on its way out.
+
+A server that cannot say (none but PostgreSQL has a server here) fails such a commit as before:
+the coordinator stops and, run again, resumes.
 
 Only failures to reach the server are waited out: a refused password or a database that does
 not exist fail at once. SQLite has no server and never waits.
@@ -31,7 +38,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
-from sqlalchemy import event
+from sqlalchemy import event, text
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
@@ -126,13 +133,12 @@ def _riding(method: Callable[..., Any]) -> Callable[..., Any]:
         if getattr(_calls, "depth", 0):  # inside another store call: that one runs again
             return method(self, *args, **kwargs)
         _calls.depth = 1
-        began: float | None = None
         try:
             while True:
                 try:
                     return method(self, *args, **kwargs)
                 except Disconnected as lost:
-                    began = self._server.retry(began, lost)
+                    self._server.retry(lost)
         finally:
             _calls.depth = 0
 
@@ -155,7 +161,10 @@ class ServerWait:
         transaction that wrote nothing and lost its connection at its commit runs again."""
         self.shown, self.wait, self._sleep, self._clock = shown, wait, sleep, clock
         self._since: float | None = None  # when the outage under way was first met
+        self._given_up = False  # a call of this outage gave up or was interrupted
         self._lock = threading.Lock()
+        # a commit of writes lost on the way is asked about where the server can say
+        self._xids = engine is not None and wait > 0 and engine.dialect.name == "postgresql"
         if engine is not None and wait > 0:
             event.listen(engine, "before_cursor_execute", _note_write)
 
@@ -167,10 +176,13 @@ class ServerWait:
         session = self._connect(sessions)
         marks = session.connection().info
         marks[_WROTE] = False
+        xid = None
         try:
             try:
                 yield session
                 session.flush()  # its writes sent: a failure up to here lost nothing
+                if self._xids and marks.get(_WROTE):  # to ask, if its commit is lost, if kept
+                    xid = session.execute(text("SELECT txid_current()")).scalar()
             except OperationalError as error:
                 with contextlib.suppress(Exception):
                     session.rollback()
@@ -183,7 +195,12 @@ class ServerWait:
             try:
                 session.commit()
             except OperationalError as error:
-                if lost := self._lost(error, committing=bool(marks.get(_WROTE, True))):
+                wrote = bool(marks.get(_WROTE, True))
+                if wrote and xid is not None and server_unreachable(error):
+                    if self._kept(sessions, int(xid), error):
+                        return  # the server committed it; only its answer was lost
+                    raise Disconnected(error) from error
+                if lost := self._lost(error, committing=wrote):
                     raise lost from error
                 raise
         finally:
@@ -197,23 +214,38 @@ class ServerWait:
             return Disconnected(error)
         return None
 
-    def retry(self, began: float | None, lost: Disconnected) -> float:
-        """A transaction lost its connection before it committed: when the call began to
-        be retried; :class:`~storage.errors.UnreachableError` once that is ``wait`` ago."""
-        now = self._clock()
-        began = now if began is None else began
-        self._met(now, lost.error)
-        if now - began >= self.wait:
-            raise UnreachableError(
-                f"the database at {self.shown} kept closing the connection for "
-                f"{self.wait:.0f} s ({_reason(lost.error)}); run the same command again "
-                "once it is back"
-            ) from None
-        self._sleep(_FIRST_DELAY)  # a server closing every connection is not asked in a loop
-        return began
+    def _kept(self, sessions: sessionmaker[Session], xid: int, error: OperationalError) -> bool:
+        """Whether the transaction ``xid``, whose commit lost its connection, was committed:
+        asked of the server once it answers (PostgreSQL's ``txid_status``)."""
+        since = self._met(self._clock(), error)
+        while True:
+            probe = self._connect(sessions)
+            try:
+                status = probe.execute(text("SELECT txid_status(:x)"), {"x": xid}).scalar()
+            except OperationalError as again:
+                if not server_unreachable(again):
+                    raise
+                self._pause(since, again, _FIRST_DELAY)
+                continue
+            finally:
+                probe.close()
+            if status != "in progress":  # its backend has not yet seen the connection go
+                kept = status == "committed"
+                log.info(
+                    "a commit whose answer was lost was %s by the server at %s",
+                    "kept" if kept else f"not kept ({status}): its call runs again",
+                    self.shown,
+                )
+                return kept
+            self._pause(since, error, _FIRST_DELAY)
+
+    def retry(self, lost: Disconnected) -> None:
+        """A transaction lost its connection before it committed: wait a moment before the
+        call runs again; :class:`~storage.errors.UnreachableError` once the outage is past
+        the wait."""
+        self._pause(self._met(self._clock(), lost.error), lost.error, _FIRST_DELAY)
 
     def _connect(self, sessions: sessionmaker[Session]) -> Session:
-        began: float | None = None
         delay = _FIRST_DELAY
         while True:
             session = sessions()
@@ -223,25 +255,36 @@ class ServerWait:
                 session.close()
                 if self.wait <= 0 or not server_unreachable(error):
                     raise
-                now = self._clock()
-                began = now if began is None else began
-                self._met(now, error)
-                if now - began >= self.wait:
-                    raise UnreachableError(
-                        f"the database at {self.shown} did not answer for {self.wait:.0f} s "
-                        f"({_reason(error)}); run the same command again once it is back"
-                    ) from None
-                self._sleep(min(delay, began + self.wait - now))
+                self._pause(self._met(self._clock(), error), error, delay)
                 delay = min(delay * 2, _MAX_DELAY)
                 continue
-            if began is not None or self._since is not None:
+            if self._since is not None:
                 self._over()
             return session
 
-    def _met(self, now: float, error: OperationalError) -> None:
+    def _pause(self, since: float, error: OperationalError, delay: float) -> None:
+        """Sleep ``delay`` (at most to the outage's deadline, one for every call and thread:
+        ``wait`` after the outage was first met). Past it, or once a call gave up or was
+        interrupted (Ctrl-C, SIGTERM) in this outage, raise at once: a coordinator stopping
+        records what it can and exits, instead of waiting again for every call on its way."""
+        now = self._clock()
+        if self._given_up or now - since >= self.wait:
+            self._given_up = True
+            raise UnreachableError(
+                f"the database at {self.shown} has not answered for {now - since:.0f} s "
+                f"(--db-outage-wait {self.wait:.0f} s): {_reason(error)}"
+            ) from None
+        try:
+            self._sleep(min(delay, since + self.wait - now))
+        except BaseException:
+            self._given_up = True
+            raise
+
+    def _met(self, now: float, error: OperationalError) -> float:
+        """When the outage under way began (now, for the first call to meet it: said)."""
         with self._lock:
             if self._since is not None:
-                return
+                return self._since
             self._since = now
         log.warning(
             "the database at %s does not answer (%s); waiting up to %.0f s for it",
@@ -249,10 +292,16 @@ class ServerWait:
             _reason(error),
             self.wait,
         )
+        return now
+
+    def stop(self) -> None:
+        """Wait no more in this outage, or the next (:meth:`RunStore.stop_waiting`): an
+        unreachable server is an :class:`~storage.errors.UnreachableError` at once."""
+        self._given_up = True
 
     def _over(self) -> None:
         with self._lock:
-            since, self._since = self._since, None
+            since, self._since, self._given_up = self._since, None, False
         if since is not None:
             log.warning(
                 "the database at %s answers again after %.1f s",

@@ -168,6 +168,9 @@ class SqlRunStore(SqlLeases, RunStore):
     def close(self) -> None:
         self.engine.dispose()
 
+    def stop_waiting(self) -> None:
+        self._server.stop()
+
     # ---------------------------------------------------------------- devices
     def _upsert_device(self, device: DeviceRecord) -> None:
         with self._session() as session:
@@ -199,16 +202,8 @@ class SqlRunStore(SqlLeases, RunStore):
         now = utcnow()
         try:
             with self._session() as session:
-                row = RunRow(
-                    id=run_id,
-                    config=config,
-                    status="created",
-                    seed=seed,
-                    created_at=now,
-                    updated_at=now,
-                    plan=None,
-                    plan_version=0,
-                )
+                row = RunRow(id=run_id, config=config, status="created", seed=seed)
+                row.created_at, row.updated_at, row.plan, row.plan_version = now, now, None, 0
                 session.add(row)
                 session.flush()
                 return run_record(row)

@@ -18,6 +18,7 @@ class TcpProxy:
         self._lock = threading.Lock()
         self._open: list[socket.socket] = []
         self._listener: socket.socket | None = None
+        self._cut_next = False
         self.port = 0
         self.restore()
 
@@ -30,6 +31,11 @@ class TcpProxy:
         self.port = listener.getsockname()[1]
         self._listener = listener
         threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+
+    def cut_after_next_request(self) -> None:
+        """Cut the proxy right after it passes the client's next message on to the server:
+        the server gets it (a COMMIT, say) and acts on it, the client never hears back."""
+        self._cut_next = True
 
     def cut(self) -> None:
         """Close every connection through the proxy and refuse new ones."""
@@ -58,8 +64,20 @@ class TcpProxy:
             upstream.settimeout(None)
             with self._lock:
                 self._open += [client, upstream]
-            for source, sink in ((client, upstream), (upstream, client)):
-                threading.Thread(target=_pump, args=(source, sink), daemon=True).start()
+            for source, sink, up in ((client, upstream, True), (upstream, client, False)):
+                threading.Thread(target=self._pump, args=(source, sink, up), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket, up: bool) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+                if up and self._cut_next:
+                    self._cut_next = False
+                    self.cut()
+        except OSError:
+            pass
+        for sock in (source, sink):
+            _shut(sock)
 
     def __enter__(self) -> TcpProxy:
         return self
@@ -71,16 +89,6 @@ class TcpProxy:
         tb: TracebackType | None,
     ) -> None:
         self.cut()
-
-
-def _pump(source: socket.socket, sink: socket.socket) -> None:
-    try:
-        while data := source.recv(65536):
-            sink.sendall(data)
-    except OSError:
-        pass
-    for sock in (source, sink):
-        _shut(sock)
 
 
 def _shut(sock: socket.socket) -> None:

@@ -70,7 +70,8 @@ def test_an_outage_longer_than_the_wait_is_one_line_naming_it(
         store.create_run("out-2", {"model": "cnn"}, seed=0)
         proxy.cut()
         began = time.monotonic()
-        with pytest.raises(UnreachableError, match=r"did not answer for 1 s") as raised:
+        expected = r"has not answered for 1 s \(--db-outage-wait 1 s\)"
+        with pytest.raises(UnreachableError, match=expected) as raised:
             store.get_run("out-2")
         assert time.monotonic() - began < 15
         assert "\n" not in str(raised.value)
@@ -108,21 +109,40 @@ def test_a_transaction_cut_off_mid_way_runs_again_once(
         assert [e.detail for e in direct.events("out-4")] == ["once"]
 
 
-def test_a_read_whose_commit_is_cut_off_runs_again_and_a_writes_fails(
-    postgres_url: str, proxy: TcpProxy, tmp_path: Path
+def test_a_commit_cut_off_is_asked_about_and_the_call_runs_again_only_if_not_kept(
+    postgres_url: str, proxy: TcpProxy, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A transaction that wrote nothing lost nothing at its commit; one that wrote may have
-    been kept or not, and is not repeated (a round committed twice, an event recorded twice)."""
+    """A commit whose answer never came: the server may have kept it or not. Cut before it
+    reached the server, the call runs again; cut after (the server committed, its answer
+    lost), the call returns. Each event is stored once (a blind retry stored it twice, and
+    failing instead stopped the coordinator: a run cut at such a moment was lost)."""
     with open_store(_through(postgres_url, proxy), tmp_path, outage_wait=60) as store:
         store.create_run("out-5", {"model": "cnn"}, seed=0)
         fired = _cut_at(store.engine, proxy, "commit", lambda _: True)
-        assert store.get_run("out-5").run_id == "out-5"
+        assert store.get_run("out-5").run_id == "out-5"  # a read: lost nothing either way
         assert fired
         time.sleep(1.5)  # the proxy is back
         fired = _cut_at(store.engine, proxy, "commit", lambda _: True)
-        with pytest.raises(StoreError, match=r"the database at .* failed") as raised:
-            store.add_event("out-5", Event("note", "kept or not"))
-        assert fired and not isinstance(raised.value, UnreachableError)
+        with caplog.at_level(logging.INFO, logger="storage.outage"):
+            store.add_event("out-5", Event("note", "cut before its commit"))
+        assert fired and "was not kept (aborted): its call runs again" in caplog.text
+        time.sleep(1.5)
+        kept: list[bool] = []
+
+        def after_commit_is_sent(_connection: object) -> None:
+            if not kept:
+                kept.append(True)
+                proxy.cut_after_next_request()
+                threading.Timer(1.0, proxy.restore).start()
+
+        event.listen(store.engine, "commit", after_commit_is_sent)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="storage.outage"):
+            store.add_event("out-5", Event("note", "cut after its commit"))
+        assert kept and "answer was lost was kept by the server" in caplog.text
+    with open_store(postgres_url, tmp_path) as direct:
+        notes = [e.detail for e in direct.events("out-5")]
+    assert notes == ["cut before its commit", "cut after its commit"], notes
 
 
 def test_a_command_without_a_wait_fails_at_once(
@@ -177,3 +197,78 @@ def test_a_coordinators_run_goes_on_through_a_database_outage(
         assert (record.status, record.current_round) == ("finished", 3)
     said = [r.getMessage() for r in caplog.records]
     assert any("answers again after" in m for m in said), said
+
+
+def test_a_coordinator_waits_for_a_database_that_does_not_answer_yet(
+    postgres_url: str, proxy: TcpProxy, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Started while the server was down (a host rebooting, a failover), it exited 3 at
+    once: a service manager's few restarts could all be spent in the gap."""
+    import argparse
+
+    from coordinator.commands import _open_waiting
+
+    args = argparse.Namespace(
+        db=_through(postgres_url, proxy), checkpoints=str(tmp_path), db_password=None
+    )
+    timer = _cut_for(proxy, 2.0)
+    began = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="coordinator"):
+        _open_waiting(args, 30).close()
+    timer.join()
+    assert time.monotonic() - began >= 1.5
+    assert "waiting up to 30 s for it (--db-outage-wait)" in caplog.text
+    proxy.cut()
+    with pytest.raises(UnreachableError, match="is the database server running"):
+        _open_waiting(args, 1.0)
+
+
+def test_a_stop_in_an_outage_is_at_once_and_the_run_resumes_later(
+    postgres_url: str, proxy: TcpProxy, tmp_path: Path, profile: ModelProfile
+) -> None:
+    """SIGTERM while the database was down: recording the stop waited the whole outage wait
+    (and releasing the lease another), then exited 3: 250 s, not 143 at once."""
+    import os
+    import signal
+
+    from coordinator.errors import RunCancelled
+
+    run = config(tmp_path, rounds=3)
+    hub = InProcessHub()
+    start_fleet(hub, tmp_path, dict.fromkeys(EDGES, 1 << 30), {})
+    monitor = open_store(postgres_url, tmp_path / "checkpoints")
+    signalled: list[float] = []
+
+    def interrupt(_signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt
+
+    def cut_and_stop() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                if (monitor.get_run("svc-1").current_round or 0) >= 1:
+                    break
+            except StoreError:
+                pass
+            time.sleep(0.05)
+        proxy.cut()  # and never back
+        time.sleep(1.0)
+        signalled.append(time.monotonic())
+        os.kill(os.getpid(), signal.SIGUSR1)
+
+    previous = signal.signal(signal.SIGUSR1, interrupt)
+    threading.Thread(target=cut_and_stop, daemon=True).start()
+    store = open_store(_through(postgres_url, proxy), tmp_path / "checkpoints", outage_wait=60)
+    try:
+        with store, monitor:
+            coordinator = Coordinator(
+                run, store, hub.connect("coordinator"), profile=lambda _: profile
+            )
+            with pytest.raises(RunCancelled):
+                coordinator.run()
+            stopped = time.monotonic() - signalled[0]
+            assert stopped < 20, f"stopped {stopped:.0f} s after the signal, on a 60 s wait"
+            record = monitor.get_run("svc-1")
+            assert record.status == "training" and record.current_round in (1, 2)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)

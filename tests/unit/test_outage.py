@@ -110,7 +110,7 @@ def test_past_the_wait_it_is_one_unreachable_error() -> None:
     clock = _Clock()
     wait = ServerWait("postgresql://db/edgesplit", 10, sleep=clock.sleep, clock=clock)
     sessions: Any = _Sessions(100)
-    expected = r"did not answer for 10 s \(connection failed"
+    expected = r"has not answered for 10 s \(--db-outage-wait 10 s\): connection failed"
     with pytest.raises(UnreachableError, match=expected), wait.session(sessions):
         pass
     assert sum(clock.slept) == pytest.approx(10)
@@ -122,5 +122,59 @@ def test_no_wait_or_a_refusal_fails_at_once(wait_s: float, reason: str) -> None:
     wait = ServerWait("postgresql://db/edgesplit", wait_s, sleep=clock.sleep, clock=clock)
     sessions: Any = _Sessions(1, reason)
     with pytest.raises(OperationalError), wait.session(sessions):
+        pass
+    assert clock.slept == []
+
+
+def test_one_deadline_an_outage_and_after_giving_up_no_call_waits_again() -> None:
+    """Each call waited its own --db-outage-wait: a call met late in the outage gave up a
+    wait after it began, and the stopping coordinator's later calls (recording the stop,
+    releasing the lease) each waited the whole wait again: 4 min 24 s to exit on 120 s."""
+    clock = _Clock()
+    wait = ServerWait("postgresql://db/edgesplit", 10, sleep=clock.sleep, clock=clock)
+    wait._met(0.0, _error(REFUSED))  # another thread met the outage at 0 s
+    clock.now = 8.0
+    late: Any = _Sessions(100)
+    with pytest.raises(UnreachableError, match=r"has not answered for 10 s"), wait.session(late):
+        pass
+    assert clock.now == pytest.approx(10.0), "the outage's deadline, not 8 + 10 s"
+    slept = len(clock.slept)
+    after: Any = _Sessions(100)
+    with pytest.raises(UnreachableError), wait.session(after):
+        pass
+    assert len(clock.slept) == slept, "given up: no second wait"
+    back: Any = _Sessions(0)
+    with wait.session(back):  # the server answers: the next outage is waited for again
+        pass
+    again: Any = _Sessions(1)
+    with wait.session(again):
+        pass
+    assert len(clock.slept) == slept + 1
+
+
+def test_an_interrupt_during_the_wait_stops_every_later_wait() -> None:
+    """SIGTERM in an outage: the coordinator exited 3 after 250 s, not 143 at once."""
+    clock = _Clock()
+
+    def interrupted(_seconds: float) -> None:
+        raise KeyboardInterrupt
+
+    wait = ServerWait("postgresql://db/edgesplit", 120, sleep=interrupted, clock=clock)
+    first: Any = _Sessions(100)
+    with pytest.raises(KeyboardInterrupt), wait.session(first):
+        pass
+    then: Any = _Sessions(100)
+    with pytest.raises(UnreachableError), wait.session(then):  # recording the stop: at once
+        pass
+
+
+def test_a_store_told_to_stop_waiting_fails_at_once_until_the_server_answers() -> None:
+    """A coordinator stopping (Ctrl-C, SIGTERM) while it was not itself waiting: recording
+    the stop waited the whole outage wait before it could exit."""
+    clock = _Clock()
+    wait = ServerWait("postgresql://db/edgesplit", 120, sleep=clock.sleep, clock=clock)
+    wait.stop()
+    down: Any = _Sessions(100)
+    with pytest.raises(UnreachableError), wait.session(down):
         pass
     assert clock.slept == []
