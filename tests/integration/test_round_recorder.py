@@ -105,7 +105,7 @@ def test_a_commit_collects_old_unreferenced_checkpoint_files(store: SqlRunStore)
 def test_a_fallback_that_holds_every_round_warns_once_and_is_stored_each_round(
     store: SqlRunStore, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # one replica of a group is too few for Krum: the median stands in every round; the
+    # one replica of a group is too few for Krum: it is taken as it is every round; the
     # operator is warned once, and the run's events still say it for each round
     store.open_round("rec", 2, ["pi-01"])
     recorder = _recorder(store, "krum")
@@ -115,5 +115,5 @@ def test_a_fallback_that_holds_every_round_warns_once_and_is_stored_each_round(
             assert recorder.aggregate(number, [_reply(content)]) is not None
     notes = [e for e in store.events("rec") if e.kind == "aggregation"]
     assert [e.round for e in notes] == [1, 2], notes
-    levels = [r.levelname for r in caplog.records if "coordinate-wise median" in r.message]
+    levels = [r.levelname for r in caplog.records if "taken as it is" in r.message]
     assert levels == ["WARNING", "INFO"], caplog.records

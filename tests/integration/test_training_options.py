@@ -51,7 +51,8 @@ def test_every_strategy_trains_two_rounds_with_mixed_cuts(
     assert not [e for e in summary["events"] if e[0] == "round-failed"], summary["events"]
     if strategy in ("krum", "multikrum", "bulyan", "fedtrimmedavg"):
         # the server alone holds the deepest blocks: a group of one, named, not a traceback
-        assert any(kind == "aggregation" and "median" in d for kind, d in summary["events"])
+        alone = [d for kind, d in summary["events"] if kind == "aggregation" and "alone" in d]
+        assert alone and all("taken as it is" in d for d in alone), summary["events"]
 
 
 def test_uniform_cuts_give_every_client_the_cut_the_smallest_can_hold(tmp_path: Path) -> None:
