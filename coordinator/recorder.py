@@ -291,6 +291,9 @@ class RoundRecorder:
         if self.local_keys:
             self.local = self._pending
         store.collect_garbage()  # files a crash left before its commit's transaction
+        for seconds in store.outages():  # the run's history says what the log said
+            detail = f"the database did not answer for {seconds:.1f} s; waited for it"
+            store.add_event(self.run_id, Event("database-outage", detail, round=number))
         clients = int(metrics["clients"]) if "clients" in metrics else None
         self.observer.round_committed(number, evaluation, outcome.results, servers, clients)
         failed = ", ".join(f"{r.device} ({r.failure})" for r in outcome.results if r.failure)

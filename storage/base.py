@@ -277,6 +277,11 @@ class RunStore(abc.ABC):
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections and files."""
 
+    def outages(self) -> list[float]:
+        """How long (seconds) each outage of the database server that the store waited out
+        lasted, those ended since the last call (none in memory)."""
+        return []
+
     def stop_waiting(self) -> None:  # noqa: B027 - no server to wait for in memory
         """From now on, fail at once where the database server does not answer, instead of
         waiting for it (a coordinator told to stop records what it can and exits)."""

@@ -162,6 +162,7 @@ class ServerWait:
         self.shown, self.wait, self._sleep, self._clock = shown, wait, sleep, clock
         self._since: float | None = None  # when the outage under way was first met
         self._given_up = False  # a call of this outage gave up or was interrupted
+        self._ended: list[float] = []  # how long each outage ridden through lasted
         self._lock = threading.Lock()
         # a commit of writes lost on the way is asked about where the server can say
         self._xids = engine is not None and wait > 0 and engine.dialect.name == "postgresql"
@@ -302,9 +303,17 @@ class ServerWait:
     def _over(self) -> None:
         with self._lock:
             since, self._since, self._given_up = self._since, None, False
+            if since is not None:
+                self._ended.append(self._clock() - since)
         if since is not None:
             log.warning(
                 "the database at %s answers again after %.1f s",
                 self.shown,
                 self._clock() - since,
             )
+
+    def take_ended(self) -> list[float]:
+        """How long each outage that ended since the last call lasted (seconds)."""
+        with self._lock:
+            ended, self._ended = self._ended, []
+        return ended

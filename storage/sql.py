@@ -171,6 +171,9 @@ class SqlRunStore(SqlLeases, RunStore):
     def stop_waiting(self) -> None:
         self._server.stop()
 
+    def outages(self) -> list[float]:
+        return self._server.take_ended()
+
     # ---------------------------------------------------------------- devices
     def _upsert_device(self, device: DeviceRecord) -> None:
         with self._session() as session:

@@ -195,6 +195,9 @@ def test_a_coordinators_run_goes_on_through_a_database_outage(
         assert cut, "the proxy was cut after round 1"
         record = monitor.get_run("svc-1")
         assert (record.status, record.current_round) == ("finished", 3)
+        outages = [e for e in monitor.events("svc-1") if e.kind == "database-outage"]
+        assert len(outages) == 1 and outages[0].round in (2, 3), outages  # in the history too
+        assert "did not answer for" in outages[0].detail
     said = [r.getMessage() for r in caplog.records]
     assert any("answers again after" in m for m in said), said
 
