@@ -115,7 +115,7 @@ def export_run(
         raise NotFoundError(f"{error}; its committed rounds: {_rounds(held)}") from None
     weights, local = _split_local(state.weights)
     spec = stored_section(ModelConfig, run.config, f"run {run_id!r}'s stored config")
-    model = spec.build(seed=0)
+    model = spec.build(seed=run.seed)  # the layers nobody trained as the run built them
     _check_code(store, state.round, model, allow_model_change)
     whole = Segment.from_model(model, 0, model.num_blocks)
     load_segment_state(whole, weights)
@@ -150,12 +150,15 @@ def state_dict_of(model: SplittableModel) -> dict[str, torch.Tensor]:
     modules under their names in it (``features.0.weight``), so ``MyNet().load_state_dict``
     takes it as it is; a model given in blocks (the zoo's, an ``nn.Sequential``, a list) is
     keyed as an ``nn.Sequential`` of them (``0.weight``). Parameters and buffers that forward
-    never uses belong to no block and are not in it (load with ``strict=False`` then)."""
+    never uses belong to no block: they come as the model was built (with the run's seed),
+    so a strict load takes the file."""
     traced = all(isinstance(block, fx.GraphModule) for block in model.blocks)
     state: dict[str, torch.Tensor] = {}
     for index, block in enumerate(model.blocks):
         for name, value in block.state_dict().items():
             state[name if traced else f"{index}.{name}"] = value.detach().clone().contiguous()
+    for name, value in model.unused.items() if traced else ():
+        state.setdefault(name, value.detach().clone().contiguous())
     return state
 
 

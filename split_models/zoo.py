@@ -18,10 +18,10 @@ import os
 import re
 import sys
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
-from torch import nn
+from torch import fx, nn
 
 from split_models.activations import Activation, primary
 from split_models.autosplit import auto_blocks, disable_inplace
@@ -59,6 +59,9 @@ class SplittableModel:
     input_shape: tuple[int, ...]
     num_classes: int
     options: ModelOptions = ModelOptions()  # noqa: RUF009 (frozen: one shared default is safe)
+    # a traced model's parameters and buffers that forward never reads (in no block), as
+    # built: trained by nobody, they complete its state dict (coordinator/export.py)
+    unused: dict[str, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_blocks(self) -> int:
@@ -382,11 +385,21 @@ def _build(
         example = example_input(shape, options.input_range, 2, zeros=True)
         key = (name, factory, shape, num_classes, options)  # a module imported again: traced again
         blocks = _as_blocks(name, built, example, options, key)
-    model = SplittableModel(name, nn.ModuleList(blocks), shape, num_classes, options)
+    unused = _unused_state(built, blocks) if zoo is None else {}
+    model = SplittableModel(name, nn.ModuleList(blocks), shape, num_classes, options, unused)
     if zoo is None and key not in _OUTPUTS_CHECKED:
         _check_outputs(model)
         _OUTPUTS_CHECKED.add(key)
     return model
+
+
+def _unused_state(built: object, blocks: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
+    """What of a traced model's state dict no block holds (a layer defined but not used)."""
+    if not isinstance(built, nn.Module) or not all(isinstance(b, fx.GraphModule) for b in blocks):
+        return {}
+    used = {name for block in blocks for name in block.state_dict()}
+    state = built.state_dict()
+    return {k: v.detach().clone() for k, v in state.items() if k not in used}
 
 
 _OUTPUTS_CHECKED: set[Hashable] = set()  # user models whose output fits num_classes
