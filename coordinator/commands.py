@@ -144,10 +144,11 @@ def _open_waiting(args: argparse.Namespace, wait: float) -> RunStore:
     from storage import open_store
     from storage.errors import UnreachableError
 
-    deadline, delay, said = time.monotonic() + wait, 0.5, False
+    began = time.monotonic()
+    deadline, delay, said = began + wait, 0.5, False
     while True:
         try:
-            return open_store(args.db, args.checkpoints, args.db_password, outage_wait=wait)
+            store = open_store(args.db, args.checkpoints, args.db_password, outage_wait=wait)
         except UnreachableError as error:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -159,6 +160,12 @@ def _open_waiting(args: argparse.Namespace, wait: float) -> RunStore:
                 said = True
             time.sleep(min(delay, left))
             delay = min(delay * 2, 5.0)
+            continue
+        if said:
+            logging.getLogger("coordinator").warning(
+                "the database answers after %.1f s", time.monotonic() - began
+            )
+        return store
 
 
 def coordinator_command(args: argparse.Namespace) -> int:

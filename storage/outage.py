@@ -270,10 +270,12 @@ class ServerWait:
         records what it can and exits, instead of waiting again for every call on its way."""
         now = self._clock()
         if self._given_up or now - since >= self.wait:
+            cut = self._given_up and now - since < self.wait  # a stop, not the wait spent
             self._given_up = True
+            wait = "not waited for: stopping" if cut else f"--db-outage-wait {self.wait:.0f} s"
             raise UnreachableError(
                 f"the database at {self.shown} has not answered for {now - since:.0f} s "
-                f"(--db-outage-wait {self.wait:.0f} s): {_reason(error)}"
+                f"({wait}): {_reason(error)}"
             ) from None
         try:
             self._sleep(min(delay, since + self.wait - now))

@@ -221,6 +221,7 @@ def test_a_coordinator_waits_for_a_database_that_does_not_answer_yet(
     timer.join()
     assert time.monotonic() - began >= 1.5
     assert "waiting up to 30 s for it (--db-outage-wait)" in caplog.text
+    assert "the database answers after" in caplog.text
     proxy.cut()
     with pytest.raises(UnreachableError, match="is the database server running"):
         _open_waiting(args, 1.0)

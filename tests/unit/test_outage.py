@@ -164,7 +164,8 @@ def test_an_interrupt_during_the_wait_stops_every_later_wait() -> None:
     with pytest.raises(KeyboardInterrupt), wait.session(first):
         pass
     then: Any = _Sessions(100)
-    with pytest.raises(UnreachableError), wait.session(then):  # recording the stop: at once
+    stopping = r"has not answered for 0 s \(not waited for: stopping\)"
+    with pytest.raises(UnreachableError, match=stopping), wait.session(then):  # at once
         pass
 
 
