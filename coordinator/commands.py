@@ -6,9 +6,7 @@ import argparse
 import json
 import logging
 import sys
-import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from coordinator.partitioner import PartitionConfig, plan_split
 from coordinator.planner import unfit_edges
@@ -18,9 +16,6 @@ from split_models.errors import ConfigError
 from split_models.options import LOCAL_LOSSES
 from split_models.profiler import profile_model
 from split_models.units import format_bytes
-
-if TYPE_CHECKING:
-    from storage.base import RunStore
 
 __all__ = [
     "coordinator_command",
@@ -137,43 +132,13 @@ def _store_shown(db: str) -> str:
     return shown_url(normalise_url(db))
 
 
-def _open_waiting(args: argparse.Namespace, wait: float) -> RunStore:
-    """The coordinator's store, waiting up to ``wait`` seconds for a database server that
-    does not answer yet (one restarting with the coordinator's host, or a failover): it
-    exited at once, and a service manager's few restarts could all be spent in the gap."""
-    from storage import open_store
-    from storage.errors import UnreachableError
-
-    began = time.monotonic()
-    deadline, delay, said = began + wait, 0.5, False
-    while True:
-        try:
-            store = open_store(args.db, args.checkpoints, args.db_password, outage_wait=wait)
-        except UnreachableError as error:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise
-            if not said:
-                logging.getLogger("coordinator").warning(
-                    "%s; waiting up to %.0f s for it (--db-outage-wait)", error, wait
-                )
-                said = True
-            time.sleep(min(delay, left))
-            delay = min(delay * 2, 5.0)
-            continue
-        if said:
-            logging.getLogger("coordinator").warning(
-                "the database answers after %.1f s", time.monotonic() - began
-            )
-        return store
-
-
 def coordinator_command(args: argparse.Namespace) -> int:
     """``edgesplit coordinator``: run (or resume) one run to its last round."""
     from coordinator.config import load_run_config
     from coordinator.lease import RunLease
     from coordinator.service import Coordinator, CoordinatorError
     from split_models.runtime import configure_logging
+    from storage import open_store
     from storage.outage import DEFAULT_OUTAGE_WAIT
     from wire.mqtt import MqttConfig, MqttTransport
 
@@ -183,7 +148,8 @@ def coordinator_command(args: argparse.Namespace) -> int:
     wait = DEFAULT_OUTAGE_WAIT if args.db_outage_wait is None else args.db_outage_wait
     if not 0 <= wait <= 86400:
         raise ConfigError(f"--db-outage-wait: expected 0 to 86400 s, got {wait:g}")
-    store = _open_waiting(args, wait)
+    # a server that does not answer yet (restarting with this host, a failover) is waited for
+    store = open_store(args.db, args.checkpoints, args.db_password, outage_wait=wait)
     store.check_can_commit()  # a PostgreSQL store told no checkpoint folder stops here
     broker = MqttConfig.from_url(args.broker, args.broker_password)
     try:

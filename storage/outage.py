@@ -240,6 +240,26 @@ class ServerWait:
                 return kept
             self._pause(since, error, _FIRST_DELAY)
 
+    def opening(self, check: Callable[[], None]) -> None:
+        """Run ``check`` (a store's first use of its engine), waiting for an unreachable
+        server as a transaction does; past the wait its own error is raised (the open's)."""
+        delay = _FIRST_DELAY
+        while True:
+            try:
+                check()
+            except OperationalError as error:
+                if self.wait <= 0 or not server_unreachable(error):
+                    raise
+                since = self._met(self._clock(), error)
+                if self._clock() - since >= self.wait:
+                    raise
+                self._sleep(min(delay, since + self.wait - self._clock()))
+                delay = min(delay * 2, _MAX_DELAY)
+                continue
+            if self._since is not None:
+                self._over()
+            return
+
     def retry(self, lost: Disconnected) -> None:
         """A transaction lost its connection before it committed: wait a moment before the
         call runs again; :class:`~storage.errors.UnreachableError` once the outage is past
@@ -290,7 +310,8 @@ class ServerWait:
                 return self._since
             self._since = now
         log.warning(
-            "the database at %s does not answer (%s); waiting up to %.0f s for it",
+            "the database at %s does not answer (%s); waiting up to %.0f s for it "
+            "(--db-outage-wait)",
             self.shown,
             _reason(error),
             self.wait,

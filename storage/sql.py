@@ -77,12 +77,12 @@ class SqlRunStore(SqlLeases, RunStore):
         self.readonly = readonly
         try:
             self.engine = create_store_engine(url, password, readonly)
-            self._check_schema(migrate)
+            sqlite = self.engine.dialect.name == "sqlite"  # no server to wait for
+            self._server = ServerWait(shown_url(url), 0.0 if sqlite else outage_wait, self.engine)
+            self._server.opening(lambda: self._check_schema(migrate))
         except (ArgumentError, NoSuchModuleError, DatabaseError, ValueError) as error:
             raise opening_error(url, error) from None
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
-        sqlite = self.engine.dialect.name == "sqlite"  # no server to wait for
-        self._server = ServerWait(shown_url(url), 0.0 if sqlite else outage_wait, self.engine)
         self._files: CheckpointFiles | None = None
         explicit = None if checkpoint_dir is None else Path(checkpoint_dir).absolute()
         root = self._checkpoint_root(explicit)

@@ -206,25 +206,25 @@ def test_a_coordinator_waits_for_a_database_that_does_not_answer_yet(
     postgres_url: str, proxy: TcpProxy, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Started while the server was down (a host rebooting, a failover), it exited 3 at
-    once: a service manager's few restarts could all be spent in the gap."""
-    import argparse
-
-    from coordinator.commands import _open_waiting
-
-    args = argparse.Namespace(
-        db=_through(postgres_url, proxy), checkpoints=str(tmp_path), db_password=None
-    )
+    once: a service manager's few restarts could all be spent in the gap. A server that
+    answers with a refusal (a role it does not know) is not waited for."""
+    url = _through(postgres_url, proxy)
     timer = _cut_for(proxy, 2.0)
     began = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="coordinator"):
-        _open_waiting(args, 30).close()
+    with caplog.at_level(logging.WARNING, logger="storage.outage"):
+        open_store(url, tmp_path, outage_wait=30).close()
     timer.join()
     assert time.monotonic() - began >= 1.5
     assert "waiting up to 30 s for it (--db-outage-wait)" in caplog.text
-    assert "the database answers after" in caplog.text
+    assert "answers again after" in caplog.text
+    stranger = make_url(url).set(username="edgesplit_no_such_role")
+    began = time.monotonic()
+    with pytest.raises(StoreError, match="edgesplit_no_such_role"):
+        open_store(stranger.render_as_string(hide_password=False), tmp_path, outage_wait=30)
+    assert time.monotonic() - began < 10, "a refusal is not an outage"
     proxy.cut()
     with pytest.raises(UnreachableError, match="is the database server running"):
-        _open_waiting(args, 1.0)
+        open_store(url, tmp_path, outage_wait=1.0)
 
 
 def test_a_stop_in_an_outage_is_at_once_and_the_run_resumes_later(
