@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from coordinator.errors import RunCancelled
 from storage.base import RunStore
-from storage.records import Event
+from storage.records import ENDED_STATUSES, Event
 
 __all__ = [
     "CANCELLED",
@@ -32,7 +32,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 STOP_REQUESTED, STOPPING, CANCELLED = "stop-requested", "stopping", "cancelled"
-TERMINAL = ("finished", "failed", "cancelled")
+TERMINAL = ENDED_STATUSES
 
 
 def _requests(store: RunStore, run_id: str) -> int:

@@ -176,17 +176,10 @@ def following_mode(training: fx.Graph, evaluating: fx.Graph, name: str) -> fx.Gr
     on in evaluation and export. A forward that takes another path in each mode
     (``if self.training:``) cannot be one graph."""
     pairs = list(zip(training.nodes, evaluating.nodes, strict=False))
-    same = len(training.nodes) == len(evaluating.nodes) and all(
-        a.op == b.op and a.target == b.target and len(a.args) == len(b.args) for a, b in pairs
-    )
+    same = len(training.nodes) == len(evaluating.nodes) and all(_alike(a, b) for a, b in pairs)
     for ours, theirs in pairs if same else ():
         args = [_ModeValue(a, b) for a, b in zip(ours.args, theirs.args, strict=True)]
-        kwargs = {k: _ModeValue(v, theirs.kwargs.get(k)) for k, v in ours.kwargs.items()}
-        if set(kwargs) != set(theirs.kwargs) or not all(
-            v.same or v.by_mode for v in [*args, *kwargs.values()]
-        ):
-            same = False
-            break
+        kwargs = {k: _ModeValue(v, theirs.kwargs[k]) for k, v in ours.kwargs.items()}
         ours.args = tuple(v.in_graph(training, ours) for v in args)
         ours.kwargs = {k: v.in_graph(training, ours) for k, v in kwargs.items()}
     if not same:

@@ -11,6 +11,7 @@ import numpy as np
 
 __all__ = [
     "DEVICE_STATUSES",
+    "ENDED_STATUSES",
     "ROUND_STATES",
     "RUN_STATUSES",
     "CheckpointRef",
@@ -26,6 +27,7 @@ __all__ = [
 ]
 
 RUN_STATUSES = ("created", "planning", "training", "finished", "failed", "cancelled")
+ENDED_STATUSES = RUN_STATUSES[3:]  # a run in one of these is driven by nobody
 ROUND_STATES = ("open", "aggregating", "committed")
 DEVICE_STATUSES = ("unknown", "online", "offline")
 

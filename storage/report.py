@@ -8,7 +8,7 @@ from typing import Any
 from split_models.config import TrainingConfig, stored_section
 from split_models.errors import ConfigError
 from storage.base import RunStore
-from storage.records import RoundRecord, RunRecord
+from storage.records import ENDED_STATUSES, RoundRecord, RunRecord
 
 __all__ = ["check_run", "clients_of", "round_summary", "run_status", "runs_overview", "spans"]
 
@@ -73,7 +73,7 @@ def run_status(store: RunStore, run_id: str) -> dict[str, Any]:
     """A run with all its rounds."""
     run = store.get_run(run_id)
     servers = _servers(run, store)
-    ended = run.status in ("finished", "failed", "cancelled")
+    ended = run.status in ENDED_STATUSES
     return {
         "run_id": run.run_id,
         "status": run.status,
