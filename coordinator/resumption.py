@@ -49,8 +49,9 @@ def create_or_check(store: RunStore, config: RunConfig, allow_config_change: boo
     try:
         run = store.get_run(config.run_id)
     except NotFoundError:
+        code = model_code(config)  # a model that does not build leaves no run behind
         store.create_run(config.run_id, config.to_dict(), config.training.seed)
-        _record_code(store, config.run_id, model_code(config))
+        _record_code(store, config.run_id, code)
         return
     if run.current_round:
         _check_changes(store, config, run.config, allow_config_change)

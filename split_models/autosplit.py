@@ -30,7 +30,7 @@ import io
 import logging
 import operator
 import threading
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +43,7 @@ from split_models.trace_modes import (
     following_mode,
     kept_buffers,
     kept_modes,
-    traced_in_both_modes,
+    traced_root,
 )
 
 __all__ = ["auto_blocks", "disable_inplace", "split_point"]
@@ -169,7 +169,7 @@ def _trace(module: nn.Module) -> fx.GraphModule:
             )
         concrete[extra.name] = extra.default
     try:  # in both modes: what forward reads of self.training is fixed in a trace
-        *graphs, leaves = traced_in_both_modes(module, concrete)
+        *graphs, leaves = traced_root(module, concrete)
     except Exception as error:  # fx raises TraceError, TypeError, RuntimeError, NotImplementedError
         raise ModelError(
             f"model: cannot trace {name}.forward with torch.fx to split it: "
@@ -186,7 +186,23 @@ def _trace(module: nn.Module) -> fx.GraphModule:
         )
     graph = following_mode(graphs[0], graphs[1], name)
     _drop_concrete_arguments(graph, name)
-    return fx.GraphModule(module, graph, class_name=name)
+    traced = fx.GraphModule(module, graph, class_name=name)
+    if _logits_only(graph):
+        graph.eliminate_dead_code()  # needs the graph's module, to know impure calls
+        traced.recompile()
+    return traced
+
+
+def _logits_only(graph: fx.Graph) -> bool:
+    """A forward returning an output object with ``logits`` (a Hugging Face model's
+    ``ModelOutput``, a dict) returns the logits alone, and what only fed the rest of the
+    object (hidden states, a cache) is to be dropped from the graph (then True)."""
+    (output,) = [node for node in graph.nodes if node.op == "output"]
+    result = output.args[0]
+    if isinstance(result, Mapping) and isinstance(result.get("logits"), fx.Node):
+        output.args = (result["logits"],)
+        return True
+    return False
 
 
 def _drop_concrete_arguments(graph: fx.Graph, name: str) -> None:
@@ -431,7 +447,8 @@ def _build_blocks(
     ):
         raise ModelError(
             f"model: {type(module).__name__}.forward must return one tensor (the logits); it "
-            "returns a tuple or dict: wrap it in a module that returns the logits alone"
+            "returns a tuple, or a dict without 'logits': wrap it in a module that returns the "
+            "logits alone"
         )
     placeholders = [node for node in graph_module.graph.nodes if node.op == "placeholder"]
     starts = [0, *(cut.position for cut in cuts)]

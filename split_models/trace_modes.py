@@ -23,7 +23,14 @@ from torch import fx, nn
 
 from split_models.errors import ModelError
 
-__all__ = ["by_mode", "following_mode", "kept_buffers", "kept_modes", "traced_in_both_modes"]
+__all__ = [
+    "by_mode",
+    "following_mode",
+    "kept_buffers",
+    "kept_modes",
+    "traced_in_both_modes",
+    "traced_root",
+]
 
 
 @contextlib.contextmanager
@@ -83,6 +90,45 @@ def traced_in_both_modes(
             return training, evaluating, sorted(leaves)
         leaves.add(branching)
     raise AssertionError("unreachable: every submodule is a leaf by now")
+
+
+def traced_root(
+    module: nn.Module, concrete: dict[str, Any]
+) -> tuple[fx.Graph, fx.Graph, list[str]]:
+    """:func:`traced_in_both_modes`, or where the root's own ``forward`` does not trace as a
+    root but does as a submodule's call (a decorated ``forward(x, **kwargs)``, as Hugging Face
+    models have: fx hands the root's arguments to it otherwise), the trace of a module calling
+    it, named as ``module``'s own. A root that does not trace either way raises its own error."""
+    try:
+        return traced_in_both_modes(module, concrete)
+    except Exception as error:
+        failed = error
+    shell = _Shell(module)
+    known = set(vars(shell))
+    try:
+        training, evaluating, leaves = traced_in_both_modes(shell, {})
+    except Exception:
+        raise failed from None
+    if _Shell.INNER in leaves:  # only whole: the root's own code is what does not trace
+        raise failed
+    for name in set(vars(shell)) - known:  # the tensors fx kept of forward's, on the root
+        setattr(module, name, vars(shell)[name])
+    prefix = f"{_Shell.INNER}."
+    for node in itertools.chain(training.nodes, evaluating.nodes):
+        if node.op in ("call_module", "get_attr") and str(node.target).startswith(prefix):
+            node.target = str(node.target).removeprefix(prefix)
+    return training, evaluating, [leaf.removeprefix(prefix) for leaf in leaves]
+
+
+class _Shell(nn.Module):
+    INNER = "inner"
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: Any) -> Any:
+        return self.inner(x)
 
 
 class _LeafTracer(fx.Tracer):

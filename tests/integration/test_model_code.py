@@ -108,3 +108,15 @@ def test_a_changed_model_is_refused_on_resume_and_export_unless_allowed(
 
         _rewrite(user_model, "relu")  # the code round 1 was trained with: exported as it was
         assert all(r.ok for r in export_run(store, config.run_id, tmp_path / "again"))
+
+
+def test_a_model_that_does_not_build_leaves_no_run_behind(user_model: Path, tmp_path: Path) -> None:
+    """The run was created before the model was built: each failed start left a run
+    'created' for good, listed by status and making export ask which run."""
+    from split_models.errors import ModelError
+
+    user_model.write_text(user_model.read_text().replace("return self.fc(", "return x, self.fc("))
+    with open_store(str(tmp_path / "runs.db")) as store:
+        with pytest.raises(ModelError, match="must return one tensor"):
+            create_or_check(store, _config(), allow_config_change=False)
+        assert store.list_runs() == []

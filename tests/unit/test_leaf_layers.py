@@ -34,8 +34,13 @@ def test_layers_whose_forward_does_not_trace_are_kept_whole_and_cut_between() ->
     assert mine == {id(p) for p in model.parameters()}  # the model's own weights, shared
 
 
+@pytest.mark.parametrize("wrapped", [True, False])
 @pytest.mark.parametrize("family", ["resnet", "bert"])
-def test_models_from_transformers_split_around_the_layers_that_do_not_trace(family: str) -> None:
+def test_models_from_transformers_split_around_the_layers_that_do_not_trace(
+    family: str, wrapped: bool
+) -> None:
+    """Unwrapped, the model returns an output object: it was refused ('must return one
+    tensor'); its logits are now taken, and the rest of the object is not computed."""
     transformers = pytest.importorskip("transformers")
 
     class Logits(nn.Module):  # the model's output object is not a tensor: take its logits
@@ -57,13 +62,14 @@ def test_models_from_transformers_split_around_the_layers_that_do_not_trace(fami
             vocab_size=50, num_labels=3, max_position_embeddings=16,
         )  # fmt: skip
         net, x = transformers.BertForSequenceClassification(config), torch.randint(0, 50, (2, 8))
-    model = Logits(net).eval()
+    model = (Logits(net) if wrapped else net).eval()
     blocks = auto_blocks(model, x)
     assert len(blocks) >= 4
     y = x
     for block in blocks:
         y = block.eval()(y)
-    assert torch.allclose(y, model(x), atol=1e-5)
+    assert isinstance(y, torch.Tensor), type(y)
+    assert torch.allclose(y, net(x).logits, atol=1e-5)
 
 
 def test_buffers_a_forward_updates_in_place_are_updated_by_its_blocks() -> None:
