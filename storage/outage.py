@@ -98,9 +98,10 @@ class Disconnected(Exception):
     """A transaction lost its connection before its commit: nothing of it happened, so the
     store call that ran it may run again (:func:`rides_outages`)."""
 
-    def __init__(self, error: OperationalError) -> None:
+    def __init__(self, error: OperationalError, answers: bool = False) -> None:
         super().__init__(str(error))
         self.error = error
+        self.answers = answers  # the server was asked about it since: no outage to wait out
 
 
 _WROTE = "edgesplit_wrote"  # in a connection's info: its transaction sent a write
@@ -200,7 +201,7 @@ class ServerWait:
                 if wrote and xid is not None and server_unreachable(error):
                     if self._kept(sessions, int(xid), error):
                         return  # the server committed it; only its answer was lost
-                    raise Disconnected(error) from error
+                    raise Disconnected(error, answers=True) from error
                 if lost := self._lost(error, committing=wrote):
                     raise lost from error
                 raise
@@ -263,8 +264,10 @@ class ServerWait:
     def retry(self, lost: Disconnected) -> None:
         """A transaction lost its connection before it committed: wait a moment before the
         call runs again; :class:`~storage.errors.UnreachableError` once the outage is past
-        the wait."""
-        self._pause(self._met(self._clock(), lost.error), lost.error, _FIRST_DELAY)
+        the wait. One the server was asked about runs again at once: waiting would be a
+        second outage, said and recorded, after the one that ended when it answered."""
+        if not lost.answers:
+            self._pause(self._met(self._clock(), lost.error), lost.error, _FIRST_DELAY)
 
     def _connect(self, sessions: sessionmaker[Session]) -> Session:
         delay = _FIRST_DELAY

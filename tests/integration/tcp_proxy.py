@@ -19,11 +19,13 @@ class TcpProxy:
         self._open: list[socket.socket] = []
         self._listener: socket.socket | None = None
         self._cut_next = False
+        self._muted = False  # the server's answers are not passed back (a cut under way)
         self.port = 0
         self.restore()
 
     def restore(self) -> None:
         """Listen (again, on the same port)."""
+        self._muted = False
         listener = socket.socket()
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind(("127.0.0.1", self.port))
@@ -70,9 +72,13 @@ class TcpProxy:
     def _pump(self, source: socket.socket, sink: socket.socket, up: bool) -> None:
         try:
             while data := source.recv(65536):
+                if not up and self._muted:
+                    break
+                cutting = up and self._cut_next
+                if cutting:  # muted first: an answer relayed before the cut would be heard
+                    self._cut_next, self._muted = False, True
                 sink.sendall(data)
-                if up and self._cut_next:
-                    self._cut_next = False
+                if cutting:
                     self.cut()
         except OSError:
             pass

@@ -12,6 +12,7 @@ from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp.strategy import FedAvg
 
+from wire.arrays import numpy_arrays
 from wire.broker import Broker
 from wire.flower import FlowerNode, TransportGrid, node_will
 from wire.mqtt import MqttConfig, MqttTransport
@@ -27,7 +28,9 @@ app = ClientApp()
 @app.train()
 def train(message: Message, context: Context) -> Message:
     """A deterministic 'training': every node moves the weights by its own amount."""
-    arrays = message.content["arrays"].to_numpy_ndarrays()
+    # not ArrayRecord.to_numpy_ndarrays(): its np.load parses the header with ast, which on
+    # CPython 3.11.7 fails now and then in threads (the nodes here): see wire.arrays
+    arrays = list(numpy_arrays(message).values())
     node = context.node_id
     updated = [
         a + node * (1 + np.arange(a.size, dtype=np.float32).reshape(a.shape)) for a in arrays
