@@ -151,7 +151,8 @@ def state_dict_of(model: SplittableModel) -> dict[str, torch.Tensor]:
     takes it as it is; a model given in blocks (the zoo's, an ``nn.Sequential``, a list) is
     keyed as an ``nn.Sequential`` of them (``0.weight``). Parameters and buffers that forward
     never uses belong to no block: they come as the model was built (with the run's seed),
-    so a strict load takes the file."""
+    so a strict load takes the file. Buffers the model does not save (``persistent=False``)
+    are left out, as its own state dict leaves them."""
     traced = all(isinstance(block, fx.GraphModule) for block in model.blocks)
     state: dict[str, torch.Tensor] = {}
     for index, block in enumerate(model.blocks):
@@ -159,6 +160,8 @@ def state_dict_of(model: SplittableModel) -> dict[str, torch.Tensor]:
             state[name if traced else f"{index}.{name}"] = value.detach().clone().contiguous()
     for name, value in model.unused.items() if traced else ():
         state.setdefault(name, value.detach().clone().contiguous())
+    if traced and model.saved:
+        state = {name: value for name, value in state.items() if name in model.saved}
     return state
 
 

@@ -166,12 +166,18 @@ def db_upgrade_command(args: argparse.Namespace) -> int:
 
 
 def _only_run(store: RunStore) -> str:
-    """The run of a store that holds one (a simulation's); else name them."""
-    runs = [r.run_id for r in store.list_runs()]
-    if len(runs) != 1:
+    """The run of a store that holds one (a simulation's), or one alone with a committed
+    round (beside runs that failed to start); else name them."""
+    records = store.list_runs()
+    trained = [r.run_id for r in records if r.current_round]
+    if len(records) != 1 and len(trained) == 1:
+        return trained[0]
+    if len(records) != 1:
+        runs = trained or [r.run_id for r in records]
         held = ", ".join(runs[:10]) or "none"
-        raise ConfigError(f"--run: the store holds {len(runs)} runs ({held}); name one")
-    return runs[0]
+        some = f"{len(runs)} runs with committed rounds" if trained else f"{len(runs)} runs"
+        raise ConfigError(f"--run: the store holds {some} ({held}); name one")
+    return records[0].run_id
 
 
 def export_command(args: argparse.Namespace) -> int:

@@ -52,6 +52,12 @@ class RoundProgress(RoundObserver):
         if self.console.is_terminal:
             self._live = Live(self._render(), console=self.console, refresh_per_second=4)
             self._live.__enter__()
+        else:  # the bar's "waiting for the plan": a first model's profile takes a minute
+            self.console.print(
+                f"{self.title}: profiling the model and planning the cuts, then "
+                f"{self.rounds} round{'s' * (self.rounds != 1)}",
+                soft_wrap=True,
+            )
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -39,12 +39,7 @@ from torch import fx, nn
 from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
 
 from split_models.errors import ModelError
-from split_models.trace_modes import (
-    following_mode,
-    kept_buffers,
-    kept_modes,
-    traced_root,
-)
+from split_models.trace_modes import following_mode, kept_buffers, kept_modes, traced_root
 
 __all__ = ["auto_blocks", "disable_inplace", "split_point"]
 
@@ -338,6 +333,14 @@ def _legal_cuts(
                 cuts.append(legal)
         if last_use.get(node, -1) > index:
             live.add(node)
+    first, last = max(spans.values(), key=lambda span: span[1] - span[0], default=(0, 0))
+    if not cuts and last > first:  # the partitioner refuses one block: say why there is one
+        log.warning(
+            "%s: no cut between %s and %s, which share a weight (tied embeddings; a Hugging "
+            "Face model's tie_word_embeddings=False unties them)",
+            type(module).__name__,
+            *(ops[i].target if ops[i].op == "call_module" else ops[i].name for i in (first, last)),
+        )
     return cuts
 
 

@@ -62,6 +62,9 @@ class SplittableModel:
     # a traced model's parameters and buffers that forward never reads (in no block), as
     # built: trained by nobody, they complete its state dict (coordinator/export.py)
     unused: dict[str, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
+    # a traced model's state dict keys as built: its blocks hold buffers it does not save
+    # (``persistent=False``, BERT's position ids) as their own, saved ones
+    saved: frozenset[str] = field(default_factory=frozenset, repr=False, compare=False)
 
     @property
     def num_blocks(self) -> int:
@@ -385,21 +388,24 @@ def _build(
         example = example_input(shape, options.input_range, 2, zeros=True)
         key = (name, factory, shape, num_classes, options)  # a module imported again: traced again
         blocks = _as_blocks(name, built, example, options, key)
-    unused = _unused_state(built, blocks) if zoo is None else {}
-    model = SplittableModel(name, nn.ModuleList(blocks), shape, num_classes, options, unused)
+    unused, saved = _built_state(built, blocks) if zoo is None else ({}, frozenset())
+    model = SplittableModel(name, nn.ModuleList(blocks), shape, num_classes, options, unused, saved)
     if zoo is None and key not in _OUTPUTS_CHECKED:
         _check_outputs(model)
         _OUTPUTS_CHECKED.add(key)
     return model
 
 
-def _unused_state(built: object, blocks: Sequence[nn.Module]) -> dict[str, torch.Tensor]:
-    """What of a traced model's state dict no block holds (a layer defined but not used)."""
+def _built_state(
+    built: object, blocks: Sequence[nn.Module]
+) -> tuple[dict[str, torch.Tensor], frozenset[str]]:
+    """What of a traced model's state dict no block holds (a layer defined but not used),
+    and the keys of that state dict (none for a model given in blocks)."""
     if not isinstance(built, nn.Module) or not all(isinstance(b, fx.GraphModule) for b in blocks):
-        return {}
+        return {}, frozenset()
     used = {name for block in blocks for name in block.state_dict()}
     state = built.state_dict()
-    return {k: v.detach().clone() for k, v in state.items() if k not in used}
+    return {k: v.detach().clone() for k, v in state.items() if k not in used}, frozenset(state)
 
 
 _OUTPUTS_CHECKED: set[Hashable] = set()  # user models whose output fits num_classes

@@ -99,7 +99,14 @@ def test_export_takes_the_only_run_of_a_store_and_names_them_when_there_are_more
     only = run("export", "--db", str(database), "--out", str(tmp_path / "onnx"))
     assert only.returncode == 0, only.stderr
     assert (tmp_path / "onnx" / "exp-1-round1-model.onnx").is_file()
-    with open_store(str(database)) as store:
+    with open_store(str(database)) as store:  # a run that failed to start: no round
         store.create_run("exp-2", store.get_run("exp-1").config, seed=0)
+    trained = run("export", "--db", str(database), "--out", str(tmp_path / "trained"))
+    assert trained.returncode == 0, trained.stderr  # the only run with a round
+    assert (tmp_path / "trained" / "exp-1-round1-model.onnx").is_file()
+    with open_store(str(database)) as store:
+        store.open_round("exp-2", 1, ["pi-01"])
+        store.commit_round("exp-2", 1, store.checkpoint("exp-1", 1).weights)
     two = run("export", "--db", str(database), "--out", str(tmp_path / "again"))
-    assert two.returncode == 2 and "holds 2 runs (exp-1, exp-2); name one" in two.stderr
+    assert two.returncode == 2, two.stderr
+    assert "holds 2 runs with committed rounds (exp-1, exp-2); name one" in two.stderr

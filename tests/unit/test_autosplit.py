@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import logging
 import uuid
 
 import pytest
@@ -135,7 +136,10 @@ def test_split_points_by_module_name_and_a_mark_that_is_not_a_legal_cut() -> Non
         auto_blocks(gallery.resnet18_narrow((3, 32, 32), 10), torch.zeros(2, 3, 32, 32), ["layer9"])
 
 
-def test_tied_weights_are_never_cut_apart() -> None:
+def test_tied_weights_are_never_cut_apart(caplog: pytest.LogCaptureFixture) -> None:
+    """A model left in one block was refused by the planner without the reason (GPT-2's
+    tied embeddings): the reason is said."""
+
     class Tied(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -146,8 +150,10 @@ def test_tied_weights_are_never_cut_apart() -> None:
             x = torch.relu(self.mid(x))
             return F.linear(x, self.embed.weight)  # the first layer's weight, again
 
-    blocks = auto_blocks(Tied(), torch.zeros(2, 6))
+    with caplog.at_level(logging.WARNING, logger="split_models.autosplit"):
+        blocks = auto_blocks(Tied(), torch.zeros(2, 6))
     assert len(blocks) == 1
+    assert "Tied: no cut between embed and linear, which share a weight" in caplog.text
 
 
 def test_a_block_may_start_with_an_in_place_relu() -> None:

@@ -152,6 +152,8 @@ def test_progress_prints_a_line_per_round_without_a_terminal() -> None:
         results = [_Result("a", 10), _Result("gpu-a", 10)]
         progress.round_committed(1, {"accuracy": 0.5, "loss": 1.25}, results, servers=["gpu-a"])
     assert "round 1/2: accuracy 0.5000, loss 1.2500, 1/1 clients trained" in buffer.getvalue()
+    # the minute a first model's profile takes was silent in a log
+    assert buffer.getvalue().startswith("test: profiling the model and planning the cuts, then 2")
 
 
 def test_progress_says_of_how_many_a_round_trained_when_it_sent_work_to_fewer() -> None:

@@ -14,7 +14,8 @@ pytestmark = pytest.mark.unit
 
 def test_layers_forward_never_uses_are_in_it_as_the_run_built_them() -> None:
     """A layer defined but not used was missing: MyNet().load_state_dict(...) failed with
-    'Missing key(s)' unless strict=False."""
+    'Missing key(s)' unless strict=False. A buffer not saved was in it: 'Unexpected key(s)'
+    (a Hugging Face BERT's position ids)."""
     model = build_model("tests.fixtures.user_models:with_spare", (6,), 3, seed=7)
     with torch.no_grad():
         for parameter in model.full().parameters():  # as trained
