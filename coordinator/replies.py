@@ -6,21 +6,25 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from flwr.app import Message
 
-from coordinator.bounds import foreign_tensors
+from coordinator.aggregation import WEIGHT_KEY
+from coordinator.bounds import EXAMPLES_BOUND, cap_examples, foreign_tensors, server_counts
 from coordinator.guard import non_finite_tensors
 from coordinator.recorder import Outcome, RoundRecorder
 from storage.records import DeviceResult, Event
-from wire.flower import numpy_arrays
+from wire.flower import TRAINED_RECORD, numpy_arrays
 from wire.logs import printable
 
 __all__ = [
     "DIVERGED",
     "NO_REPLY",
+    "bound_examples",
+    "claimed_examples",
     "malformed",
     "malformed_evaluation",
     "name_failed",
@@ -176,3 +180,51 @@ def name_failed(
         events = [Event("device-silent", f"{d} offline{said}", d, number) for d in absent]
         recorder.store.add_events(recorder.run_id, events)
         log.info("round %d: %d planned edge(s) offline%s", number, len(absent), said)
+
+
+def bound_examples(
+    recorder: RoundRecorder,
+    strategy: Any,
+    round_and_servers: tuple[int, Collection[str]],
+    replies: Mapping[str, Message],
+    outcome: Outcome,
+) -> None:
+    """Before aggregation: each edge's claimed examples (its weight) capped at what the GPU
+    servers trained of it, else by its peers' claims (:func:`coordinator.bounds.cap_examples`),
+    with an event. (The grid stamps each reply with the node it answers, never what it says.)
+    Servers that trained more of an edge than it says it trained trained a batch twice: a
+    repeat reached two of them (said, in an ``examples-repeated`` event)."""
+    number, servers = round_and_servers
+    records = [
+        replies[d].content.config_records.get(TRAINED_RECORD) for d in outcome.ok if d in servers
+    ]
+    counts = server_counts(records) if servers else None
+    if isinstance(counts, str):  # a trusted server, but something unusable
+        recorder.event(number, "examples-capped", f"{counts}; peer-median used")
+    trained = counts if isinstance(counts, dict) else None
+    claims = {d: claimed_examples(replies[d]) for d in outcome.ok if d not in servers}
+    for device, claimed in sorted(claims.items()):
+        if trained is not None and trained.get(device, 0) > claimed:
+            recorder.event(number, "examples-repeated", _repeated(device, trained, claimed))
+    factor = float(getattr(strategy, "examples_bound", EXAMPLES_BOUND))
+    capped = {c.device: c for c in cap_examples(claims, trained, factor)}
+    for cap in capped.values():
+        replies[cap.device].content.metric_records["metrics"][WEIGHT_KEY] = cap.allowed
+        recorder.event(number, "examples-capped", str(cap), cap.device)
+    outcome.results = [
+        replace(r, examples=int(capped[r.device].allowed)) if r.device in capped else r
+        for r in outcome.results
+    ]
+
+
+def _repeated(device: str, trained: Mapping[str, int], claimed: float) -> str:
+    return (
+        f"the GPU servers trained {trained[device]} examples of {device}, which trained "
+        f"{claimed:.0f}: a batch of its stream reached two servers (the broker's redelivery "
+        "after a server dropped, or another client publishing on its topic: see the broker's "
+        "ACL, deploy/mosquitto)"
+    )
+
+
+def claimed_examples(reply: Message) -> float:
+    return float(reply.content.metric_records["metrics"]["num-examples"])  # type: ignore[arg-type]

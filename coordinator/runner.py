@@ -15,7 +15,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -25,7 +25,7 @@ from flwr.serverapp.strategy import FedAvg
 
 from coordinator.aggregation import WEIGHT_KEY, flower_quiet
 from coordinator.bench import Bench
-from coordinator.bounds import EXAMPLES_BOUND, cap_examples, server_counts
+from coordinator.bounds import EXAMPLES_BOUND, cap_examples
 from coordinator.devices import GracefulNodes
 from coordinator.errors import CoordinatorError
 from coordinator.guard import divergence
@@ -39,9 +39,15 @@ from coordinator.outage import (
     wait_for_more,
 )
 from coordinator.recorder import Outcome, RoundRecorder
-from coordinator.replies import malformed_evaluation, name_failed, outcome_of
+from coordinator.replies import (
+    bound_examples,
+    claimed_examples,
+    malformed_evaluation,
+    name_failed,
+    outcome_of,
+)
 from storage.records import RoundRecord
-from wire.flower import TRAINED_RECORD, TransportGrid, array_record
+from wire.flower import TransportGrid, array_record
 from wire.logs import printable
 from wire.presence import WillGrace
 
@@ -308,7 +314,7 @@ class RoundRunner:
         _name_nodes(self.strategy, work)
         ok = sorted(outcome.ok)
         name_failed(self.recorder, number, outcome, work.absent)
-        _bound_examples(self.recorder, self.strategy, number, (work, replies, outcome))
+        bound_examples(self.recorder, self.strategy, (number, work.servers), replies, outcome)
         merged = self.recorder.aggregate(number, [replies[d] for d in ok], ok)
         if merged is None:
             return None, "the strategy aggregated nothing"
@@ -382,7 +388,7 @@ class RoundRunner:
             metrics = self.strategy.aggregate_evaluate(number, [*counted.values()])
         if metrics is None:
             return {}
-        examples = sum(_examples(r) for r in counted.values())
+        examples = sum(claimed_examples(r) for r in counted.values())
         return {
             "federated_accuracy": float(metrics["accuracy"]),  # type: ignore[arg-type]
             "federated_loss": float(metrics["loss"]),  # type: ignore[arg-type]
@@ -437,37 +443,6 @@ def _name_nodes(strategy: FedAvg, work: RoundWork) -> None:
     strategy.mirrors = work.mirrors  # type: ignore[attr-defined]
 
 
-def _bound_examples(
-    recorder: RoundRecorder,
-    strategy: FedAvg,
-    number: int,
-    attempt: tuple[RoundWork, dict[str, Message], Outcome],
-) -> None:
-    """Before aggregation: each edge's claimed examples (its weight) capped at what the GPU
-    servers trained of it, else by its peers' claims (:func:`coordinator.bounds.cap_examples`),
-    with an event. (The grid stamps each reply with the node it answers, never what it says.)"""
-    work, replies, outcome = attempt
-    records = [
-        replies[d].content.config_records.get(TRAINED_RECORD)
-        for d in outcome.ok
-        if d in work.servers
-    ]
-    counts = server_counts(records) if work.servers else None
-    if isinstance(counts, str):  # a trusted server, but something unusable
-        recorder.event(number, "examples-capped", f"{counts}; peer-median used")
-    trained = counts if isinstance(counts, dict) else None
-    claims = {d: _examples(replies[d]) for d in outcome.ok if d not in work.servers}
-    factor = float(getattr(strategy, "examples_bound", EXAMPLES_BOUND))
-    capped = {c.device: c for c in cap_examples(claims, trained, factor)}
-    for cap in capped.values():
-        replies[cap.device].content.metric_records["metrics"][WEIGHT_KEY] = cap.allowed
-        recorder.event(number, "examples-capped", str(cap), cap.device)
-    outcome.results = [
-        replace(r, examples=int(capped[r.device].allowed)) if r.device in capped else r
-        for r in outcome.results
-    ]
-
-
 def _usable_evaluations(replies: Mapping[str, Message], strategy: FedAvg) -> dict[str, Message]:
     """The evaluation ``replies`` that can be counted, by device, their claimed examples
     bounded (:func:`_bound_evaluation`); the others are named in a warning."""
@@ -479,7 +454,7 @@ def _usable_evaluations(replies: Mapping[str, Message], strategy: FedAvg) -> dic
             )
         elif (problem := malformed_evaluation(reply)) is not None:
             log.warning("federated evaluation on %s left out: %s", device, problem)
-        elif _examples(reply) > 0:
+        elif claimed_examples(reply) > 0:
             counted[device] = reply
     _bound_evaluation(counted, float(getattr(strategy, "examples_bound", EXAMPLES_BOUND)))
     return counted
@@ -489,11 +464,7 @@ def _bound_evaluation(replies: Mapping[str, Message], factor: float) -> None:
     """Each device's claimed test examples (its weight in the federated accuracy and loss)
     capped at ``factor`` times its peers' median claim: no GPU server counts what a device
     evaluates, and one claiming a billion examples would set the reported figures alone."""
-    claims = {d: _examples(reply) for d, reply in replies.items()}
+    claims = {d: claimed_examples(reply) for d, reply in replies.items()}
     for cap in cap_examples(claims, None, factor):
         replies[cap.device].content.metric_records["metrics"][WEIGHT_KEY] = cap.allowed
         log.warning("federated evaluation on %s: %s", cap.device, cap)
-
-
-def _examples(reply: Message) -> float:
-    return float(reply.content.metric_records["metrics"]["num-examples"])  # type: ignore[arg-type]

@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -80,15 +81,21 @@ def configure_logging(verbose: bool = False) -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def wait_for_stop(on_stop: Callable[[], None]) -> int:
-    """Block until SIGTERM, SIGINT or SIGHUP, then run ``on_stop``; return exit status 0."""
+def wait_for_stop(on_stop: Callable[[], None], what: str = "the role") -> int:
+    """Block until SIGTERM, SIGINT or SIGHUP, then run ``on_stop``; return exit status 0.
+    The stop is said when it begins and when it is done: it takes seconds (the last
+    messages acknowledged, a step under way finished), silent before."""
     stop = threading.Event()
     for name in ("SIGTERM", "SIGINT", "SIGHUP"):
         if hasattr(signal, name):
             signal.signal(getattr(signal, name), lambda *_: stop.set())
     while not stop.wait(0.5):
         pass
+    said = logging.getLogger("edgesplit")
+    began = time.monotonic()
+    said.info("%s stopping: saying it is offline, waiting for its last messages to go", what)
     on_stop()
+    said.info("%s stopped (%.1f s)", what, time.monotonic() - began)
     return 0
 
 
@@ -100,7 +107,7 @@ def serve(start: Callable[[list[Any]], Callable[[], None]], what: str) -> int:
     as well: it exited 143 "interrupted" before, where a stop after start-up exits 0."""
     opened: list[Any] = []
     try:
-        return wait_for_stop(start(opened))
+        return wait_for_stop(start(opened), what)
     except KeyboardInterrupt:  # the first signal, as the command's handler raises it
         for item in reversed(opened):
             item.close()

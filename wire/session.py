@@ -206,7 +206,10 @@ def _why(session: str, work: tuple[int, int], latest: tuple[str, tuple[int, int]
         return "the run was stopped"
     if number > work[0]:
         return f"the coordinator went on to round {number}"
-    return f"the coordinator started try {attempt} of it (try {work[1]} did not finish in time)"
+    return (
+        f"the coordinator started try {attempt} of it (try {work[1]} did not finish: its time "
+        "ran out, or the broker went away; the coordinator's log says which)"
+    )
 
 
 def parse_announcement(payload: bytes) -> tuple[str, tuple[int, int]] | None:

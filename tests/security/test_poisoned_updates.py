@@ -85,7 +85,8 @@ def test_a_claim_of_a_billion_examples_is_capped_at_what_the_gpu_server_trained(
     honest = clean["results"][(1, LIAR)]
     assert f"claimed 1000000000 examples; weighted by {honest} (server-count" in capped[0][2]
     assert lied["results"][(1, LIAR)] == honest, "the round records what was allowed"
-    assert not [e for e in clean["events"] if e[0] in ("examples-capped", "update-clipped")]
+    quiet = ("examples-capped", "update-clipped", "examples-repeated")  # nothing to say
+    assert not [e for e in clean["events"] if e[0] in quiet], clean["events"]
     # weighted by what it really trained, the liar's weights are averaged as a clean run's
     assert _distance(lied["weights"], clean["weights"]) < 1e-6
 

@@ -310,3 +310,41 @@ def test_a_devices_text_cannot_forge_a_log_line_or_drive_the_terminal(
         assert "no room\\n2026-12-07" in text and "\\x1b]0;pwned\\x07\\x1b[2J\\u202e" in text
     assert printable("plain words, kept") == "plain words, kept"
     assert len(printable("x" * 900)) == 500
+
+
+class _Events:
+    def __init__(self) -> None:
+        self.said: list[tuple[str, str, str | None]] = []
+
+    def event(self, _number: int, kind: str, detail: str, device: str | None = None) -> None:
+        self.said.append((kind, detail, device))
+
+
+def _trained(examples: int, counts: dict[str, int] | None = None) -> object:
+    content = RecordDict({"metrics": MetricRecord({"num-examples": examples})})
+    if counts is not None:
+        content["trained"] = ConfigRecord(counts)  # type: ignore[arg-type]
+    return SimpleNamespace(content=content)
+
+
+def test_servers_training_more_of_an_edge_than_it_trained_is_said() -> None:
+    """Two GPU servers sharing an edge's stream each dropped only the repeats they had seen:
+    a batch reaching both was trained twice, silently (an operator's trial: 95 of 94)."""
+    from coordinator.replies import bound_examples
+
+    replies = {
+        "e0": _trained(320),
+        "e1": _trained(320),
+        "gpu-a": _trained(0, {"e0": 160, "e1": 192}),
+        "gpu-b": _trained(0, {"e0": 160, "e1": 160}),
+    }
+    outcome = Outcome([], sorted(replies))
+    events = _Events()
+    bound_examples(events, None, (2, {"gpu-a", "gpu-b"}), replies, outcome)  # type: ignore[arg-type]
+    repeated = [detail for kind, detail, _ in events.said if kind == "examples-repeated"]
+    assert repeated == [
+        "the GPU servers trained 352 examples of e1, which trained 320: a batch of its stream "
+        "reached two servers (the broker's redelivery after a server dropped, or another client "
+        "publishing on its topic: see the broker's ACL, deploy/mosquitto)"
+    ], events.said
+    assert not [kind for kind, _, _ in events.said if kind == "examples-capped"]

@@ -193,7 +193,8 @@ def test_a_device_says_what_replaced_its_round() -> None:
     _until(lambda: watch.replaced("run", mine, work=(3, 1)))
     abandoned = watch.explained(RoundAbandoned(3), "run", mine, (3, 1))
     assert str(abandoned) == (
-        "round 3 abandoned: the coordinator started try 2 of it (try 1 did not finish in time)"
+        "round 3 abandoned: the coordinator started try 2 of it (try 1 did not finish: its "
+        "time ran out, or the broker went away; the coordinator's log says which)"
     )
     assert watch.why("run", mine, (3, 2)) is None  # the try under way
     guard.attempt(4, 1)

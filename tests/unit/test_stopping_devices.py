@@ -84,7 +84,11 @@ def _unhandled(signum: int, _frame: object) -> None:
     raise AssertionError(f"signal {signum} did not stop the role")
 
 
-def test_a_role_serves_until_a_signal_then_runs_its_stop() -> None:
+def test_a_role_serves_until_a_signal_then_runs_its_stop(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Its stop (seconds: the last messages acknowledged) was silent: it says so, and when
+    it is done."""
     from split_models.runtime import serve
 
     stopped = []
@@ -92,8 +96,12 @@ def test_a_role_serves_until_a_signal_then_runs_its_stop() -> None:
     threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGHUP)).start()
     try:  # a hang-up the role does not take for a stop fails the test (not the whole run)
         signal.signal(signal.SIGHUP, _unhandled)
-        assert serve(lambda _: lambda: stopped.append("left"), "gpu server g") == 0
+        with caplog.at_level(logging.INFO, logger="edgesplit"):
+            assert serve(lambda _: lambda: stopped.append("left"), "gpu server g") == 0
     finally:
         for number, handler in previous.items():
             signal.signal(number, handler)
     assert stopped == ["left"]
+    said = [r.getMessage() for r in caplog.records]
+    assert said[0].startswith("gpu server g stopping: saying it is offline"), said
+    assert said[1].startswith("gpu server g stopped ("), said
