@@ -7,6 +7,7 @@ edge cannot flood the broker or the server, and nothing is dropped.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -14,10 +15,13 @@ from collections.abc import Callable
 from wire import topics
 from wire.channel import Channel
 from wire.codec import Envelope
+from wire.logs import warn
 
-__all__ = ["CreditGate", "CreditGranter"]
+__all__ = ["STALL_SECONDS", "CreditGate", "CreditGranter"]
 
+log = logging.getLogger(__name__)
 _POLL = 0.05
+STALL_SECONDS = 10.0  # without a credit this long, an edge says it waits (a frozen server)
 
 
 class CreditGate:
@@ -39,6 +43,7 @@ class CreditGate:
         self._ahead: dict[tuple[int, int], int] = {}  # credits of attempts not started here
         self._condition = threading.Condition()
         self._clock = clock
+        self._device = device
         self.waited_seconds = 0.0
         if subscribe:
             channel.subscribe(
@@ -87,6 +92,7 @@ class CreditGate:
         """Take one credit, waiting up to ``timeout`` seconds; False if none came, or at once
         when ``cancelled()`` turns true while waiting (the round was abandoned)."""
         started = self._clock()
+        stall = started + STALL_SECONDS  # when a wait is said (once a wait)
         with self._condition:
             while self._credits == 0:
                 remaining = None if timeout is None else timeout - (self._clock() - started)
@@ -94,12 +100,29 @@ class CreditGate:
                     return False
                 if cancelled is not None and cancelled():
                     return False
+                if self._clock() >= stall:
+                    stall = float("inf")
+                    self._stalled(started)
                 # Short waits: a grant wakes us at once, and the (injectable) clock decides
                 # when the timeout has passed.
                 self._condition.wait(_POLL if remaining is None else min(remaining, _POLL))
             self._credits -= 1
         self.waited_seconds += self._clock() - started
         return True
+
+    def _stalled(self, since: float) -> None:
+        round_number, attempt = self._round
+        warn(
+            log,
+            ("stalled", self._device),
+            "%s: no credit from the GPU servers for %.0f s in round %d (try %d): they are "
+            "busy with other edges, frozen or gone; it waits up to the round's deadline",
+            self._device,
+            self._clock() - since,
+            round_number,
+            attempt,
+            level=logging.INFO,  # an agent's log; a simulation's clients wait their turn
+        )
 
 
 class CreditGranter:

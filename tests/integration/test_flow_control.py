@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 import uuid
@@ -84,3 +85,21 @@ def test_acquire_times_out_with_an_injected_clock() -> None:
     assert time.monotonic() - started < 2, "the injected clock, not wall time, ends the wait"
     gate.grant(1)
     assert gate.acquire(timeout=0) is True and gate.available == 0
+
+
+@pytest.mark.unit
+def test_a_long_wait_for_credits_is_said_once(caplog: pytest.LogCaptureFixture) -> None:
+    """A frozen GPU server held its edges 30 s with nothing in any log (an operator's trial)."""
+    hub = InProcessHub()
+    ticks = itertools.count()  # one second a reading
+    gate = CreditGate(
+        Channel(hub.connect("e"), "e"), "r", "pi-01", clock=lambda: float(next(ticks))
+    )
+    gate.start_round(3, 2)
+    with caplog.at_level(logging.INFO, logger="wire.flow"):
+        assert gate.acquire(timeout=30) is False
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and said[0].startswith("pi-01: no credit from the GPU servers for 1"), (
+        said
+    )
+    assert "in round 3 (try 2)" in said[0]
