@@ -264,9 +264,7 @@ class RoundRunner:
                 self.recorder.waiting(number, counted, self.attempts, work.problem)
             wait_for_more(self.grid.get_node_ids, retry_delay(unready), self._sleep)
             return _UNREADY
-        for message in work.messages.values():  # devices tell a retry's credits apart
-            message.content.config_records["config"]["attempt"] = attempt
-            message.content.config_records["config"]["order"] = counted  # its batch order
+        _stamp(number, (attempt, counted), work.messages, self.deadline)
         self.on_attempt(number, attempt)
         self.recorder.observer.round_started(number, list(work.messages))
         epoch = self.link.epoch()
@@ -441,6 +439,23 @@ def _name_nodes(strategy: FedAvg, work: RoundWork) -> None:
         work.messages[d].metadata.dst_node_id for d in work.servers if d in work.messages
     )
     strategy.mirrors = work.mirrors  # type: ignore[attr-defined]
+
+
+def _stamp(
+    number: int, tries: tuple[int, int], messages: Mapping[str, Message], deadline: float
+) -> None:
+    """Each message of a try carries its number (devices tell a retry's credits apart) and
+    batch order; the try is said (a round's start was silent in the coordinator's log)."""
+    attempt, counted = tries
+    for message in messages.values():
+        message.content.config_records["config"]["attempt"] = attempt
+        message.content.config_records["config"]["order"] = counted  # its batch order
+    sent = sorted(messages)
+    log.info(
+        "round %d%s: work sent to %d device(s) (%s%s); deadline %.0f s",
+        *(number, f" try {attempt}" if attempt > 1 else "", len(sent), ", ".join(sent[:8])),
+        *(", ..." if len(sent) > 8 else "", deadline),
+    )
 
 
 def _usable_evaluations(replies: Mapping[str, Message], strategy: FedAvg) -> dict[str, Message]:

@@ -6,6 +6,7 @@ without counting as an attempt."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -215,7 +216,9 @@ class _Recorder:
         self.events.append(kind)
 
 
-def test_tries_cut_short_by_a_broker_outage_are_redone_apart_from_the_attempts() -> None:
+def test_tries_cut_short_by_a_broker_outage_are_redone_apart_from_the_attempts(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     recorder, announced = _Recorder(), []
     runner = RoundRunner(
         _Grid(),  # type: ignore[arg-type]
@@ -229,9 +232,17 @@ def test_tries_cut_short_by_a_broker_outage_are_redone_apart_from_the_attempts()
     )
     message = Message(RecordDict({"config": ConfigRecord()}), dst_node_id=7, message_type="train")
 
-    with pytest.raises(CoordinatorError, match="broker went away during 6 tries"):
+    with (
+        caplog.at_level(logging.INFO, logger="coordinator.runner"),
+        pytest.raises(CoordinatorError, match="broker went away during 6 tries"),
+    ):
         runner.run(1, lambda _n: RoundWork(["pi-01"], {"pi-01": message}))
     assert announced == [1, 2, 3, 4, 5, 6], "each redo is a new try the devices see"
+    said = [r.getMessage() for r in caplog.records if r.name == "coordinator.runner"]
+    assert said[:2] == [  # each try said (a retry was silent)
+        "round 1: work sent to 1 device(s) (pi-01); deadline 300 s",
+        "round 1 try 2: work sent to 1 device(s) (pi-01); deadline 300 s",
+    ], said
     assert recorder.failures == [], "no outage counted against --max-attempts"
     assert recorder.events == ["broker-outage"] * 6
 
