@@ -96,7 +96,7 @@ def status_command(args: argparse.Namespace) -> int:
         print(json.dumps(status, indent=2))
         return 0
     print(
-        f"run {status['run_id']}: {status['status']}, current round "
+        f"run {status['run_id']}: {status['status']}, last committed round "
         f"{_cell(status['current_round'])}, plan version {status['plan_version']}"
     )
     if (driver := _driver_line(status)) is not None:

@@ -273,7 +273,7 @@ def _outputs_checked(
 ) -> list[str]:
     """Every command's output, after checking each did what it should."""
     status, export, upgrades = ran.status, ran.export, ran.upgrades
-    assert "finished, current round 2" in status.stdout, status.stdout + status.stderr
+    assert "finished, last committed round 2" in status.stdout, status.stdout + status.stderr
     assert export.returncode == 0 and "max |onnx - torch|" in export.stdout, export.stderr
     for upgrade in upgrades:
         assert upgrade.returncode == 0, upgrade.stderr
