@@ -9,13 +9,18 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import signal
 import sys
 from collections.abc import Callable, Sequence
 
 from coordinator.plan_config import CUTS, PartitionConfig
 from edgesplit import __version__
-from edgesplit.exits import EXIT_OK, exit_for, signals_interrupt, wants_traceback
+from edgesplit.exits import (
+    EXIT_OK,
+    exit_for,
+    quiet_broken_pipe,
+    signals_interrupt,
+    wants_traceback,
+)
 from edgesplit.once import refuse_repeats
 from edgesplit.passwords import read_passwords
 from edgesplit.runs_cli import export_parser, runs_parser
@@ -449,13 +454,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     (:mod:`edgesplit.exits`). SIGTERM and SIGHUP interrupt like Ctrl-C, so a run in progress is
     marked cancelled and every process it started is stopped."""
     args = build_parser().parse_args(argv)
-    # `edgesplit status | head` ends quietly; networked commands keep SIGPIPE ignored: a write
-    # to a broker that just went away is a lost connection (paho reconnects), not a death
-    if hasattr(signal, "SIGPIPE") and args.command not in _NETWORKED:
-        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     configure_process(torch_too=args.command not in _STORE_ONLY)
     try:
-        with signals_interrupt():
+        with quiet_broken_pipe(args.command not in _NETWORKED), signals_interrupt():
             if args.command == "broker":
                 return _run_broker(args.port)
             read_passwords(args)

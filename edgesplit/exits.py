@@ -27,6 +27,7 @@ __all__ = [
     "EXIT_USAGE",
     "Signalled",
     "exit_for",
+    "quiet_broken_pipe",
     "signals_interrupt",
     "wants_traceback",
 ]
@@ -65,6 +66,22 @@ class _Interrupts:
             os.write(2, STOPPING)  # stderr; no logging: its locks may be held
             return
         raise Signalled(signum)
+
+
+@contextmanager
+def quiet_broken_pipe(wanted: bool = True) -> Iterator[None]:
+    """SIGPIPE's default action within the block (``wanted``): ``edgesplit status | head``
+    ends quietly. Networked commands keep it ignored (a write to a broker that just went
+    away is a lost connection, which paho reconnects, not a death). The handler in place
+    before comes back after the block: left at the default, a caller in the same process
+    (a test worker) died silently at its next write to a socket its peer had closed."""
+    pipe = getattr(signal, "SIGPIPE", None)
+    previous = signal.signal(pipe, signal.SIG_DFL) if wanted and pipe is not None else None
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(pipe, previous)
 
 
 @contextmanager

@@ -51,3 +51,17 @@ def test_a_store_given_the_wrong_checkpoint_folder_is_a_usage_error(
     assert exit_for("coordinator", moved.value) == EXIT_USAGE
     assert exit_for("coordinator", StateError("round 3 is committed")) == EXIT_FAILURE
     assert "give one with --checkpoints DIR" in capsys.readouterr().err
+
+
+def test_a_command_run_in_process_leaves_sigpipe_as_it_found_it(tmp_path: Path) -> None:
+    """``main`` set SIGPIPE to its default action for good: a test worker that had run
+    ``edgesplit status`` in-process later died without a word (xdist: 'node down: Not properly
+    terminated') at a write to a broker socket the broker had closed."""
+    from edgesplit.cli import main
+    from storage import open_store
+
+    open_store(str(tmp_path / "runs.db")).close()
+    before = signal.getsignal(signal.SIGPIPE)
+    assert before is signal.SIG_IGN, "Python ignores SIGPIPE"
+    assert main(["status", "--db", str(tmp_path / "runs.db")]) == 0
+    assert signal.getsignal(signal.SIGPIPE) is before
