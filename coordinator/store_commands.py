@@ -170,14 +170,14 @@ def _only_run(store: RunStore) -> str:
     round (beside runs that failed to start); else name them."""
     records = store.list_runs()
     trained = [r.run_id for r in records if r.current_round]
-    if len(records) != 1 and len(trained) == 1:
+    if len(records) == 1:
+        return records[0].run_id
+    if len(trained) == 1:
         return trained[0]
-    if len(records) != 1:
-        runs = trained or [r.run_id for r in records]
-        held = ", ".join(runs[:10]) or "none"
-        some = f"{len(runs)} runs with committed rounds" if trained else f"{len(runs)} runs"
-        raise ConfigError(f"--run: the store holds {some} ({held}); name one")
-    return records[0].run_id
+    runs = trained or [r.run_id for r in records]
+    held = ", ".join(runs[:10]) or "none"
+    some = f"{len(runs)} runs with committed rounds" if trained else f"{len(runs)} runs"
+    raise ConfigError(f"--run: the store holds {some} ({held}); name one")
 
 
 def export_command(args: argparse.Namespace) -> int:

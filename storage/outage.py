@@ -56,6 +56,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _Store = TypeVar("_Store")
+_T = TypeVar("_T")
 
 DEFAULT_OUTAGE_WAIT = 120.0  # seconds a coordinator waits for its database server
 
@@ -244,22 +245,7 @@ class ServerWait:
     def opening(self, check: Callable[[], None]) -> None:
         """Run ``check`` (a store's first use of its engine), waiting for an unreachable
         server as a transaction does; past the wait its own error is raised (the open's)."""
-        delay = _FIRST_DELAY
-        while True:
-            try:
-                check()
-            except OperationalError as error:
-                if self.wait <= 0 or not server_unreachable(error):
-                    raise
-                since = self._met(self._clock(), error)
-                if self._clock() - since >= self.wait:
-                    raise
-                self._sleep(min(delay, since + self.wait - self._clock()))
-                delay = min(delay * 2, _MAX_DELAY)
-                continue
-            if self._since is not None:
-                self._over()
-            return
+        self._answered(check, own_error=True)
 
     def retry(self, lost: Disconnected) -> None:
         """A transaction lost its connection before it committed: wait a moment before the
@@ -270,21 +256,37 @@ class ServerWait:
             self._pause(self._met(self._clock(), lost.error), lost.error, _FIRST_DELAY)
 
     def _connect(self, sessions: sessionmaker[Session]) -> Session:
-        delay = _FIRST_DELAY
-        while True:
+        def connected() -> Session:
             session = sessions()
             try:
                 session.connection()  # begins the transaction on a live connection
-            except OperationalError as error:
+            except OperationalError:
                 session.close()
+                raise
+            return session
+
+        return self._answered(connected)
+
+    def _answered(self, call: Callable[[], _T], own_error: bool = False) -> _T:
+        """``call()``, run again while the server does not answer, with a growing pause
+        (:meth:`_pause`), until the outage wait is spent: then
+        :class:`~storage.errors.UnreachableError`, or with ``own_error`` the call's own."""
+        delay = _FIRST_DELAY
+        while True:
+            try:
+                result = call()
+            except OperationalError as error:
                 if self.wait <= 0 or not server_unreachable(error):
                     raise
-                self._pause(self._met(self._clock(), error), error, delay)
+                since = self._met(self._clock(), error)
+                if own_error and self._clock() - since >= self.wait:
+                    raise
+                self._pause(since, error, delay)
                 delay = min(delay * 2, _MAX_DELAY)
                 continue
             if self._since is not None:
                 self._over()
-            return session
+            return result
 
     def _pause(self, since: float, error: OperationalError, delay: float) -> None:
         """Sleep ``delay`` (at most to the outage's deadline, one for every call and thread:
